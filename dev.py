@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""One-file driver: creates or reuses ./.venv, then runs a job in it.
+
+    python dev.py bench [args]   the main job: `python -m ema_lab bench` (see --help)
+    python dev.py test [args]    ruff, then the whole test suite including nbval over notebooks/
+    python dev.py notebooks      execute every notebook in place (refreshes the committed outputs)
+    python dev.py lab            open JupyterLab on notebooks/
+    python dev.py demo           a short demo of every EMA strategy on a built-in model
+
+Only the standard library is used here, so it runs on a bare Python >= 3.10.
+Set EMA_LAB_TORCH to choose the torch requirement installed first (default: torch==2.13.0,
+whose CPU wheel the project's CI machine has on disk); set it to "" to keep whatever torch pip picks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PY = BIN / ("python.exe" if os.name == "nt" else "python")
+STAMP = VENV / ".ema_lab-installed"
+NBVAL_ARGS = [
+    "--nbval",
+    "--nbval-current-env",
+    "--nbval-sanitize-with",
+    str(ROOT / "notebooks" / "sanitize.cfg"),
+]
+
+
+def run(*cmd: str | Path, env: dict | None = None) -> int:
+    """Run a command from the repo root and return its exit code."""
+    return subprocess.call([str(c) for c in cmd], cwd=ROOT, env=env)
+
+
+def ensure_venv() -> None:
+    """Create .venv and install the project with its dev extra, once per pyproject.toml change."""
+    if not PY.exists():
+        print(f"[dev] creating {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if STAMP.exists() and STAMP.read_text() == wanted:
+        return
+    pip = [PY, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    torch_req = os.environ.get("EMA_LAB_TORCH", "torch==2.13.0")
+    has_torch = subprocess.call([str(PY), "-c", "import torch"], stderr=subprocess.DEVNULL) == 0
+    if torch_req and not has_torch:
+        print(f"[dev] installing {torch_req}", flush=True)
+        if run(*pip, torch_req):
+            sys.exit("[dev] torch install failed")
+    print("[dev] installing ema_lab[dev] (editable)", flush=True)
+    if run(*pip, "-e", ".[dev]"):
+        sys.exit("[dev] project install failed")
+    STAMP.write_text(wanted)
+
+
+def main(argv: list[str]) -> int:
+    """Dispatch one job."""
+    if not argv or argv[0] in {"-h", "--help"}:
+        print(__doc__)
+        return 0
+    job, rest = argv[0], argv[1:]
+    ensure_venv()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if job in {"bench", "demo", "compare"}:
+        return run(PY, "-m", "ema_lab", job, *rest, env=env)
+    if job == "test":
+        rc = run(PY, "-m", "ruff", "check", ".")
+        rc |= run(PY, "-m", "ruff", "format", "--check", ".")
+        # Notebooks run in quick mode under test; readers get the full mode by default.
+        env["EMA_LAB_QUICK"] = env.get("EMA_LAB_QUICK", "1")
+        rc |= run(PY, "-m", "pytest", "tests", "notebooks", *NBVAL_ARGS, *rest, env=env)
+        return rc
+    if job == "notebooks":
+        return run(PY, "-m", "ema_lab.notebooks", "execute", *rest, env=env)
+    if job == "lab":
+        return run(BIN / "jupyter", "lab", "--notebook-dir", ROOT / "notebooks", *rest, env=env)
+    print(f"[dev] unknown job {job!r}; try: python dev.py --help", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,17 @@
+"""ema_lab: teach, reproduce and benchmark a batched EMA weight update for PyTorch models."""
+
+from .ema import STRATEGIES, ModelEMA
+from .gates import foreach_lerp_supported
+from .updates import foreach_update, gated_update, loop_update
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModelEMA",
+    "STRATEGIES",
+    "foreach_lerp_supported",
+    "loop_update",
+    "foreach_update",
+    "gated_update",
+    "__version__",
+]

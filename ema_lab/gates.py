@@ -1,0 +1,49 @@
+"""When may an EMA update use ``torch._foreach_lerp_``? A pure function of (torch version, device type).
+
+The table, as ultralytics PR #25315 and its follow-up gate it (see facts in the README):
+
+=============  ==========  ==================================================================
+torch          device      foreach?
+=============  ==========  ==================================================================
+< 2.0          any         no: ``torch._foreach_lerp_`` does not exist yet
+>= 2.0, < 2.4  ``mps``     no: raised NotImplementedError on MPS up to 2.2 (2.3 untested)
+>= 2.4         ``mps``     yes
+>= 2.0         ``npu``     no: excluded for Ascend NPU by a later version of the gate
+>= 2.0         any other   yes (cpu, cuda, xpu, ...; unknown backends use ATen's per-tensor path)
+=============  ==========  ==================================================================
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+__all__ = ["parse_version", "foreach_lerp_supported", "FOREACH_MIN", "MPS_FOREACH_MIN"]
+
+FOREACH_MIN = (2, 0)
+MPS_FOREACH_MIN = (2, 4)
+_VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)")
+
+
+def parse_version(version: str) -> tuple[int, int]:
+    """Return (major, minor) of a torch version string such as "2.13.0+cpu" or "2.4.0a0+git1234"."""
+    match = _VERSION.match(str(version))
+    if match is None:
+        raise ValueError(f"cannot parse torch version {version!r}: expected 'MAJOR.MINOR[...]'")
+    # A pre-release (2.4.0a0, a nightly) counts as its release: it carries that release's kernels.
+    return int(match.group(1)), int(match.group(2))
+
+
+def foreach_lerp_supported(torch_version: str | None = None, device_type: str = "cpu") -> bool:
+    """True when ``torch._foreach_lerp_`` may be used for tensors on ``device_type`` under ``torch_version``.
+
+    ``torch_version`` defaults to the installed torch. Pure apart from that default, so every
+    branch of the table above is testable on a CPU-only machine.
+    """
+    version = parse_version(torch.__version__ if torch_version is None else torch_version)
+    if version < FOREACH_MIN:
+        return False
+    if device_type == "mps":
+        return version >= MPS_FOREACH_MIN
+    return device_type != "npu"

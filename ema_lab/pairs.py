@@ -1,0 +1,144 @@
+"""The (EMA, model) tensor pairs of two modules, collected once, and the check that says they went stale.
+
+Walking ``state_dict()`` twice per step is most of the seed's cost on CPU, so ``ModelEMA``
+collects the pairs once. Such a cache is only safe if it notices when the modules stop using the
+cached memory: ``model.to()``, ``.half()`` or ``.double()`` give parameters new storage (and buffers
+new tensor objects), assigning a parameter swaps the object, and an optimizer or framework may
+re-register tensors. ultralytics' cached lists miss exactly this and silently average dead memory.
+
+The check is cheap and complete for memory: it reads ``data_ptr()`` of the tensor each module
+slot holds *now* and compares it with the one cached, plus a process-wide counter bumped by
+torch's global parameter/buffer/module registration hooks (new or reassigned entries).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["ModulePairs", "module_entries", "unwrap_model"]
+
+_generation = 0
+
+
+def _bump(*_args: object) -> None:
+    global _generation
+    _generation += 1
+
+
+# Global hooks (torch >= 2.0 for parameters; buffers and modules since 2.1): any registration anywhere
+# invalidates every cache; rebuilding is rare and cheap next to a stale EMA.
+for _name in (
+    "register_module_parameter_registration_hook",
+    "register_module_buffer_registration_hook",
+    "register_module_module_registration_hook",
+):
+    _register = getattr(nn.modules.module, _name, None)
+    if _register is not None:
+        _register(_bump)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Return the plain module inside DataParallel/DistributedDataParallel and ``torch.compile`` wrappers."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+Slot = tuple[dict, str]
+
+
+def module_entries(module: nn.Module) -> Iterator[tuple[str, Slot]]:
+    """Yield (state_dict key, (owning dict, name)) for every parameter and persistent buffer."""
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, t in mod._parameters.items():
+            if t is not None:
+                yield dot + name, (mod._parameters, name)
+        skip = mod._non_persistent_buffers_set
+        for name, t in mod._buffers.items():
+            if t is not None and name not in skip:
+                yield dot + name, (mod._buffers, name)
+
+
+def _ptrs(slots: list[Slot]) -> list[int]:
+    return [d[k].data_ptr() for d, k in slots]
+
+
+@dataclass
+class ModulePairs:
+    """Matched tensors of an EMA module and a model, keyed like ``state_dict()``, tied weights once."""
+
+    names: list[str]  # keys of the floating-point pairs
+    ema: list[Tensor]
+    model: list[Tensor]
+    other_ema: list[Tensor]  # non-float entries (BatchNorm's num_batches_tracked): copied, not averaged
+    other_model: list[Tensor]
+    slots: list[Slot]
+    ptrs: list[int]
+    generation: int
+    model_ref: weakref.ref
+
+    @classmethod
+    def collect(cls, ema: nn.Module, model: nn.Module) -> ModulePairs:
+        """Match every parameter and persistent buffer of ``ema`` with ``model``'s by key."""
+        ema_slots = dict(module_entries(ema))
+        model_slots = dict(module_entries(model))
+        if ema_slots.keys() != model_slots.keys():
+            missing = sorted(ema_slots.keys() - model_slots.keys())
+            extra = sorted(model_slots.keys() - ema_slots.keys())
+            raise ValueError(
+                f"EMA and model do not hold the same entries: missing in model {missing[:5]}, "
+                f"not in EMA {extra[:5]} ({len(missing)} and {len(extra)} in all)"
+            )
+        pairs = cls([], [], [], [], [], [], [], _generation, weakref.ref(model))
+        seen: set[int] = set()
+        for key, (d, k) in ema_slots.items():
+            e, (md, mk) = d[k], model_slots[key]
+            m = md[mk]
+            if id(e) in seen:  # tied weights: one tensor under two keys
+                continue
+            seen.add(id(e))
+            if e.is_floating_point():
+                pairs.names.append(key)
+                pairs.ema.append(e)
+                pairs.model.append(m)
+            else:
+                if e.shape != m.shape or e.device != m.device:
+                    raise ValueError(
+                        f"entry {key!r}: EMA shape {tuple(e.shape)} on {e.device} does not match "
+                        f"model shape {tuple(m.shape)} on {m.device}"
+                    )
+                pairs.other_ema.append(e)
+                pairs.other_model.append(m)
+            pairs.slots += [(d, k), (md, mk)]
+        pairs.ptrs = _ptrs(pairs.slots)
+        return pairs
+
+    def is_current(self, model: nn.Module) -> bool:
+        """True while ``model`` is the collected one and every slot still holds the cached memory."""
+        if self.generation != _generation or self.model_ref() is not model:
+            return False
+        try:
+            return _ptrs(self.slots) == self.ptrs
+        except (KeyError, AttributeError):  # an entry was deleted or set to None
+            return False
+
+    def copy_other(self) -> None:
+        """Copy the non-float entries from the model into the EMA."""
+        if not self.other_ema:
+            return
+        with torch.no_grad():
+            if hasattr(torch, "_foreach_copy_"):
+                torch._foreach_copy_(self.other_ema, self.other_model)
+            else:  # torch < 2.1
+                for e, m in zip(self.other_ema, self.other_model):
+                    e.copy_(m)

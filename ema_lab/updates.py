@@ -1,0 +1,220 @@
+"""The EMA update strategies, as pure functions over lists of (EMA, model) tensor pairs.
+
+Every strategy computes ``ema = decay * ema + (1 - decay) * model`` for each pair, in place:
+
+- :func:`loop_update`: the code before ultralytics PR #25315, one pair at a time
+  (``v *= d; v += (1 - d) * m``: three dispatched ops and a temporary per tensor).
+- :func:`foreach_update`: the code after it, one ``torch._foreach_lerp_`` call.
+- :func:`gated_update`: the after-code behind its torch-version/device gate, made robust: one
+  foreach call per (device, dtype) group, a per-tensor path for pairs whose dtypes differ.
+
+All of them validate the whole input before touching any tensor, so a bad input raises a
+``ValueError`` and leaves the EMA bit-for-bit unchanged. That matters because a failed
+``torch._foreach_lerp_`` is not atomic: the pairs before the bad one are already updated.
+
+:func:`prepare` splits the two halves: validate once, then apply many times. ``ModelEMA`` caches
+the prepared step for as long as the tensors keep their memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .gates import foreach_lerp_supported
+
+__all__ = [
+    "loop_update",
+    "foreach_update",
+    "gated_update",
+    "prepare",
+    "validate_pairs",
+    "check_decay",
+    "group_pairs",
+    "PairGroups",
+    "PREPARERS",
+    "Step",
+]
+
+Step = Callable[[float], None]
+
+
+def _label(i: int, names: Sequence[str] | None) -> str:
+    return f"entry {i} ({names[i]!r})" if names is not None else f"entry {i}"
+
+
+def _describe(t: Tensor) -> str:
+    return f"shape {tuple(t.shape)}, {t.dtype}, {t.device}"
+
+
+def check_decay(decay: float) -> float:
+    """Return ``decay`` as a float after checking it is a finite number in [0, 1]."""
+    if isinstance(decay, Tensor):
+        raise TypeError(f"decay must be a Python number for this strategy, got a {type(decay).__name__}")
+    d = float(decay)
+    if not (math.isfinite(d) and 0.0 <= d <= 1.0):
+        raise ValueError(f"decay must be a finite number in [0, 1], got {decay!r}")
+    return d
+
+
+def validate_pairs(
+    ema: Sequence[Tensor],
+    model: Sequence[Tensor],
+    names: Sequence[str] | None = None,
+    *,
+    same_dtype: bool = False,
+) -> None:
+    """Raise ``ValueError`` naming the first bad pair; touch nothing.
+
+    Checks: equal list lengths, tensors on both sides, floating dtypes, equal shapes and devices,
+    equal dtypes when ``same_dtype``, and no EMA tensor listed twice (tied weights would be
+    decayed twice per step).
+    """
+    if len(ema) != len(model):
+        raise ValueError(f"got {len(ema)} EMA tensors but {len(model)} model tensors")
+    if names is not None and len(names) != len(ema):
+        raise ValueError(f"got {len(names)} names for {len(ema)} tensor pairs")
+    seen: dict[int, int] = {}
+    for i, (e, m) in enumerate(zip(ema, model)):
+        if not isinstance(e, Tensor) or not isinstance(m, Tensor):
+            raise ValueError(
+                f"{_label(i, names)}: expected two tensors, got {type(e).__name__} and {type(m).__name__}"
+            )
+        if not e.is_floating_point() or not m.is_floating_point():
+            raise ValueError(
+                f"{_label(i, names)}: EMA and model tensors must be floating point, "
+                f"got EMA {e.dtype} and model {m.dtype}"
+            )
+        if e.shape != m.shape or e.device != m.device or (same_dtype and e.dtype != m.dtype):
+            raise ValueError(f"{_label(i, names)}: EMA {_describe(e)} does not match model {_describe(m)}")
+        if e.numel():
+            ptr = e.data_ptr()
+            if ptr in seen:
+                raise ValueError(
+                    f"{_label(i, names)} is the same memory as {_label(seen[ptr], names)} "
+                    "(tied weights?): pass each EMA tensor once or it is decayed twice"
+                )
+            seen[ptr] = i
+
+
+@dataclass
+class PairGroups:
+    """Validated pairs split into homogeneous (device, dtype) groups plus pairs whose dtypes differ."""
+
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = field(
+        default_factory=dict
+    )
+    mixed: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+
+    def apply(self, decay: float) -> None:
+        """Update every pair: one foreach call per group where the gate allows, else per tensor."""
+        w = 1.0 - decay
+        with torch.no_grad():
+            for (device, _), (ema, model) in self.groups.items():
+                if foreach_lerp_supported(None, device.type):
+                    torch._foreach_lerp_(ema, model, w)
+                else:
+                    for v, m in zip(ema, model):
+                        v.mul_(decay).add_(m, alpha=w)
+            # add_ computes in the promoted dtype and casts back, as the pre-change loop did.
+            for v, m in self.mixed:
+                v.mul_(decay).add_(m, alpha=w)
+
+
+def group_pairs(ema_tensors: Sequence[Tensor], model_tensors: Sequence[Tensor]) -> PairGroups:
+    """Split already validated pairs by (device, dtype); pairs whose two dtypes differ go to ``mixed``."""
+    out = PairGroups()
+    for v, m in zip(ema_tensors, model_tensors):
+        if v.dtype != m.dtype:
+            out.mixed.append((v, m))
+        else:
+            ema, model = out.groups.setdefault((v.device, v.dtype), ([], []))
+            ema.append(v)
+            model.append(m)
+    return out
+
+
+def _prepare_loop(ema: list[Tensor], model: list[Tensor]) -> Step:
+    def step(d: float) -> None:
+        with torch.no_grad():
+            for v, m in zip(ema, model):
+                v *= d
+                v += (1 - d) * m.detach()
+
+    return step
+
+
+def _prepare_foreach(ema: list[Tensor], model: list[Tensor]) -> Step:
+    def step(d: float) -> None:
+        if ema:  # _foreach_lerp_([], [], w) raises "Tensor list must have at least one tensor"
+            with torch.no_grad():
+                torch._foreach_lerp_(ema, model, 1 - d)
+
+    return step
+
+
+def _prepare_gated(ema: list[Tensor], model: list[Tensor]) -> Step:
+    return group_pairs(ema, model).apply
+
+
+#: strategy name -> (needs equal dtypes in every pair, builder of a step over validated lists)
+PREPARERS: dict[str, tuple[bool, Callable[[list[Tensor], list[Tensor]], Step]]] = {
+    "loop": (False, _prepare_loop),
+    "foreach": (True, _prepare_foreach),
+    "gated": (False, _prepare_gated),
+}
+
+
+def prepare(
+    strategy: str,
+    ema_tensors: Sequence[Tensor],
+    model_tensors: Sequence[Tensor],
+    names: Sequence[str] | None = None,
+) -> Step:
+    """Validate the pairs once and return ``step(decay)`` that applies ``strategy`` without re-checking."""
+    if strategy not in PREPARERS:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(PREPARERS)}")
+    same_dtype, build = PREPARERS[strategy]
+    validate_pairs(ema_tensors, model_tensors, names, same_dtype=same_dtype)
+    return build(list(ema_tensors), list(model_tensors))
+
+
+def loop_update(
+    ema_tensors: Sequence[Tensor],
+    model_tensors: Sequence[Tensor],
+    decay: float,
+    names: Sequence[str] | None = None,
+) -> None:
+    """The pre-change update: per pair ``v *= d; v += (1 - d) * m`` (mul_, mul, add_), promoting dtypes."""
+    d = check_decay(decay)
+    prepare("loop", ema_tensors, model_tensors, names)(d)
+
+
+def foreach_update(
+    ema_tensors: Sequence[Tensor],
+    model_tensors: Sequence[Tensor],
+    decay: float,
+    names: Sequence[str] | None = None,
+) -> None:
+    """The post-change fast path: one ``torch._foreach_lerp_(ema, model, 1 - d)`` call.
+
+    Every pair must agree in dtype (``_foreach_lerp_`` raises otherwise, after updating the
+    pairs before the bad one); this checks that first and raises ``ValueError`` instead.
+    """
+    d = check_decay(decay)
+    prepare("foreach", ema_tensors, model_tensors, names)(d)
+
+
+def gated_update(
+    ema_tensors: Sequence[Tensor],
+    model_tensors: Sequence[Tensor],
+    decay: float,
+    names: Sequence[str] | None = None,
+) -> None:
+    """The post-change update behind its gate, made robust (grouped, mixed dtypes, empty input)."""
+    d = check_decay(decay)
+    prepare("gated", ema_tensors, model_tensors, names)(d)
