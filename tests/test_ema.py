@@ -1,0 +1,235 @@
+"""ModelEMA: the ultralytics-compatible surface, drop-in equivalence, caching and its invalidation."""
+
+from __future__ import annotations
+
+import math
+from copy import deepcopy
+
+import pytest
+import torch
+from torch import nn
+
+from ema_lab import ModelEMA, models
+from ema_lab.ema import STRATEGIES
+from ema_lab.seed import seed_before
+
+from .helpers import float_entries
+
+EXPLICIT = [s for s in STRATEGIES if s != "auto"]
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) -> None:
+    x = torch.randn(8, 3, 16, 16, generator=gen)
+    y = torch.randint(0, 10, (8,), generator=gen)
+    model.train()
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def test_defaults_and_ramp() -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model)
+    assert (ema.max_decay, ema.tau, ema.updates, ema.strategy, ema.enabled) == (
+        0.9999,
+        2000.0,
+        0,
+        "auto",
+        True,
+    )
+    assert ema.decay(0) == 0.0
+    assert ema.decay(2000) == pytest.approx(0.9999 * (1 - math.exp(-1)))
+    assert ema.decay(10**7) == pytest.approx(0.9999)
+    assert not ema.ema.training and ema.ema is not model
+    assert all(not p.requires_grad for p in ema.ema.parameters())
+    assert all(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"decay": 1.0}, r"decay must be in \(0, 1\), got 1.0"),
+        ({"decay": 0}, r"decay must be in \(0, 1\), got 0"),
+        ({"decay": "0.9"}, r"decay must be in \(0, 1\)"),
+        ({"tau": 0}, "tau must be a positive number, got 0"),
+        ({"tau": -5.0}, "tau must be a positive number"),
+        ({"updates": -1}, "updates must be a non-negative int"),
+        ({"strategy": "fastest"}, "unknown strategy 'fastest'"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelEMA(models.build("tiny_cnn"), **kwargs)
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
+        ModelEMA({})
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_drop_in_for_the_seed_over_a_training_run(strategy: str) -> None:
+    """Same EMA as ultralytics' pre-change ModelEMA.update (reproduced by seed_before) over real SGD steps."""
+    torch.manual_seed(0)
+    model = models.build("tiny_cnn")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ours = ModelEMA(model, decay=0.99, tau=5, strategy=strategy)
+    seed_ema = deepcopy(model).eval()
+    gen = torch.Generator().manual_seed(0)
+    for n in range(1, 16):
+        _train_step(model, opt, gen)
+        ours.update(model)
+        seed_before(seed_ema, model, ours.decay(n))
+    assert ours.updates == 15
+    theirs = float_entries(seed_ema)
+    for k, v in float_entries(ours.ema).items():
+        torch.testing.assert_close(v, theirs[k], rtol=1e-5, atol=1e-6)
+    # ultralytics leaves num_batches_tracked at the copy's value; ema_lab copies non-float entries.
+    assert ours.ema.state_dict()["0.bn.num_batches_tracked"].item() == 15
+    assert seed_ema.state_dict()["0.bn.num_batches_tracked"].item() == 0
+
+
+def test_update_does_not_walk_state_dict(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model)
+    ema.update(model)
+    monkeypatch.setattr(nn.Module, "state_dict", lambda *a, **k: pytest.fail("state_dict walked per update"))
+    pairs = ema._pairs
+    for _ in range(3):
+        ema.update(model)
+    assert ema._pairs is pairs and ema.updates == 4
+
+
+def _moves(ema: ModelEMA, model: nn.Module) -> bool:
+    before = {k: v.double().clone() for k, v in float_entries(ema.ema).items()}
+    ema.update(model)
+    after = float_entries(ema.ema)
+    return any(not torch.equal(before[k], after[k].double()) for k in before)
+
+
+def _perturb(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["model.double()", "model.half()", "model.to(float64)", "ema.half()", "new parameter", "load_state_dict"],
+)
+def test_cache_follows_replaced_tensors(change: str) -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, decay=0.5, tau=1e-9)
+    ema.update(model)
+    if change == "model.double()":
+        model.double()
+    elif change == "model.half()":
+        model.half()
+    elif change == "model.to(float64)":
+        model.to(torch.float64)
+    elif change == "ema.half()":
+        ema.ema.half()
+    elif change == "new parameter":
+        model[6].weight = nn.Parameter(torch.full_like(model[6].weight, 3.0))
+    else:
+        model.load_state_dict(models.build("tiny_cnn", seed=5).state_dict())
+    _perturb(model)
+    target = {k: v.detach().double() for k, v in float_entries(model).items()}
+    for _ in range(40):  # decay 0.5: the EMA converges to the (now fixed) model within dtype precision
+        ema.update(model)
+    for k, v in float_entries(ema.ema).items():
+        tol = 1e-2 if v.dtype == torch.float16 or change == "model.half()" else 1e-5
+        assert (v.double() - target[k]).abs().max().item() <= tol * (1 + target[k].abs().max().item()), k
+
+
+def test_stale_cache_is_rebuilt_not_reused() -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model)
+    ema.update(model)
+    first = ema._pairs
+    ema.update(model)
+    assert ema._pairs is first
+    model.double()
+    ema.update(model)
+    assert ema._pairs is not first
+    assert ema._pairs.model[0].dtype == torch.float64
+
+
+def test_foreach_strategy_refuses_mixed_dtypes_atomically() -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, strategy="foreach")
+    ema.update(model)
+    model.double()
+    before = {k: v.clone() for k, v in ema.ema.state_dict().items()}
+    with pytest.raises(ValueError, match=r"entry 0 \('0.conv.weight'\).*torch.float32.*torch.float64"):
+        ema.update(model)
+    assert ema.updates == 1
+    assert all(torch.equal(v, before[k]) for k, v in ema.ema.state_dict().items())
+
+
+def test_auto_handles_float64_buffers_like_the_loop() -> None:
+    model = models.build("tiny_cnn")
+    model[0].register_buffer("total_ops", torch.zeros(1, dtype=torch.float64))
+    ema, loop = ModelEMA(model), ModelEMA(model, strategy="loop")
+    ema.ema.float()  # the validator casts the EMA: one pair now disagrees in dtype
+    loop.ema.float()
+    model[0].total_ops += 10
+    ema.update(model)
+    loop.update(model)
+    assert ema.ema[0].total_ops.dtype == torch.float32 and ema.ema[0].total_ops.item() > 0
+    for k, v in ema.ema.state_dict().items():
+        torch.testing.assert_close(v, loop.ema.state_dict()[k])
+
+
+def test_tied_weights_are_averaged_once() -> None:
+    model = models.build("tiny_transformer")
+    ema = ModelEMA(model, decay=0.5, tau=1e-9)
+    start = ema.ema.embed.weight.detach().clone()
+    with torch.no_grad():
+        model.embed.weight.zero_()
+    ema.update(model)
+    assert ema.ema.head.weight is ema.ema.embed.weight
+    torch.testing.assert_close(ema.ema.embed.weight, 0.5 * start)  # seed_before would give 0.25 * start
+
+
+def test_wrapped_models_are_unwrapped() -> None:
+    model = models.build("tiny_cnn")
+    wrapped = nn.DataParallel(model)  # on a CPU-only machine DataParallel just calls the module
+    ema = ModelEMA(wrapped, decay=0.5, tau=1e-9)
+    assert not isinstance(ema.ema, nn.DataParallel)
+    _perturb(model)
+    ema.update(wrapped)
+    assert ema._pairs.model_ref() is model
+    torch.testing.assert_close(ema.ema[6].bias, model[6].bias - 0.5)
+
+
+def test_mismatched_model_is_refused() -> None:
+    ema = ModelEMA(models.build("tiny_cnn"))
+    before = deepcopy(ema.ema.state_dict())
+    with pytest.raises(ValueError, match="EMA and model do not hold the same entries"):
+        ema.update(models.build("tiny_transformer"))
+    assert ema.updates == 0
+    assert all(torch.equal(v, before[k]) for k, v in ema.ema.state_dict().items())
+
+
+def test_disabled_does_nothing() -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model)
+    ema.enabled = False
+    _perturb(model)
+    ema.update(model)
+    ema.update_attr(model)
+    assert ema.updates == 0
+
+
+def test_update_attr() -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model)
+    model.names, model.stride, model._private, model.reducer = ["cat"], 32, 1, object()
+    ema.update_attr(model)
+    assert ema.ema.names == ["cat"] and ema.ema.stride == 32
+    assert not hasattr(ema.ema, "_private") and not hasattr(ema.ema, "reducer")
+    model.stride = 16
+    ema.update_attr(model, include=("names",))
+    assert ema.ema.stride == 32
