@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import subprocess
 import sys
 import venv
@@ -52,7 +53,7 @@ def ensure_venv() -> None:
     has_torch = subprocess.call([str(PY), "-c", "import torch"], stderr=subprocess.DEVNULL) == 0
     if torch_req and not has_torch:
         print(f"[dev] installing {torch_req}", flush=True)
-        if run(*pip, torch_req):
+        if run(*pip, *shlex.split(torch_req)):
             sys.exit("[dev] torch install failed")
     print("[dev] installing ema_lab[dev] (editable)", flush=True)
     if run(*pip, "-e", ".[dev]"):

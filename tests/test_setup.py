@@ -1,0 +1,65 @@
+"""The repository's set-up files agree with each other and with the README."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_pyproject_dependencies() -> None:
+    project = _pyproject()["project"]
+    names = {re.split(r"[<>=!~\[ ]", d)[0] for d in project["dependencies"]}
+    assert {"torch", "matplotlib", "jupyterlab", "thop"} <= names
+    assert "torch>=2.0" in project["dependencies"]
+    assert "ultralytics-thop" not in names  # same import package as thop: never both
+    dev = {re.split(r"[<>=!~\[ ]", d)[0] for d in project["optional-dependencies"]["dev"]}
+    assert {"pytest", "nbval", "hypothesis", "ruff"} <= dev
+
+
+def test_no_requirement_asks_for_torch_newer_than_the_cap() -> None:
+    for path in [ROOT / "pyproject.toml", ROOT / "environment.yml", ROOT / "dev.py", ROOT / ".ci" / "run"]:
+        for major, minor in re.findall(r"torch\s*(?:==|>=)\s*(\d+)\.(\d+)", path.read_text()):
+            assert (int(major), int(minor)) <= (2, 14), path
+
+
+def test_environment_yml_installs_the_project_with_its_dev_extra() -> None:
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    assert env["channels"] == ["conda-forge"]
+    deps = env["dependencies"]
+    assert any(str(d).startswith("python") for d in deps) and "pip" in deps
+    pip_section = next(d["pip"] for d in deps if isinstance(d, dict))
+    # pip installs the repo itself, so conda users get exactly what pyproject.toml names.
+    assert pip_section == ["-e .[dev]"]
+    assert "dev" in _pyproject()["project"]["optional-dependencies"]
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"^(python3 dev\.py \w+)\s+#", readme, flags=re.M)
+    assert commands[:2] == ["python3 dev.py bench", "python3 dev.py test"]
+    ci = [
+        ln
+        for ln in (ROOT / ".ci" / "run").read_text().splitlines()
+        if ln and not ln.startswith(("#", "set", "cd"))
+    ]
+    assert ci == ["python3 dev.py test"]
+
+
+def test_dev_help() -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "dev.py"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "python dev.py test" in out.stdout
