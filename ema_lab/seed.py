@@ -4,6 +4,9 @@ These walk ``state_dict()`` of both modules on every call, exactly as the origin
 its flaws: no validation, non-float entries left alone, tied weights decayed twice, and a
 ``_foreach_lerp_`` that fails part-way leaves the EMA half-updated. Use :class:`ema_lab.ModelEMA`
 for real work; these exist to measure and to reproduce.
+
+:class:`CachedListEMA` reproduces the step ultralytics took after the seed (8.4.190): the tensor
+lists are built once and reused forever, which is fast and silently wrong once a tensor is replaced.
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .ema import ModelEMA
 from .gates import foreach_lerp_supported
 
-__all__ = ["seed_before", "seed_after"]
+__all__ = ["seed_before", "seed_after", "CachedListEMA"]
 
 
 def seed_before(ema: nn.Module, model: nn.Module, d: float) -> None:
@@ -41,3 +45,40 @@ def seed_after(ema: nn.Module, model: nn.Module, d: float) -> None:
         else:
             for v, m in zip(ema_v, model_v):
                 v.mul_(d).add_(m, alpha=1 - d)
+
+
+class CachedListEMA(ModelEMA):
+    """UNSAFE ON PURPOSE: ultralytics 8.4.190's cached-list update, reproduced to show a cache going stale.
+
+    The first ``update`` collects the float ``state_dict()`` tensors of the EMA and the model into
+    two lists (ultralytics' ``self._pairs``); every later update lerps those same tensor objects.
+    ``state_dict()`` returns detached aliases of the parameters' memory at that moment, and
+    ``model.double()`` / ``.to()`` or an in-place ``ema.ema.half()`` give the modules new memory.
+    From then on the update averages dead tensors: the EMA module either stops moving or follows a
+    frozen snapshot of the model, with no error. :class:`ema_lab.ModelEMA` checks its cache with
+    :meth:`ema_lab.pairs.ModulePairs.is_current` on every update instead.
+    """
+
+    _cached: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (ema, model), built once
+
+    def update(self, model: nn.Module) -> None:
+        """Move the (cached) EMA tensors one step towards the (cached) model tensors."""
+        if not self.enabled:
+            return
+        if self._cached is None:
+            msd = model.state_dict()
+            ema_v, model_v = [], []
+            for k, v in self.ema.state_dict().items():
+                if v.dtype.is_floating_point:
+                    ema_v.append(v)
+                    model_v.append(msd[k])
+            self._cached = (ema_v, model_v)
+        self.updates += 1
+        d = self.decay(self.updates)
+        ema_v, model_v = self._cached
+        with torch.no_grad():
+            if ema_v and foreach_lerp_supported(None, ema_v[0].device.type):
+                torch._foreach_lerp_(ema_v, model_v, 1 - d)
+            else:
+                for v, m in zip(ema_v, model_v):
+                    v.mul_(d).add_(m, alpha=1 - d)

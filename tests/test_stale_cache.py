@@ -1,0 +1,110 @@
+"""A tensor-list cache built once goes stale (ultralytics 8.4.190); ModelEMA's cache notices and rebuilds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ema_lab import ModelEMA, models
+from ema_lab.pairs import ModulePairs
+from ema_lab.seed import CachedListEMA
+
+from .helpers import float_entries
+
+
+def _shift(model: nn.Module, by: float) -> None:
+    """Stand-in for an optimizer step that moves every float entry."""
+    with torch.no_grad():
+        for v in float_entries(model).values():
+            v.add_(by)
+
+
+def _snapshot(ema: ModelEMA) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in float_entries(ema.ema).items()}
+
+
+def _moved(before: dict[str, torch.Tensor], ema: ModelEMA) -> bool:
+    return any(not torch.equal(before[k], v) for k, v in float_entries(ema.ema).items())
+
+
+@pytest.mark.parametrize("cls", [CachedListEMA, ModelEMA])
+def test_both_move_while_nothing_is_converted(cls: type[ModelEMA]) -> None:
+    model = models.build("tiny_cnn")
+    ema = cls(model, decay=0.9, tau=1)
+    for _ in range(3):
+        before = _snapshot(ema)
+        _shift(model, 0.5)
+        ema.update(model)
+        assert _moved(before, ema)
+
+
+def test_cached_lists_stop_moving_after_ema_half() -> None:
+    model = models.build("tiny_cnn")
+    ema = CachedListEMA(model, decay=0.9, tau=1)
+    ema.update(model)  # builds the cache
+    ema.ema.half()  # new storage for every EMA parameter and buffer
+    before = _snapshot(ema)
+    for _ in range(3):
+        _shift(model, 0.5)
+        ema.update(model)
+    assert not _moved(before, ema), "the cached update should only touch the dead float32 tensors"
+    assert ema.updates == 4  # and it still counts updates: nothing says it is broken
+
+
+def test_model_ema_keeps_moving_after_ema_half() -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, decay=0.9, tau=1)
+    ema.update(model)
+    ema.ema.half()
+    assert not ema._pairs.is_current(model)
+    before = _snapshot(ema)
+    _shift(model, 0.5)
+    ema.update(model)
+    assert _moved(before, ema)
+    assert all(v.dtype == torch.float16 for v in float_entries(ema.ema).values())
+
+
+def _after_double(cls: type[ModelEMA], shift_after: float) -> tuple[nn.Module, ModelEMA]:
+    model = models.build("tiny_cnn")
+    ema = cls(model, decay=0.5, tau=0.01)  # decay ~0.5 from the first update: the EMA follows quickly
+    ema.update(model)
+    model.double()
+    _shift(model, shift_after)
+    for _ in range(20):
+        ema.update(model)
+    return model, ema
+
+
+def test_cached_lists_ignore_the_model_after_model_double() -> None:
+    # Same history, except that the model moves by 10 after .double() in one run: the cached EMA cannot tell.
+    _, still = _after_double(CachedListEMA, 0.0)
+    moved_model, moved = _after_double(CachedListEMA, 10.0)
+    for k, v in float_entries(moved.ema).items():
+        assert torch.equal(v, float_entries(still.ema)[k]), k
+    gap = max(
+        (v.double() - float_entries(moved_model)[k]).abs().max().item()
+        for k, v in float_entries(moved.ema).items()
+    )
+    assert gap > 9.0
+
+
+def test_model_ema_follows_the_model_after_model_double() -> None:
+    model, ema = _after_double(ModelEMA, 10.0)
+    gap = max(
+        (v.double() - float_entries(model)[k]).abs().max().item() for k, v in float_entries(ema.ema).items()
+    )
+    assert gap < 1e-4  # 20 updates at decay 0.5 leave 0.5**20 of the old distance
+    assert all(v.dtype == torch.float32 for v in float_entries(ema.ema).values())  # the EMA keeps its dtype
+
+
+def test_is_current_detects_conversions() -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model).ema
+    pairs = ModulePairs.collect(ema, model)
+    assert pairs.is_current(model)
+    model.double()
+    assert not pairs.is_current(model)
+    pairs = ModulePairs.collect(ema, model)
+    ema.half()
+    assert not pairs.is_current(model)
