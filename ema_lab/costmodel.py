@@ -126,8 +126,8 @@ class CostModel:
 
 def sweep_plan(quick: bool = False) -> list[tuple[str, int, int]]:
     """The (sweep, tensors, total elements) points: counts at fixed size, sizes at fixed count."""
-    counts = (1, 16, 256, 1024) if quick else (1, 4, 16, 64, 256, 1024)
-    sizes = (1 << 16, 1 << 20) if quick else (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+    counts = (1, 16, 64, 1024) if quick else (1, 4, 16, 64, 256, 1024)
+    sizes = (1 << 16, 1 << 22) if quick else (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
     plan = [("count", n, FIXED_ELEMENTS) for n in counts]
     plan += [
         ("size", FIXED_TENSORS, e) for e in sizes if (FIXED_TENSORS, e) != (FIXED_TENSORS, FIXED_ELEMENTS)

@@ -1,0 +1,274 @@
+"""The main job: time every EMA strategy on the model zoo on every available device, save JSON and plots.
+
+For each (device, model) it builds one set of candidates and times them interleaved
+(:func:`ema_lab.timing.time_candidates`):
+
+- ``seed_before`` (the baseline) and ``seed_after``: the seed's code, walking ``state_dict()`` per call;
+- every strategy of :data:`ema_lab.ema.STRATEGIES` through ``ModelEMA(model, strategy=s).update``;
+- ``floor``: one ``lerp_`` over two contiguous buffers holding as many floats as the model (the best
+  any EMA update of that model can do), and ``copy``: one ``copy_`` of those bytes (the roofline).
+
+Each candidate's dispatched ops per step are counted (:func:`ema_lab.counting.count_ops`), and on
+CUDA its kernel launches. The decay is the ramp's value after ``RAMP_UPDATES`` steps (about 0.9999).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import json
+from collections.abc import Callable, Sequence
+from copy import deepcopy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import models as zoo
+from .costmodel import run_cost_model
+from .counting import count_ops, kernel_launches_or_reason, without_views
+from .ema import STRATEGIES, ModelEMA
+from .environment import available_devices, environment
+from .results import SCHEMA, SCHEMA_VERSION, load, machine_label, result_stem, validate
+from .seed import seed_after, seed_before
+from .timing import time_candidates
+
+__all__ = [
+    "DEFAULT_MODELS",
+    "BASELINE",
+    "REFERENCES",
+    "RAMP_UPDATES",
+    "candidate_names",
+    "resolve_devices",
+    "run_bench",
+    "write_results",
+    "compare",
+]
+
+DEFAULT_MODELS = ("yolo", "resnet50", "gpt2", "tiny_tensors")
+BASELINE = "seed_before"
+REFERENCES = ("floor", "copy")
+RAMP_UPDATES = 20_000  # ModelEMA's ramp gives decay 0.9999 * (1 - exp(-10)) = 0.99986 here
+
+
+def candidate_names() -> list[str]:
+    """Every candidate name, baseline first; ``ModelEMA`` strategies are read from STRATEGIES at call time."""
+    return [BASELINE, "seed_after", *STRATEGIES, *REFERENCES]
+
+
+def resolve_devices(device: str) -> dict[str, str | None]:
+    """Map "cpu"/"cuda"/"mps"/"all" to {device: None or skip reason}; a named absent device raises."""
+    avail = available_devices()
+    if device == "all":
+        return avail
+    if device not in avail:
+        raise ValueError(f"unknown device {device!r}; expected one of {[*avail, 'all']}")
+    if avail[device] is not None:
+        raise ValueError(f"device {device!r} is not available ({avail[device]})")
+    return {device: None}
+
+
+def _candidates(model: torch.nn.Module, names: Sequence[str]) -> dict[str, Callable[[], object]]:
+    """Zero-argument update functions for each candidate on ``model`` (already on ``device``)."""
+    decay = ModelEMA(torch.nn.Linear(1, 1)).decay(RAMP_UPDATES)
+    out: dict[str, Callable[[], object]] = {}
+    seed_ema = deepcopy(model).eval() if {"seed_before", "seed_after"} & set(names) else None
+    floats = [v for v in model.state_dict().values() if v.is_floating_point()]
+    flat = {}
+    if set(REFERENCES) & set(names):
+        flat["model"] = torch.cat([v.reshape(-1).float() for v in floats])
+        flat["ema"] = flat["model"].clone()
+    for name in names:
+        if name == "seed_before":
+            out[name] = lambda: seed_before(seed_ema, model, decay)
+        elif name == "seed_after":
+            out[name] = lambda: seed_after(seed_ema, model, decay)
+        elif name == "floor":
+            out[name] = lambda: flat["ema"].lerp_(flat["model"], 1 - decay)
+        elif name == "copy":
+            out[name] = lambda: flat["ema"].copy_(flat["model"])
+        else:
+            ema = ModelEMA(model, strategy=name)
+            ema.updates = RAMP_UPDATES
+            out[name] = lambda ema=ema: ema.update(model)
+    return out
+
+
+def _kind(name: str) -> str:
+    return "baseline" if name == BASELINE else "reference" if name in REFERENCES else "strategy"
+
+
+def _measure_model(
+    device: str, name: str, candidates: Sequence[str], threads: int, rounds: int, quick: bool, tick: Callable
+) -> list[dict[str, Any]]:
+    """Rows for one (device, model): op counts, kernel launches, interleaved timings."""
+    model = zoo.build(name).to(device)
+    stats = zoo.describe(model)
+    fns = _candidates(model, candidates)
+    for fn in fns.values():  # first call builds caches (ModelEMA's pairs): count the steady state
+        fn()
+    ops = {k: count_ops(fn) for k, fn in fns.items()}
+    kernels = {k: kernel_launches_or_reason(fn, device=device) for k, fn in fns.items()}
+    timed = time_candidates(
+        fns, device, rounds=rounds, target_s=0.005 if quick else 0.02, threads=threads, on_round=tick
+    )
+    base, copy = timed[BASELINE].median_s, timed["copy"].median_s
+    rows = []
+    for k, t in timed.items():
+        useful = 2 if k == "copy" else 3  # element-sized transfers per element: copy r+w, EMA update 2r+w
+        k_launch = kernels[k]
+        rows.append(
+            {
+                "device": device,
+                "model": name,
+                "candidate": k,
+                "kind": _kind(k),
+                "stats": {
+                    "entries": stats.entries,
+                    "float_tensors": stats.float_tensors,
+                    "float_elements": stats.float_elements,
+                    "float_bytes": stats.float_bytes,
+                },
+                "ops": dict(sorted(ops[k].items())),
+                "ops_total": sum(ops[k].values()),
+                "ops_compute": sum(without_views(ops[k]).values()),
+                "kernel_launches": None if isinstance(k_launch, str) else sum(k_launch.values()),
+                "kernel_launches_note": k_launch if isinstance(k_launch, str) else None,
+                "median_ms": 1e3 * t.median_s,
+                "q1_ms": 1e3 * t.q1_s,
+                "q3_ms": 1e3 * t.q3_s,
+                "rounds": t.rounds,
+                "number": t.number,
+                "threads": t.threads,
+                "speedup_vs_seed_before": base / t.median_s,
+                "roofline_fraction": (useful / 2) * copy / t.median_s,
+            }
+        )
+    del model, fns
+    gc.collect()
+    return rows
+
+
+def run_bench(
+    device: str = "cpu",
+    models: Sequence[str] = DEFAULT_MODELS,
+    strategies: Sequence[str] | None = None,
+    threads: int = 1,
+    quick: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the sweep and return the (validated) result record; see the module docstring for what runs."""
+    for m in models:
+        if m not in zoo.ZOO:
+            raise ValueError(f"unknown model {m!r}; expected one of {sorted(zoo.ZOO)}")
+    known = candidate_names()
+    for s in strategies or ():
+        if s not in known:
+            raise ValueError(f"unknown strategy {s!r}; expected one of {known}")
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    devices = resolve_devices(device)
+    # The baseline (for speed-ups) and the copy (for the roofline) are always measured.
+    chosen = [c for c in known if c in {BASELINE, "copy", *(strategies or known)}]
+    rounds = 3 if quick else 15
+    cm_rounds = 3 if quick else 9
+    measured = [d for d, reason in devices.items() if reason is None]
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(measured) * (len(models) * rounds + cm_rounds), disable=not progress, unit="round")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        record: dict[str, Any] = {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "environment": environment("cpu"),
+            "settings": {
+                "quick": quick,
+                "threads": threads,
+                "rounds": rounds,
+                "models": list(models),
+                "candidates": chosen,
+                "decay": ModelEMA(torch.nn.Linear(1, 1)).decay(RAMP_UPDATES),
+            },
+            "devices": {},
+            "results": [],
+            "cost_model": {},
+        }
+        for dev, reason in devices.items():
+            if reason is not None:
+                record["devices"][dev] = {"status": reason}
+                continue
+            record["devices"][dev] = {"status": "measured", "environment": environment(dev)}
+            for name in models:
+                bar.set_description(f"{dev} {name}")
+                record["results"] += _measure_model(
+                    dev, name, chosen, threads, rounds, quick, lambda _r: bar.update(1)
+                )
+            bar.set_description(f"{dev} cost model")
+            cost = run_cost_model(
+                dev, quick=quick, threads=threads, rounds=cm_rounds, on_round=lambda _r: bar.update(1)
+            )
+            record["cost_model"][dev] = cost.as_dict()
+    finally:
+        torch.set_num_threads(previous)
+        bar.close()
+    gpus = [record["devices"][d]["environment"]["device_name"] for d in measured if d != "cpu"]
+    record["machine"] = machine_label(record["environment"], gpus)
+    record = json.loads(json.dumps(record, default=_jsonable))  # numpy floats -> plain JSON numbers
+    validate(record)
+    return record
+
+
+def _jsonable(obj: object) -> object:
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"cannot store {type(obj).__name__} in a result file")
+
+
+def write_results(record: dict[str, Any], out: str | Path) -> list[Path]:
+    """Write ``<machine>_<date>.json`` plus a times and a cost-model PNG per measured device into ``out``."""
+    from .plots import plot_cost_model, plot_times
+
+    validate(record)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = result_stem(record["machine"], record["created"])
+    path = out / f"{stem}.json"
+    path.write_text(json.dumps(record, indent=1, allow_nan=False) + "\n")
+    paths = [path]
+    for dev, status in record["devices"].items():
+        if status["status"] != "measured":
+            continue
+        for kind, fig in (
+            ("times", plot_times(record, dev)),
+            ("costmodel", plot_cost_model(record["cost_model"][dev])),
+        ):
+            png = out / f"{stem}_{dev}_{kind}.png"
+            fig.savefig(png, dpi=110)
+            paths.append(png)
+    return paths
+
+
+def compare(files: Sequence[str | Path], out: str | Path) -> tuple[str, Path]:
+    """Load result files (an invalid one raises ResultError), plot them side by side; return table, PNG."""
+    from .plots import plot_compare
+
+    if not files:
+        raise ValueError("compare needs at least one result file")
+    records = [load(f) for f in files]
+    lines = [f"{'file':<48}{'device':<7}{'model':<17}{'candidate':<13}{'median ms':>10}{'speed-up':>10}"]
+    for f, rec in zip(files, records):
+        for r in rec["results"]:
+            if r["kind"] != "reference":
+                lines.append(
+                    f"{Path(f).name[:47]:<48}{r['device']:<7}{r['model']:<17}{r['candidate']:<13}"
+                    f"{r['median_ms']:>10.3f}{r['speedup_vs_seed_before']:>9.1f}x"
+                )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.date.today().isoformat()
+    png = out / f"compare_{stamp}.png"
+    plot_compare(records).savefig(png, dpi=110)
+    return "\n".join(lines), png

@@ -1,0 +1,133 @@
+"""Figures of bench results (update time per candidate, the cost model, several machines side by side).
+
+Built on ``matplotlib.figure.Figure`` rather than pyplot, so saving PNGs needs no GUI backend and
+no global state; in a notebook the returned figure displays itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+__all__ = ["plot_times", "plot_cost_model", "plot_compare"]
+
+
+def _bars(ax: Any, groups: list[str], series: dict[str, list[float | None]], err: dict | None = None) -> None:
+    """Grouped bars: one group per entry of ``groups``, one bar per series (None leaves a gap)."""
+    width = 0.8 / max(len(series), 1)
+    x = np.arange(len(groups))
+    for i, (label, values) in enumerate(series.items()):
+        v = np.array([np.nan if y is None else y for y in values], dtype=float)
+        yerr = None
+        if err is not None:
+            lo, hi = err[label]
+            yerr = np.array(
+                [[np.nan if a is None else a for a in lo], [np.nan if b is None else b for b in hi]]
+            )
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, v, width, label=label, yerr=yerr, capsize=2)
+    ax.set_xticks(x, groups)
+
+
+def plot_times(record: dict[str, Any], device: str) -> Figure:
+    """Median EMA update time (ms, log scale, IQR whiskers) per model and candidate on one device."""
+    rows = [r for r in record["results"] if r["device"] == device]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    cands = list(dict.fromkeys(r["candidate"] for r in rows))
+    by = {(r["model"], r["candidate"]): r for r in rows}
+    series = {c: [by[m, c]["median_ms"] if (m, c) in by else None for m in models] for c in cands}
+    err = {
+        c: (
+            [by[m, c]["median_ms"] - by[m, c]["q1_ms"] if (m, c) in by else None for m in models],
+            [by[m, c]["q3_ms"] - by[m, c]["median_ms"] if (m, c) in by else None for m in models],
+        )
+        for c in cands
+    }
+    fig = Figure(figsize=(max(6, 1.8 * len(models)), 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    _bars(ax, models, series, err)
+    ax.set_yscale("log")
+    ax.set_ylabel("EMA update time per step (ms, log scale)")
+    ax.set_xlabel("model")
+    name = record["devices"][device]["environment"].get("device_name", device)
+    ax.set_title(f"{device} ({name}), {record['settings']['threads']} thread(s); whiskers: IQR", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+def plot_cost_model(cost: dict[str, Any]) -> Figure:
+    """Update time vs tensor count at fixed total size, and vs total size at fixed count, with the fits."""
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    pts = cost["points"]
+    for strategy in ("loop", "foreach"):
+        fit = cost["fits"][strategy]
+        bw = fit["bandwidth_gbps"]
+        inv_bw = 0.0 if not bw else 1.0 / (bw * 1e9)
+
+        def model(p: dict, fit: dict = fit, inv_bw: float = inv_bw) -> float:
+            return 1e3 * (fit["overhead_per_op_us"] * 1e-6 * p["units"] + p["bytes"] * inv_bw)
+
+        count_pts = [p for p in pts if p["sweep"] == "count" and p["strategy"] == strategy]
+        # The size line: every point with the fixed tensor count, from either sweep.
+        size_pts = [p for p in pts if p["tensors"] == cost["fixed_tensors"] and p["strategy"] == strategy]
+        for ax, sel, xkey, scale in (
+            (left, count_pts, "tensors", 1),
+            (right, size_pts, "elements", 4 / 2**20),
+        ):
+            sel = sorted(sel, key=lambda p: p[xkey])
+            x = [p[xkey] * scale for p in sel]
+            line = ax.plot(x, [1e3 * p["median_s"] for p in sel], "o", label=f"{strategy}: measured")[0]
+            ax.plot(
+                x, [model(p) for p in sel], "-", color=line.get_color(), alpha=0.6, label=f"{strategy}: fit"
+            )
+    for ref, style in (("floor", "s--"), ("copy", "^:")):
+        sel = sorted((p for p in pts if p["strategy"] == ref), key=lambda p: p["elements"])
+        label = f"{ref}: one {'lerp_' if ref == 'floor' else 'copy_'} over 1 buffer"
+        right.plot(
+            [p["elements"] * 4 / 2**20 for p in sel], [1e3 * p["median_s"] for p in sel], style, label=label
+        )
+    for ax, xlabel in (
+        (left, f"tensors holding {cost['fixed_elements']:,} float32 elements in all"),
+        (right, f"total size of {cost['fixed_tensors']} EMA tensors (MiB, float32)"),
+    ):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("update time per step (ms)")
+        ax.legend(fontsize=7)
+    loop = cost["fits"]["loop"]
+    left.set_title(f"launch-bound: {loop['overhead_per_op_us']:.2f} us per dispatched op (loop)", fontsize=9)
+    right.set_title(
+        f"bandwidth-bound (copy roofline {cost['copy_bandwidth_gbps'] or 0:.0f} GB/s)", fontsize=9
+    )
+    return fig
+
+
+def plot_compare(records: list[dict[str, Any]], candidates: tuple[str, ...] = ()) -> Figure:
+    """Speed-up vs seed_before for several machines/devices side by side, one panel per model."""
+    runs = []  # (label, device, record)
+    for rec in records:
+        for dev, status in rec["devices"].items():
+            if status["status"] == "measured":
+                runs.append((f"{rec['machine'][:32]} {dev} ({rec['created'][:10]})", dev, rec))
+    models = list(dict.fromkeys(r["model"] for rec in records for r in rec["results"]))
+    cands = list(candidates) or list(
+        dict.fromkeys(r["candidate"] for rec in records for r in rec["results"] if r["kind"] == "strategy")
+    )
+    fig = Figure(figsize=(max(6, 3.2 * len(models)), 4.2), layout="constrained")
+    axes = [fig.add_subplot(1, len(models), i + 1) for i in range(len(models))]
+    for ax, model in zip(axes, models):
+        series = {}
+        for label, dev, rec in runs:
+            by = {r["candidate"]: r for r in rec["results"] if r["device"] == dev and r["model"] == model}
+            series[label] = [by[c]["speedup_vs_seed_before"] if c in by else None for c in cands]
+        _bars(ax, cands, series)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(model, fontsize=9)
+        ax.set_xlabel("candidate")
+        ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    axes[0].set_ylabel("speed-up vs seed_before (x, higher is faster)")
+    axes[-1].legend(fontsize=6)
+    return fig

@@ -1,0 +1,206 @@
+"""The bench result file: its versioned schema, a validator, loading, file names and the printed table.
+
+A result is one JSON object (``SCHEMA``, ``SCHEMA_VERSION``) holding the environment it ran in, the
+settings, every device's status (measured, or the "skipped: <reason>" text), one row per
+(device, model, candidate) and the cost model per measured device. Files are named by machine and
+date (``<machine>_<YYYY-MM-DD>.json``) so several machines' results can sit side by side in ``results/``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "ResultError",
+    "validate",
+    "load",
+    "machine_label",
+    "result_stem",
+    "format_table",
+]
+
+SCHEMA = "ema_lab.bench"
+SCHEMA_VERSION = 1
+
+
+class ResultError(ValueError):
+    """A result object or file does not match the schema; the message names the field."""
+
+
+_NUM = (int, float)
+# field -> accepted types, for each part of the record (None is listed where a value may be missing)
+_TOP = {
+    "schema": (str,),
+    "schema_version": (int,),
+    "created": (str,),
+    "machine": (str,),
+    "environment": (dict,),
+    "settings": (dict,),
+    "devices": (dict,),
+    "results": (list,),
+    "cost_model": (dict,),
+}
+_SETTINGS = {"quick": (bool,), "threads": (int,), "rounds": (int,), "models": (list,), "candidates": (list,)}
+_ENV = {"torch": (str,), "python": (str,), "os": (str,), "cpu": (str,), "threads": (int,), "ema_lab": (str,)}
+_ROW = {
+    "device": (str,),
+    "model": (str,),
+    "candidate": (str,),
+    "kind": (str,),
+    "stats": (dict,),
+    "ops": (dict,),
+    "ops_total": (int,),
+    "ops_compute": (int,),
+    "kernel_launches": (int, type(None)),
+    "kernel_launches_note": (str, type(None)),
+    "median_ms": _NUM,
+    "q1_ms": _NUM,
+    "q3_ms": _NUM,
+    "rounds": (int,),
+    "number": (int,),
+    "threads": (int,),
+    "speedup_vs_seed_before": _NUM,
+    "roofline_fraction": _NUM,
+}
+_STATS = {"entries": (int,), "float_tensors": (int,), "float_elements": (int,), "float_bytes": (int,)}
+_KINDS = {"baseline", "strategy", "reference"}
+
+
+def _check_fields(obj: Any, spec: dict[str, tuple], where: str) -> None:
+    if not isinstance(obj, dict):
+        raise ResultError(f"{where}: expected an object, got {type(obj).__name__}")
+    for key, types in spec.items():
+        if key not in obj:
+            raise ResultError(f"{where}: missing field {key!r}")
+        value = obj[key]
+        # bool is an int subclass: accept it only where bool is listed.
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            names = "/".join(t.__name__ for t in types)
+            raise ResultError(f"{where}.{key}: expected {names}, got {type(value).__name__} {value!r:.40}")
+
+
+def validate(record: Any) -> None:
+    """Raise :class:`ResultError` naming the first field of ``record`` that does not match the schema."""
+    _check_fields(record, _TOP, "result")
+    if record["schema"] != SCHEMA:
+        raise ResultError(f"result.schema: expected {SCHEMA!r}, got {record['schema']!r}")
+    if record["schema_version"] != SCHEMA_VERSION:
+        raise ResultError(
+            f"result.schema_version: this ema_lab reads version {SCHEMA_VERSION}, "
+            f"got {record['schema_version']}"
+        )
+    _check_fields(record["settings"], _SETTINGS, "result.settings")
+    _check_fields(record["environment"], _ENV, "result.environment")
+    measured = set()
+    for dev, status in record["devices"].items():
+        where = f"result.devices.{dev}"
+        _check_fields(status, {"status": (str,)}, where)
+        if status["status"] == "measured":
+            _check_fields(status, {"environment": (dict,)}, where)
+            measured.add(dev)
+        elif not status["status"].startswith("skipped: "):
+            raise ResultError(
+                f"{where}.status: expected 'measured' or 'skipped: <reason>', got {status['status']!r}"
+            )
+    for i, row in enumerate(record["results"]):
+        where = f"result.results[{i}]"
+        _check_fields(row, _ROW, where)
+        _check_fields(row["stats"], _STATS, f"{where}.stats")
+        if row["device"] not in measured:
+            raise ResultError(f"{where}.device: {row['device']!r} is not a measured device")
+        if row["kind"] not in _KINDS:
+            raise ResultError(f"{where}.kind: expected one of {sorted(_KINDS)}, got {row['kind']!r}")
+        times = (row["q1_ms"], row["median_ms"], row["q3_ms"])
+        if not all(math.isfinite(t) and t > 0 for t in times) or not times[0] <= times[1] <= times[2]:
+            raise ResultError(f"{where}: expected 0 < q1_ms <= median_ms <= q3_ms, got {times}")
+        if (row["kernel_launches"] is None) == (row["kernel_launches_note"] is None):
+            raise ResultError(f"{where}: give kernel_launches or a kernel_launches_note, exactly one")
+    for dev, cm in record["cost_model"].items():
+        if dev not in measured:
+            raise ResultError(f"result.cost_model.{dev}: {dev!r} is not a measured device")
+        _check_fields(
+            cm, {"fits": (dict,), "points": (list,), "roofline_fraction": (dict,)}, f"result.cost_model.{dev}"
+        )
+        for name, fit in cm["fits"].items():
+            _check_fields(
+                fit,
+                {"overhead_per_op_us": _NUM, "bandwidth_gbps": (*_NUM, type(None)), "unit": (str,)},
+                f"result.cost_model.{dev}.fits.{name}",
+            )
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Read and validate one result file; raise :class:`ResultError` saying what is wrong with it."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ResultError(f"cannot read result file {str(path)!r}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ResultError(f"{str(path)!r} is not a JSON result file: {exc}") from None
+    try:
+        validate(record)
+    except ResultError as exc:
+        raise ResultError(f"{str(path)!r} is not a valid ema_lab result: {exc}") from None
+    return record
+
+
+def _slug(text: str) -> str:
+    text = re.sub(r"\((r|tm)\)|\bcpu\b|\bprocessor\b|\d+-core", "", text.lower())
+    return re.sub(r"[^a-z0-9]+", "-", text).strip("-")
+
+
+def machine_label(env: dict[str, Any], accelerators: list[str] = ()) -> str:
+    """A file-name-safe machine name: OS, CPU model, logical cores, plus any measured GPU's name."""
+    parts = [str(env.get("os", "")).split(" ")[0], str(env.get("cpu", "unknown")), f"{env.get('cpu_count')}c"]
+    parts += list(accelerators)
+    return "-".join(filter(None, (_slug(p) for p in parts)))[:80]
+
+
+def result_stem(machine: str, created: str) -> str:
+    """``<machine>_<YYYY-MM-DD>``: the common stem of a run's JSON and PNG files."""
+    return f"{machine}_{created[:10]}"
+
+
+def format_table(record: dict[str, Any]) -> str:
+    """The bench table: one block per device, a row per (model, candidate), speed-up vs seed_before."""
+    lines = [
+        f"threads={record['settings']['threads']}  (median [IQR] of {record['settings']['rounds']} rounds)"
+    ]
+    for dev, status in record["devices"].items():
+        if status["status"] != "measured":
+            lines.append(f"\n{dev}: {status['status']}")
+            continue
+        name = status["environment"].get("device_name", dev)
+        lines.append(f"\n{dev}: {name}")
+        head = f"{'model':<17}{'candidate':<13}{'ops/step':>9}{'kernels':>9}{'median ms':>11}{'IQR ms':>9}"
+        lines.append(head + f"{'speed-up':>10}{'roofline':>10}")
+        for row in record["results"]:
+            if row["device"] != dev:
+                continue
+            k = "-" if row["kernel_launches"] is None else str(row["kernel_launches"])
+            lines.append(
+                f"{row['model']:<17}{row['candidate']:<13}{row['ops_compute']:>9}{k:>9}"
+                f"{row['median_ms']:>11.3f}{row['q3_ms'] - row['q1_ms']:>9.3f}"
+                f"{row['speedup_vs_seed_before']:>9.1f}x{row['roofline_fraction']:>10.2f}"
+            )
+        cm = record["cost_model"].get(dev)
+        if cm:
+            loop, fe = cm["fits"]["loop"], cm["fits"]["foreach"]
+            lines.append(
+                f"cost model: {loop['overhead_per_op_us']:.2f} us per dispatched op (per-tensor loop), "
+                f"{fe['overhead_per_op_us']:.2f} us per tensor inside one _foreach_lerp_; "
+                f"copy roofline {cm['copy_bandwidth_gbps'] or float('nan'):.1f} GB/s, roofline fraction "
+                + ", ".join(f"{k} {v:.2f}" for k, v in cm["roofline_fraction"].items() if v is not None)
+            )
+    lines.append(
+        "ops/step: dispatched non-view ATen ops per update (count_ops); kernels: CUDA kernels "
+        "(torch.profiler), '-' where not available; roofline: (3 x float bytes / time) / "
+        "(2 x float bytes / copy time)"
+    )
+    return "\n".join(lines)
