@@ -2,6 +2,7 @@
 
 from .ema import STRATEGIES, ModelEMA
 from .gates import foreach_lerp_supported
+from .profiling import check_movable, profile_flops, remove_thop_buffers, state_dict_diff
 from .updates import foreach_update, gated_update, loop_update
 
 __version__ = "0.1.0"
@@ -13,5 +14,9 @@ __all__ = [
     "loop_update",
     "foreach_update",
     "gated_update",
+    "profile_flops",
+    "state_dict_diff",
+    "remove_thop_buffers",
+    "check_movable",
     "__version__",
 ]
