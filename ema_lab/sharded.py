@@ -1,0 +1,268 @@
+"""``ShardedModelEMA``: the EMA of an FSDP2 (``fully_shard``) model, kept as this rank's shards only.
+
+``ModelEMA`` deep-copies the model, which a ``fully_shard``-ed module refuses ("FSDP does not support
+deepcopy"), and a full copy per rank would cost the memory FSDP exists to save. The EMA is
+elementwise, so each rank can average just the shard it owns: ``ema_shard = lerp(ema_shard,
+param.to_local(), 1 - d)``. That needs no communication and, for one dtype, one foreach call over
+the local tensors. Only a checkpoint needs the whole EMA: ``full_state_dict()`` gathers it with
+``torch.distributed.checkpoint.state_dict.get_model_state_dict``, the same call one uses for the model.
+
+The EMA shards live in ``.ema``, a module holding them as DTensor parameters (same mesh, placements
+and fully qualified names as the model's), so torch's state-dict tools treat it like the model.
+It is a container, not a runnable network: load it into an FSDP model with :meth:`copy_to` to evaluate.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from . import pairs as _pairs
+from .pairs import Slot, module_entries, unwrap_model
+from .updates import PREPARERS, Step, prepare
+
+__all__ = ["ShardedModelEMA", "local_tensor"]
+
+
+def _dtensor_cls() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.4 (DTensor was torch.distributed._tensor) or no distributed build
+        return None
+    return DTensor
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (a view, no copy), else ``t`` itself."""
+    dtensor = _dtensor_cls()
+    if dtensor is not None and isinstance(t, dtensor):
+        with torch.no_grad():  # without grad, to_local() is a view of the shard, not an autograd node
+            return t.to_local()
+    return t
+
+
+@dataclass
+class _Prepared:
+    """A validated update step plus what tells that the model still holds the same tensors and storage."""
+
+    step: Step
+    other_ema: list[Tensor]
+    other_model: list[Tensor]
+    slots: list[Slot]
+    objects: list[Tensor]
+    ptrs: list[int]
+    generation: int
+    model_ref: weakref.ref
+
+    def is_current(self, model: nn.Module) -> bool:
+        """True while ``model`` is the prepared one and every slot holds the same tensor and local storage."""
+        if self.generation != _pairs._generation or self.model_ref() is not model:
+            return False
+        try:
+            now = [d[k] for d, k in self.slots]
+        except KeyError:
+            return False
+        # FSDP2 swaps unsharded tensors in during forward/backward and the sharded ones back after.
+        # ``_local_tensor`` is what to_local() returns without grad, minus a dispatched view per tensor.
+        return (
+            all(a is b for a, b in zip(now, self.objects))
+            and [getattr(t, "_local_tensor", t).data_ptr() for t in now] == self.ptrs
+        )
+
+
+def _holder(entries: dict[str, Tensor]) -> nn.Module:
+    """A bare module tree that registers ``entries`` under their dotted names (shared tensors stay shared)."""
+    root = nn.Module()
+    made: dict[int, Tensor] = {}
+    for key, t in entries.items():
+        *path, name = key.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, nn.Module())
+            mod = getattr(mod, part)
+        if id(t) not in made:
+            made[id(t)] = nn.Parameter(t, requires_grad=False) if t.is_floating_point() else t
+        value = made[id(t)]
+        if isinstance(value, nn.Parameter):
+            mod.register_parameter(name, value)
+        else:
+            mod.register_buffer(name, value)
+    return root
+
+
+class ShardedModelEMA:
+    """EMA of a model whose parameters are sharded DTensors (FSDP2): local shards, no communication.
+
+    Same schedule and counters as ``ModelEMA`` (``decay(n) = decay * (1 - exp(-n / tau))``,
+    ``.updates``, ``.enabled``). Call :meth:`update` after ``optimizer.step()``, when FSDP has
+    resharded the parameters; plain (replicated) tensors such as buffers are averaged whole.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        decay: float = 0.9999,
+        tau: float = 2000,
+        updates: int = 0,
+        strategy: str = "auto",
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not (isinstance(decay, (int, float)) and 0.0 < decay < 1.0):
+            raise ValueError(f"decay must be in (0, 1), got {decay!r}")
+        if not (isinstance(tau, (int, float)) and tau > 0 and math.isfinite(tau)):
+            raise ValueError(f"tau must be a positive number, got {tau!r}")
+        if not (isinstance(updates, int) and updates >= 0):
+            raise ValueError(f"updates must be a non-negative int, got {updates!r}")
+        if strategy != "auto" and strategy not in PREPARERS:
+            raise ValueError(f"unknown strategy {strategy!r}; expected one of {(*PREPARERS, 'auto')}")
+        if _dtensor_cls() is None:
+            raise RuntimeError("ShardedModelEMA needs torch.distributed.tensor.DTensor (torch >= 2.4)")
+        model = unwrap_model(model)
+        copies: dict[int, Tensor] = {}
+        entries: dict[str, Tensor] = {}
+        with torch.no_grad():
+            for key, (d, k) in module_entries(model):
+                t = d[k]
+                if id(t) not in copies:  # tied weights: one EMA tensor under every key
+                    copies[id(t)] = t.detach().clone()  # a DTensor clones only its local shard
+                entries[key] = copies[id(t)]
+        self.ema = _holder(entries)
+        self.updates = updates
+        self.max_decay = float(decay)
+        self.tau = float(tau)
+        self.strategy = strategy
+        self.enabled = True
+        self._keys = self._distinct_keys(entries)
+        self.rebuilds = 0  # how often the model-side cache was (re)built: once, unless tensors moved
+        self._cache: _Prepared | None = None
+
+    @staticmethod
+    def _distinct_keys(entries: dict[str, Tensor]) -> list[str]:
+        seen: set[int] = set()
+        keys = []
+        for key, t in entries.items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                keys.append(key)
+        return keys
+
+    def decay(self, n: int) -> float:
+        """The decay used at update number ``n``: ramps from 0 to ``max_decay``, time constant tau."""
+        return self.max_decay * (1 - math.exp(-n / self.tau))
+
+    @property
+    def resolved_strategy(self) -> str:
+        """The strategy actually run ("auto" resolved to "gated", as in ``ModelEMA``)."""
+        return "gated" if self.strategy == "auto" else self.strategy
+
+    def local_tensors(self) -> dict[str, Tensor]:
+        """This rank's EMA tensors by state_dict key (shards of sharded entries), tied weights once."""
+        sd = self.ema.state_dict(keep_vars=True)
+        return {k: local_tensor(sd[k]) for k in self._keys}
+
+    def local_bytes(self) -> int:
+        """Bytes of EMA memory this rank holds (its shards plus replicated entries)."""
+        return sum(t.numel() * t.element_size() for t in self.local_tensors().values())
+
+    def _model_tensors(self, model: nn.Module) -> tuple[list[Slot], list[Tensor]]:
+        """The model's slots and tensors for this EMA's keys, checked to be laid out like the EMA's."""
+        slots = dict(module_entries(model))
+        ema = self.ema.state_dict(keep_vars=True)
+        if slots.keys() != ema.keys():
+            missing, extra = sorted(ema.keys() - slots.keys()), sorted(slots.keys() - ema.keys())
+            raise ValueError(
+                f"model does not hold the EMA's entries: missing {missing[:5]}, extra {extra[:5]}"
+            )
+        dtensor = _dtensor_cls()
+        out = []
+        for k in self._keys:
+            e, (d, name) = ema[k], slots[k]
+            m = d[name]
+            if isinstance(e, dtensor) != isinstance(m, dtensor):
+                raise ValueError(
+                    f"entry {k!r}: the EMA holds a {type(e).__name__} but the model now a "
+                    f"{type(m).__name__}; call update() after optimizer.step(), when FSDP has resharded"
+                )
+            if isinstance(e, dtensor) and (e.placements != m.placements or e.shape != m.shape):
+                raise ValueError(
+                    f"entry {k!r}: model {tuple(m.shape)} {m.placements} does not match "
+                    f"EMA {tuple(e.shape)} {e.placements}"
+                )
+            out.append(m)
+        return [slots[k] for k in self._keys], out
+
+    def _prepared(self, model: nn.Module) -> _Prepared:
+        """The cached update step, rebuilt when the model's tensors or their local storage changed."""
+        if self._cache is not None and self._cache.is_current(model):
+            return self._cache
+        slots, tensors = self._model_tensors(model)
+        ema_local = list(self.local_tensors().values())
+        model_local = [local_tensor(t) for t in tensors]
+        floats = [i for i, e in enumerate(ema_local) if e.is_floating_point()]
+        others = [i for i, e in enumerate(ema_local) if not e.is_floating_point()]
+        for i in others:
+            if ema_local[i].shape != model_local[i].shape or model_local[i].is_floating_point():
+                raise ValueError(
+                    f"entry {self._keys[i]!r}: EMA {tuple(ema_local[i].shape)} {ema_local[i].dtype} does not "
+                    f"match model {tuple(model_local[i].shape)} {model_local[i].dtype}"
+                )
+        step = prepare(
+            self.resolved_strategy,
+            [ema_local[i] for i in floats],
+            [model_local[i] for i in floats],
+            [self._keys[i] for i in floats],
+        )
+        self._cache = _Prepared(
+            step=step,
+            other_ema=[ema_local[i] for i in others],
+            other_model=[model_local[i] for i in others],
+            slots=slots,
+            objects=tensors,
+            ptrs=[t.data_ptr() for t in model_local],
+            generation=_pairs._generation,
+            model_ref=weakref.ref(model),
+        )
+        self.rebuilds += 1
+        return self._cache
+
+    def update(self, model: nn.Module) -> None:
+        """Move this rank's EMA shards one step towards the model's (no communication)."""
+        if not self.enabled:
+            return
+        prep = self._prepared(unwrap_model(model))
+        prep.step(self.decay(self.updates + 1))
+        if prep.other_ema:  # non-float entries (BatchNorm's num_batches_tracked) are copied, not averaged
+            with torch.no_grad():
+                torch._foreach_copy_(prep.other_ema, prep.other_model)
+        self.updates += 1
+
+    def sharded_state_dict(self) -> dict[str, Tensor]:
+        """The EMA as DTensors (this rank's shards, no copy, no communication), for DCP save or copy_to."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.ema)
+
+    def full_state_dict(self, cpu_offload: bool = True) -> dict[str, Tensor]:
+        """The whole EMA, gathered (a collective: call it on every rank); cpu_offload: only rank 0 gets it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+        return get_model_state_dict(self.ema, options=options)
+
+    def copy_to(self, model: nn.Module) -> None:
+        """Load the EMA into an FSDP model sharded like the trained one (for evaluation), shard to shard."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(unwrap_model(model), self.sharded_state_dict())
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedModelEMA(decay={self.max_decay}, tau={self.tau}, updates={self.updates}, "
+            f"strategy={self.strategy!r}, local_bytes={self.local_bytes()})"
+        )
