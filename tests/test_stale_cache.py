@@ -9,6 +9,7 @@ from torch import nn
 from ema_lab import ModelEMA, models
 from ema_lab.pairs import ModulePairs
 from ema_lab.seed import CachedListEMA
+from ema_lab.staleness import CONVERSIONS, follows_after
 
 from .helpers import float_entries
 
@@ -108,3 +109,17 @@ def test_is_current_detects_conversions() -> None:
     pairs = ModulePairs.collect(ema, model)
     ema.half()
     assert not pairs.is_current(model)
+
+
+@pytest.mark.parametrize("conversion", sorted(CONVERSIONS))
+def test_follows_after_table(conversion: str) -> None:
+    stale = follows_after(CachedListEMA, conversion)
+    fresh = follows_after(ModelEMA, conversion)
+    assert (stale.ema_moved, stale.follows) == (False, False)
+    assert stale.gap == pytest.approx(1.0, abs=1e-3)  # the whole shift, never closed
+    assert (fresh.ema_moved, fresh.follows) == (True, True)
+
+
+def test_follows_after_rejects_unknown_conversion() -> None:
+    with pytest.raises(ValueError, match="unknown conversion 'model.cuda\\(\\)'"):
+        follows_after(ModelEMA, "model.cuda()")
