@@ -237,9 +237,7 @@ class StateDictDiff:
         lines += [f"~ {k:<{width}}  {a} -> {b}" for k, a, b in self.dtype_changed]
         lines += [f"~ {k}  shape {a} -> {b}" for k, a, b in self.shape_changed]
         if self.value_changed:
-            lines.append(
-                f"values changed in {len(self.value_changed)} entries: {', '.join(self.value_changed)}"
-            )
+            lines.append(f"values changed ({len(self.value_changed)}): {', '.join(self.value_changed)}")
         return "\n".join(lines)
 
 

@@ -1,0 +1,345 @@
+"""profile_flops leaves the caller's model alone; FlopCounterMode cross-check; diff, fingerprint, MPS."""
+
+from __future__ import annotations
+
+from copy import deepcopy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from ema_lab import check_movable, profile_flops, remove_thop_buffers, state_dict_diff
+from ema_lab.models import Conv, tiny_cnn, tiny_transformer
+from ema_lab.models import build as build_zoo
+from ema_lab.profiling import (
+    compare_flop_counts,
+    fingerprint,
+    float64_entries,
+    import_thop,
+    move_to,
+    snapshot,
+)
+
+C = 4  # channels every random tree keeps, so any composition has a valid forward
+
+
+def _thop_keys(model: nn.Module) -> list[str]:
+    return [
+        k
+        for k, _ in model.named_buffers(remove_duplicate=False)
+        if k.rsplit(".", 1)[-1] in ("total_ops", "total_params")
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _shared_act_stays_clean():
+    """Conv.default_act is process-wide: fail loudly if a test leaks onto it, and clean up either way."""
+    assert not _thop_keys(Conv.default_act), "Conv.default_act was already leaked before this test"
+    try:
+        yield
+        assert not _thop_keys(Conv.default_act), "this test leaked thop buffers onto Conv.default_act"
+    finally:
+        remove_thop_buffers(Conv.default_act)
+
+
+def _conv_block_macs(cin: int, cout: int, k: int, h: int, w: int) -> int:
+    """thop's count for Conv(cin, cout, k) at stride 1: conv MACs + BatchNorm (2 per element, x2 affine)."""
+    out = cout * h * w
+    return out * cin * k * k + 4 * out
+
+
+# --- profile_flops --------------------------------------------------------------------------------------
+
+
+def test_profile_flops_reports_ultralytics_gflops_and_thop_params():
+    block = Conv(3, 16, 3)
+    gflops, params = profile_flops(block, torch.randn(1, 3, 32, 32))
+    assert gflops == _conv_block_macs(3, 16, 3, 32, 32) / 1e9 * 2
+    assert params == 16 * 3 * 3 * 3 + 2 * 16  # conv weight + BN affine (SiLU has none)
+
+
+def test_profile_flops_leaves_model_hooks_and_modes_untouched():
+    model = tiny_cnn()
+    model[
+        1
+    ].eval()  # a mixed train/eval tree: thop calls model.eval() then model.train(prev) on the root only
+    calls = []
+    model[0].register_forward_hook(lambda *a: calls.append(1))
+    model[2].register_forward_pre_hook(lambda *a: None)
+    before = fingerprint(model)
+    x = torch.randn(2, 3, 32, 32)
+    x0 = x.clone()
+    profile_flops(model, x)
+    assert before.changes(fingerprint(model)) == []
+    assert torch.equal(x, x0)
+    assert model.training and not model[1].training
+
+
+def test_profile_flops_untouched_when_forward_raises():
+    model = tiny_cnn().train()
+    before = fingerprint(model)
+    with pytest.raises(RuntimeError, match="expected input"):
+        profile_flops(model, torch.randn(1, 5, 32, 32))  # 5 channels into a 3-channel conv
+    assert before.changes(fingerprint(model)) == []
+
+
+def test_in_place_thop_is_caught_by_the_fingerprint():
+    """Negative control: the same check does see what an in-place thop.profile does."""
+    thop = import_thop()
+    model = nn.Sequential(Conv(3, 8, 3), nn.Linear(32, 4))  # Linear over the last dim keeps it simple
+    model.train()
+    before = fingerprint(model)
+    try:
+        with pytest.raises(RuntimeError):
+            thop.profile(model, inputs=(torch.randn(1, 3, 8, 8),), verbose=False)  # 8 != 32 features
+        changes = before.changes(fingerprint(model))
+        assert any("total_ops" in c for c in changes)
+        assert any(c.startswith("hooks changed") for c in changes)
+        assert any(c.startswith("training mode changed") for c in changes)
+    finally:
+        remove_thop_buffers(model)
+
+
+def test_input_mutated_in_place_by_the_forward_is_protected():
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Conv2d(3, 4, 1))
+    x = torch.randn(1, 3, 4, 4)
+    x0 = x.clone()
+    profile_flops(model, x)
+    assert torch.equal(x, x0)
+    profile_flops(model, [x])  # a sequence of inputs works too
+    assert torch.equal(x, x0)
+
+
+def test_profile_flops_rejects_bad_models():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        profile_flops(lambda x: x, torch.randn(1))  # type: ignore[arg-type]
+    model = nn.Linear(2, 2)
+    model.cache = torch.ones(2, requires_grad=True) * 2  # a non-leaf tensor: deepcopy refuses it
+    with pytest.raises(TypeError, match="cannot be deep-copied"):
+        profile_flops(model, torch.randn(1, 2))
+    assert _thop_keys(model) == []
+
+
+# --- cross-check with FlopCounterMode ------------------------------------------------------------------
+
+
+def test_conv_and_linear_counts_agree_exactly_with_flop_counter_mode():
+    model = tiny_cnn()
+    before = fingerprint(model)
+    cmp = compare_flop_counts(model, torch.randn(1, 3, 32, 32))
+    assert before.changes(fingerprint(model)) == []
+    assert cmp.matmuls_agree
+    assert cmp.thop_matmul_flops == cmp.counter_flops == sum(cmp.counter_by_op.values())
+    assert set(cmp.counter_by_op) == {"aten.convolution", "aten.addmm"}
+    # Everything else thop counts is what FlopCounterMode has no formula for.
+    assert set(cmp.thop_only) == {"BatchNorm2d", "AdaptiveAvgPool2d"}
+    assert cmp.thop_flops == cmp.thop_matmul_flops + sum(cmp.thop_only.values())
+    gflops, _ = profile_flops(model, torch.randn(1, 3, 32, 32))
+    assert cmp.thop_flops == round(gflops * 1e9)
+    assert "equal to FlopCounterMode" in cmp.explain()
+
+
+def test_counts_differ_on_a_transformer_and_the_explanation_says_so():
+    cmp = compare_flop_counts(tiny_transformer(), torch.randint(0, 64, (1, 16)))
+    # Eval + no_grad runs nn.TransformerEncoderLayer's fused fast path, which FlopCounterMode cannot
+    # see; thop cannot see attention (no rule for MultiheadAttention): only the head is counted by both.
+    assert not cmp.matmuls_agree
+    assert cmp.counter_by_op == {"aten.mm": 2 * 16 * 32 * 64}
+    assert "NOT equal" in cmp.explain() and "fused kernels" in cmp.explain()
+
+
+# --- inspection helpers -----------------------------------------------------------------------------------
+
+
+def test_state_dict_diff_lists_every_kind_of_change():
+    a = {"w": torch.ones(2), "b": torch.zeros(3), "gone": torch.ones(1), "n": torch.ones(2)}
+    b = {
+        "w": torch.ones(2, dtype=torch.float64),
+        "b": torch.zeros(4),
+        "n": torch.tensor([1.0, 2.0]),
+        "new": torch.zeros(1, dtype=torch.float64),
+    }
+    d = state_dict_diff(a, b)
+    assert d.added == (("new", "float64", (1,)),)
+    assert d.removed == (("gone", "float32", (1,)),)
+    assert d.dtype_changed == (("w", "float32", "float64"),)
+    assert d.shape_changed == (("b", (3,), (4,)),)
+    assert d.value_changed == ("n",)
+    assert str(d).splitlines() == [
+        "+ new   float64  (1,)",
+        "- gone  float32  (1,)",
+        "~ w     float32 -> float64",
+        "~ b  shape (3,) -> (4,)",
+        "values changed (1): n",
+    ]
+    same = state_dict_diff(snapshot(build_zoo("tiny_cnn")), build_zoo("tiny_cnn"))
+    assert same.empty and str(same) == "state_dict unchanged"
+    nan = {"x": torch.tensor([float("nan")])}
+    assert state_dict_diff(nan, snapshot(nan)).empty  # NaN == NaN for this purpose
+
+
+def test_fingerprint_sees_replaced_tensors_and_non_persistent_buffers():
+    m = nn.Linear(2, 2)
+    m.register_buffer("scratch", torch.zeros(1), persistent=False)
+    fp = fingerprint(m)
+    m.scratch.add_(1)
+    assert fp.changes(fingerprint(m)) == ["tensors: values changed (1): scratch"]
+    fp = fingerprint(m)
+    m.weight = nn.Parameter(m.weight.detach().clone())  # same values, new object
+    assert fp.changes(fingerprint(m)) == ["tensor object replaced: weight"]
+
+
+def test_remove_thop_buffers_removes_only_thop_keys():
+    thop = import_thop()
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.SiLU())
+    model[1].register_buffer("mine", torch.zeros(1))
+    model.add_module("wrap", nn.ModuleList([nn.SiLU()]))
+    with pytest.raises(NotImplementedError):  # a ModuleList cannot be called: the forward fails late
+        thop.profile(model, inputs=(torch.randn(1, 3, 4, 4),), verbose=False)
+    assert _thop_keys(model)
+    removed = remove_thop_buffers(model)
+    assert "1.total_ops" in removed and "wrap.0.total_params" in removed
+    assert _thop_keys(model) == [] and "1.mine" in model.state_dict()
+
+
+# --- MPS: no float64 ----------------------------------------------------------------------------------
+
+
+def _leaky_model() -> nn.Module:
+    model = tiny_cnn()
+    model[2].register_buffer("total_ops", torch.zeros(1, dtype=torch.float64))
+    model[2].register_buffer("scratch", torch.zeros(1, dtype=torch.float64), persistent=False)
+    return model
+
+
+def test_check_movable_refuses_float64_on_mps_with_a_clear_message():
+    model = _leaky_model()
+    assert float64_entries(model) == ["2.total_ops", "2.scratch"]
+    with pytest.raises(ValueError) as e:
+        check_movable(model, "mps")  # the device is only named, never touched: testable on any machine
+    msg = str(e.value)
+    assert (
+        "cannot move Sequential to 'mps'" in msg and "2 entries are float64 (2.total_ops, 2.scratch)" in msg
+    )
+    assert "1 of them are thop's total_ops/total_params" in msg and "profile_flops" in msg
+    check_movable(model, "cpu")
+    check_movable(model, torch.device("cuda", 0))  # CUDA has float64: nothing to refuse
+    check_movable(tiny_cnn(), "mps:0")
+
+
+def test_move_to_refuses_before_moving_anything():
+    model = _leaky_model()
+    before = fingerprint(model)
+    with pytest.raises(ValueError, match="MPS has no float64"):
+        move_to(model, "mps")
+    assert before.changes(fingerprint(model)) == []
+    other = nn.Linear(2, 2).double()
+    with pytest.raises(ValueError, match="cast them with .float"):
+        check_movable(other, "mps")
+    assert move_to(tiny_cnn(), "cpu") is not None
+
+
+@pytest.mark.skipif(
+    not torch.backends.mps.is_available(), reason="skipped: no Apple MPS device (needs a real MPS device)"
+)
+def test_on_real_mps_float64_cannot_move():  # pragma: no cover - runs only on Apple silicon
+    model = _leaky_model()
+    with pytest.raises((TypeError, RuntimeError)):
+        deepcopy(model).to("mps")
+    with pytest.raises(ValueError, match="MPS has no float64"):
+        move_to(model, "mps")
+
+
+# --- property: random module trees ---------------------------------------------------------------------
+
+SHARED_ACT = nn.SiLU()  # shared at module level across every tree, like ultralytics' Conv.default_act
+
+
+class Residual(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x)
+
+
+class Chain(nn.Module):
+    def __init__(self, mods: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(mods)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.layers:
+            x = m(x)
+        return x
+
+
+class Scale(nn.Module):
+    """A custom leaf with a parameter and a float64 buffer, no thop rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(C, 1, 1))
+        self.register_buffer("ref", torch.zeros(1, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class Boom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom")
+
+
+LEAVES = {
+    "conv": lambda: nn.Conv2d(C, C, 3, padding=1),
+    "bn": lambda: nn.BatchNorm2d(C),
+    "silu": nn.SiLU,
+    "relu": lambda: nn.ReLU(inplace=True),
+    "shared": lambda: SHARED_ACT,
+    "scale": Scale,
+    "boom": Boom,
+}
+trees = st.recursive(
+    st.sampled_from(sorted(LEAVES)),
+    lambda kids: st.tuples(
+        st.sampled_from(["seq", "residual", "chain"]), st.lists(kids, min_size=1, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def build(spec: object) -> nn.Module:
+    if isinstance(spec, str):
+        return LEAVES[spec]()
+    kind, kids = spec
+    mods = [build(k) for k in kids]
+    if kind == "seq":
+        return nn.Sequential(*mods)
+    if kind == "residual":
+        return Residual(nn.Sequential(*mods))
+    return Chain(mods)
+
+
+@settings(max_examples=100, deadline=None)
+@given(spec=trees, flags=st.lists(st.booleans(), max_size=24), hook_every=st.integers(2, 5))
+def test_profile_flops_never_changes_the_model(spec, flags, hook_every):
+    model = build(spec)
+    mods = list(model.modules())
+    for m, f in zip(mods, flags):
+        m.training = f  # per module, not recursive: any mix of modes
+    for i, m in enumerate(mods):
+        if i % hook_every == 0:
+            m.register_forward_hook(lambda *a: None)
+    before = fingerprint(model)
+    shared_before = fingerprint(SHARED_ACT)
+    try:
+        gflops, params = profile_flops(model, torch.randn(1, C, 6, 6))
+        assert gflops >= 0 and params >= 0
+    except ValueError as e:  # a tree containing Boom
+        assert str(e) == "boom"
+    assert before.changes(fingerprint(model)) == []
+    assert shared_before.changes(fingerprint(SHARED_ACT)) == []
