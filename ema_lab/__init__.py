@@ -3,12 +3,14 @@
 from .ema import STRATEGIES, ModelEMA
 from .gates import foreach_lerp_supported
 from .profiling import check_movable, profile_flops, remove_thop_buffers, state_dict_diff
+from .sharded import ShardedModelEMA
 from .updates import foreach_update, gated_update, loop_update
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ModelEMA",
+    "ShardedModelEMA",
     "STRATEGIES",
     "foreach_lerp_supported",
     "loop_update",
