@@ -168,6 +168,9 @@ def run_bench(
     if threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
     devices = resolve_devices(device)
+    # Every known device appears in the result: measured, absent (with the reason) or not asked for.
+    for dev, reason in available_devices().items():
+        devices.setdefault(dev, reason or f"skipped: not requested (--device {device})")
     # The baseline (for speed-ups) and the copy (for the roofline) are always measured.
     chosen = [c for c in known if c in {BASELINE, "copy", *(strategies or known)}]
     rounds = 3 if quick else 15

@@ -78,8 +78,8 @@ def fit_cost(
     pred = x @ coef
     ss_res = float(np.sum(((y - pred) * w) ** 2))
     ss_tot = float(np.sum(((y - np.average(y, weights=w**2)) * w) ** 2)) or 1.0
-    bw = 1.0 / coef[1] / 1e9 if coef[1] > 0 else float("inf")
-    return CostFit(strategy, unit, float(coef[0]) * 1e6, bw, 1.0 - ss_res / ss_tot, len(units))
+    bw = float(1.0 / coef[1] / 1e9) if coef[1] > 0 else float("inf")
+    return CostFit(strategy, unit, float(coef[0]) * 1e6, bw, float(1.0 - ss_res / ss_tot), len(units))
 
 
 @dataclass

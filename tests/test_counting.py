@@ -1,0 +1,120 @@
+"""count_ops: deterministic op counts for every strategy on every zoo model; the kernel counter's honesty."""
+
+from __future__ import annotations
+
+from collections import Counter
+from copy import deepcopy
+
+import pytest
+import torch
+
+from ema_lab import ModelEMA, models
+from ema_lab.counting import (
+    KernelCountUnavailable,
+    count_kernel_launches,
+    count_ops,
+    is_view_op,
+    kernel_launches_or_reason,
+    without_views,
+)
+from ema_lab.ema import STRATEGIES
+from ema_lab.seed import seed_after, seed_before
+
+D = 0.9999
+
+
+def test_count_ops_keys_by_overload_and_drops_nothing():
+    x = torch.zeros(4)
+    counts = count_ops(lambda: (x.add_(1), x.view(2, 2), x.detach(), torch.add(x, x)))
+    assert counts == Counter(
+        {"aten.add_.Tensor": 1, "aten.view.default": 1, "aten.detach.default": 1, "aten.add.Tensor": 1}
+    )
+    assert without_views(counts) == Counter({"aten.add_.Tensor": 1, "aten.add.Tensor": 1})
+    assert is_view_op("aten.detach.default") and not is_view_op("aten._foreach_lerp_.Scalar")
+
+
+def test_ops_inside_a_foreach_are_not_counted():
+    ema, model = [torch.zeros(3) for _ in range(10)], [torch.ones(3) for _ in range(10)]
+    # CPU runs a per-tensor lerp loop inside this one op; the counter sees only the op it dispatched.
+    assert count_ops(torch._foreach_lerp_, ema, model, 0.5) == Counter({"aten._foreach_lerp_.Scalar": 1})
+    assert ema[9].tolist() == [0.5] * 3  # the op still ran
+
+
+def test_count_ops_passes_arguments_and_is_deterministic():
+    a, b = torch.zeros(5), torch.ones(5)
+    first = count_ops(torch.lerp, a, b, weight=0.25)
+    assert first == count_ops(torch.lerp, a, b, weight=0.25) == Counter({"aten.lerp.Scalar": 1})
+
+
+def _expected(name: str, stats: models.ModelStats, distinct: int, other: int) -> Counter:
+    """Op counts of one steady-state update, from the model's entry counts."""
+    f, e = stats.float_tensors, stats.entries
+    copy_other = Counter({"aten._foreach_copy_.default": 1} if other else {})
+    if (
+        name == "seed_before"
+    ):  # v *= d; v += (1 - d) * msd[k].detach(); two state_dict() walks detach each entry
+        return Counter(
+            {
+                "aten.mul_.Tensor": f,
+                "aten.mul.Tensor": f,
+                "aten.add_.Tensor": f,
+                "aten.detach.default": 2 * e + f,
+            }
+        )
+    if name == "seed_after":
+        return Counter({"aten._foreach_lerp_.Scalar": 1, "aten.detach.default": 2 * e})
+    if name == "loop":  # cached pairs: no state_dict walk, tied weights once
+        per = {"aten.mul_.Tensor", "aten.mul.Tensor", "aten.add_.Tensor", "aten.detach.default"}
+        return Counter(dict.fromkeys(per, distinct)) + copy_other
+    if name in {"foreach", "gated", "auto"}:  # every zoo model is one (cpu, float32) group
+        return Counter({"aten._foreach_lerp_.Scalar": 1}) + copy_other
+    raise AssertionError(f"no expected op count for strategy {name!r}: add it to _expected")
+
+
+@pytest.fixture(scope="module", params=list(models.ZOO))
+def zoo_model(request):
+    return request.param, models.build(request.param)
+
+
+def test_op_counts_for_every_strategy_on_every_zoo_model(zoo_model):
+    name, model = zoo_model
+    stats = models.describe(model)
+    sd = model.state_dict()
+    distinct = len({v.data_ptr() for v in sd.values() if v.is_floating_point()})
+    other = sum(not v.is_floating_point() for v in sd.values())
+    ema_module = deepcopy(model)
+    got = {
+        "seed_before": count_ops(seed_before, ema_module, model, D),
+        "seed_after": count_ops(seed_after, ema_module, model, D),
+    }
+    for strategy in STRATEGIES:  # read at run time: strategies added later are covered too
+        ema = ModelEMA(model, strategy=strategy)
+        ema.update(model)  # the first update collects the pairs; count the steady state
+        got[strategy] = count_ops(ema.update, model)
+        assert count_ops(ema.update, model) == got[strategy], f"{strategy}: not deterministic"
+        del ema
+    for strategy, counts in got.items():
+        assert counts == _expected(strategy, stats, distinct, other), f"{name} / {strategy}"
+    # The seed's figure: 3 compute ops per float tensor before, one foreach op after.
+    assert sum(without_views(got["seed_before"]).values()) == 3 * stats.float_tensors
+    assert sum(without_views(got["seed_after"]).values()) == 1
+
+
+def test_kernel_counter_says_not_available_instead_of_a_number():
+    x = torch.zeros(3)
+    for device in ("cpu", "mps"):
+        with pytest.raises(KernelCountUnavailable, match=r"^not available: "):
+            count_kernel_launches(x.add_, 1, device=device)
+        assert kernel_launches_or_reason(x.add_, 1, device=device).startswith("not available: ")
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in kernel_launches_or_reason(x.add_, 1, device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="skipped: no CUDA device")
+def test_cuda_kernel_launches_foreach_vs_loop():  # pragma: no cover - needs a GPU
+    ema = [torch.zeros(100, device="cuda") for _ in range(64)]
+    model = [torch.ones(100, device="cuda") for _ in range(64)]
+    fused = count_kernel_launches(torch._foreach_lerp_, ema, model, 0.1)
+    looped = count_kernel_launches(lambda: [e.lerp_(m, 0.1) for e, m in zip(ema, model)])
+    assert sum(looped.values()) == 64
+    assert 1 <= sum(fused.values()) < 64  # multi_tensor_apply: a few chunked launches

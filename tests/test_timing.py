@@ -1,0 +1,67 @@
+"""The timer's bookkeeping (interleaving, quartiles, threads) and the cost-model fit; no timing asserted."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ema_lab.costmodel import BYTES_PER_ELEMENT, FIXED_ELEMENTS, FIXED_TENSORS, fit_cost, sweep_plan
+from ema_lab.timing import quantiles, synchronize, time_candidates
+
+
+def test_quantiles_inclusive():
+    assert quantiles([4.0, 1.0, 3.0, 2.0, 5.0]) == (2.0, 3.0, 4.0)
+    assert quantiles([7.0]) == (7.0, 7.0, 7.0)
+
+
+def test_candidates_are_interleaved_with_rotating_order_and_threads_restored():
+    calls: list[str] = []
+    fns = {k: (lambda k=k: calls.append(k)) for k in "abc"}
+    before = torch.get_num_threads()
+    res = time_candidates(fns, rounds=4, warmup=1, target_s=1e-9, threads=1)
+    assert torch.get_num_threads() == before
+    # target_s tiny -> one call per measurement; Timer.timeit adds 2 warm-up calls before each.
+    measured = [calls[i] for i in range(len(calls)) if i >= 6 and (i - 6) % 3 == 2]
+    assert measured == list("abcbcacababc")
+    for k, r in res.items():
+        assert (r.name, r.device, r.threads, r.number, r.rounds, len(r.times_s)) == (k, "cpu", 1, 1, 4, 4)
+        assert r.q1_s <= r.median_s <= r.q3_s and r.iqr_s == r.q3_s - r.q1_s
+        assert set(r.as_dict()) >= {"median_s", "q1_s", "q3_s", "iqr_s", "threads", "times_s"}
+
+
+def test_time_candidates_rejects_bad_input():
+    with pytest.raises(ValueError, match="at least one candidate"):
+        time_candidates({})
+    with pytest.raises(ValueError, match="rounds and threads"):
+        time_candidates({"a": lambda: None}, rounds=0)
+    synchronize("cpu")  # a no-op that must not raise
+
+
+def test_fit_recovers_overhead_and_bandwidth():
+    units = [4, 16, 64, 256, 1024, 256, 256]
+    nbytes = [1e6, 1e6, 1e6, 1e6, 1e6, 1e5, 1e7]
+    seconds = [2e-6 * u + b / 50e9 for u, b in zip(units, nbytes)]
+    fit = fit_cost(units, nbytes, seconds, "loop", "dispatched op")
+    assert math.isclose(fit.overhead_per_op_us, 2.0, rel_tol=1e-6)
+    assert math.isclose(fit.bandwidth_gbps, 50.0, rel_tol=1e-6)
+    assert math.isclose(fit.r2, 1.0, abs_tol=1e-9) and fit.points == 7
+
+
+def test_fit_never_reports_a_negative_term():
+    # The point with the most bytes is the fastest relative to its count: a free fit's bytes term is < 0.
+    fit = fit_cost([1, 2, 3], [1e6, 2e6, 1e6], [1e-6, 1.5e-6, 3e-6], "foreach", "tensor")
+    assert fit.overhead_per_op_us > 0 and fit.bandwidth_gbps == math.inf
+    with pytest.raises(ValueError, match="need >= 2 points"):
+        fit_cost([1], [1], [1], "loop", "op")
+
+
+def test_sweep_plan_varies_count_at_fixed_size_and_size_at_fixed_count():
+    for quick in (False, True):
+        plan = sweep_plan(quick)
+        counts = [(n, e) for s, n, e in plan if s == "count"]
+        sizes = [(n, e) for s, n, e in plan if s == "size"]
+        assert {e for _, e in counts} == {FIXED_ELEMENTS} and len(counts) >= 4
+        assert {n for n, _ in sizes} == {FIXED_TENSORS} and len(sizes) >= 2
+    assert BYTES_PER_ELEMENT == {"loop": 7, "foreach": 3, "floor": 3, "copy": 2}
