@@ -320,6 +320,7 @@ class Step4:
     after_naive_fallback: float  # try foreach, except: loop -> decayed twice
     model_weight: float  # (1 - d)
     effective_model_weight: float  # what the naive fallback applied
+    weights: tuple[tuple[str, float | None], ...]  # per float pair: model weight the naive path applied
     ema_lab_error: str  # ema_lab.foreach_update's up-front ValueError
     ema_lab_unchanged: bool
 
@@ -338,6 +339,22 @@ class Step4:
             f"ema_lab.foreach_update instead raises before touching anything:\n  {self.ema_lab_error}\n"
             f"  EMA unchanged: {self.ema_lab_unchanged}"
         )
+
+
+def _applied_weights(
+    before: dict[str, torch.Tensor],
+    model: dict[str, torch.Tensor],
+    after: dict[str, torch.Tensor],
+    keys: list[str],
+) -> tuple[tuple[str, float | None], ...]:
+    """Per entry, w in ``after = before + w * (model - before)`` at its largest gap (None: no gap)."""
+    out = []
+    for k in keys:
+        b, m, a = (t.double().flatten() for t in (before[k], model[k], after[k]))
+        gap = m - b
+        i = int(gap.abs().argmax()) if gap.numel() else 0
+        out.append((k, None if gap.numel() == 0 or gap[i] == 0 else ((a[i] - b[i]) / gap[i]).item()))
+    return tuple(out)
 
 
 def step4_foreach_fails() -> Step4:
@@ -373,6 +390,7 @@ def step4_foreach_fails() -> Step4:
         updated = state_dict_diff(before, ema).value_changed
         seed_before(ema, model, DECAY)  # the naive `except RuntimeError: loop` fallback
         after_fallback = ema.state_dict()[key].flatten()[index].item()
+        weights = _applied_weights(before, msd, ema.state_dict(), floats)
     one = DECAY * e0 + (1 - DECAY) * m0
     return Step4(
         error=error,
@@ -388,6 +406,7 @@ def step4_foreach_fails() -> Step4:
         after_naive_fallback=after_fallback,
         model_weight=1 - DECAY,
         effective_model_weight=(after_fallback - e0) / (m0 - e0),
+        weights=weights,
         ema_lab_error=ema_lab_error,
         ema_lab_unchanged=unchanged,
     )

@@ -29,6 +29,7 @@ __all__ = [
     "compare_flop_counts",
     "FlopComparison",
     "snapshot",
+    "dtype_table",
     "state_dict_diff",
     "StateDictDiff",
     "fingerprint",
@@ -194,6 +195,13 @@ def snapshot(model: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]:
     """A detached copy of a model's state_dict (or of a mapping of tensors), to diff against later."""
     sd = model.state_dict() if isinstance(model, nn.Module) else model
     return {k: v.detach().clone() for k, v in sd.items()}
+
+
+def dtype_table(model: nn.Module | Mapping[str, Tensor]) -> str:
+    """One line per state_dict entry: key, dtype, shape; for printing a model's state in a notebook cell."""
+    sd = model.state_dict() if isinstance(model, nn.Module) else model
+    width = max((len(k) for k in sd), default=0)
+    return "\n".join(f"{k:<{width}}  {_dtype(v):<8} {tuple(v.shape)}" for k, v in sd.items())
 
 
 def _dtype(t: Tensor | torch.dtype) -> str:

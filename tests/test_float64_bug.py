@@ -134,6 +134,12 @@ def test_step4_foreach_raises_after_a_partial_update_and_the_naive_fallback_deca
     assert s4.after_naive_fallback == pytest.approx(d * d * s4.ema0 + (1 - d * d) * s4.model_value, rel=1e-6)
     assert s4.effective_model_weight == pytest.approx(1 - d * d, rel=1e-3)
     assert s4.model_weight == pytest.approx(1 - d)
+    # Per pair: 1 - d^2 before the bad pair, 1 - d after it (the loop alone), no gap on the thop buffers.
+    for i, (key, w) in enumerate(s4.weights):
+        if key.endswith(("total_ops", "total_params")):
+            assert w is None, key
+        else:
+            assert w == pytest.approx(1 - d * d if i < s4.bad_index else 1 - d, abs=2e-3), key
     assert s4.ema_lab_error == (
         "ValueError: entry 5 ('0.act.total_ops'): EMA shape (1,), torch.float32, cpu "
         "does not match model shape (1,), torch.float64, cpu"

@@ -15,6 +15,7 @@ from ema_lab.models import Conv, tiny_cnn, tiny_transformer
 from ema_lab.models import build as build_zoo
 from ema_lab.profiling import (
     compare_flop_counts,
+    dtype_table,
     fingerprint,
     float64_entries,
     import_thop,
@@ -178,6 +179,13 @@ def test_state_dict_diff_lists_every_kind_of_change():
     assert same.empty and str(same) == "state_dict unchanged"
     nan = {"x": torch.tensor([float("nan")])}
     assert state_dict_diff(nan, snapshot(nan)).empty  # NaN == NaN for this purpose
+
+
+def test_dtype_table_lists_key_dtype_shape():
+    assert dtype_table(Conv(3, 16, 3)).splitlines()[::5] == [
+        "conv.weight             float32  (16, 3, 3, 3)",
+        "bn.num_batches_tracked  int64    ()",
+    ]
 
 
 def test_fingerprint_sees_replaced_tensors_and_non_persistent_buffers():
