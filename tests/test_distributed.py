@@ -7,12 +7,8 @@ and a model with BatchNorm buffers, whose DDP/FSDP statistics differ from a sing
 
 from __future__ import annotations
 
-import json
 import multiprocessing
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,24 +19,15 @@ from ema_lab import distributed as dist_demo
 from ema_lab.counting import count_ops
 from ema_lab.models import build
 
-ROOT = Path(__file__).resolve().parent.parent
 MISSING = dist_demo.missing_apis()
 needs_distributed = pytest.mark.skipif(bool(MISSING), reason=f"skipped: torch lacks {', '.join(MISSING)}")
 
 
 @needs_distributed
-def test_two_process_demo_passes_every_check(tmp_path: Path) -> None:
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ema_lab.distributed", "--world-size", "2", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "result: OK" in proc.stdout
-    summary = json.loads(out.read_text())
+def test_two_process_demo_passes_every_check() -> None:
+    rc, output, summary = dist_demo.run_cli(world_size=2)
+    assert rc == 0, output
+    assert "result: OK" in output
     assert summary["ok"] and not summary["failures"]
     assert len(summary["checks"]) == 14 and all(summary["checks"].values())
     fig = summary["figures"]
