@@ -88,10 +88,28 @@ def _candidates(model: torch.nn.Module, names: Sequence[str]) -> dict[str, Calla
         elif name == "copy":
             out[name] = lambda: flat["ema"].copy_(flat["model"])
         else:
-            ema = ModelEMA(model, strategy=name)
-            ema.updates = RAMP_UPDATES
-            out[name] = lambda ema=ema: ema.update(model)
+            out[name] = _model_ema_step(model, name)
     return out
+
+
+def _layout(model: torch.nn.Module) -> list[int]:
+    return [t.data_ptr() for t in model.state_dict().values()]
+
+
+def _model_ema_step(model: torch.nn.Module, strategy: str) -> Callable[[], object]:
+    """``ModelEMA(..., strategy).update`` on ``model``, or on a private copy if the strategy re-points it.
+
+    A strategy such as ``flat_model`` moves the model's tensors into its own buffers; sharing the
+    model would change the memory layout every other candidate reads, so it gets a copy.
+    """
+    own = deepcopy(model)
+    before = _layout(own)
+    ema = ModelEMA(own, strategy=strategy)
+    ema.update(own)
+    if _layout(own) == before:
+        own = model  # the layout is untouched: share the model like the other candidates
+    ema.updates = RAMP_UPDATES
+    return lambda: ema.update(own)
 
 
 def _kind(name: str) -> str:

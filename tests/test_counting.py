@@ -46,7 +46,9 @@ def test_count_ops_passes_arguments_and_is_deterministic():
     assert first == count_ops(torch.lerp, a, b, weight=0.25) == Counter({"aten.lerp.Scalar": 1})
 
 
-def _expected(name: str, stats: models.ModelStats, distinct: int, other: int) -> Counter:
+def _expected(
+    name: str, stats: models.ModelStats, distinct: int, other: int, mean_elements: float
+) -> Counter:
     """Op counts of one steady-state update, from the model's entry counts."""
     f, e = stats.float_tensors, stats.entries
     copy_other = Counter({"aten._foreach_copy_.default": 1} if other else {})
@@ -68,6 +70,14 @@ def _expected(name: str, stats: models.ModelStats, distinct: int, other: int) ->
         return Counter(dict.fromkeys(per, distinct)) + copy_other
     if name in {"foreach", "gated", "auto"}:  # every zoo model is one (cpu, float32) group
         return Counter({"aten._foreach_lerp_.Scalar": 1}) + copy_other
+    if name == "flat_model":  # the model flattened too: one lerp_ over two flat buffers
+        return Counter({"aten.lerp_.Scalar": 1}) + copy_other
+    if name == "flat":  # small tensors: gather the model with one cat, then one lerp_; else one foreach
+        from ema_lab.flat import CAT_MAX_MEAN
+
+        if mean_elements < CAT_MAX_MEAN:
+            return Counter({"aten.cat.out": 1, "aten.lerp_.Scalar": 1}) + copy_other
+        return Counter({"aten._foreach_lerp_.Scalar": 1}) + copy_other
     raise AssertionError(f"no expected op count for strategy {name!r}: add it to _expected")
 
 
@@ -80,21 +90,29 @@ def test_op_counts_for_every_strategy_on_every_zoo_model(zoo_model):
     name, model = zoo_model
     stats = models.describe(model)
     sd = model.state_dict()
-    distinct = len({v.data_ptr() for v in sd.values() if v.is_floating_point()})
+    by_ptr = {v.data_ptr(): v.numel() for v in sd.values() if v.is_floating_point()}
+    distinct, mean_elements = len(by_ptr), sum(by_ptr.values()) / len(by_ptr)
     other = sum(not v.is_floating_point() for v in sd.values())
     ema_module = deepcopy(model)
     got = {
         "seed_before": count_ops(seed_before, ema_module, model, D),
         "seed_after": count_ops(seed_after, ema_module, model, D),
     }
+    resolved = {"seed_before": "seed_before", "seed_after": "seed_after"}
     for strategy in STRATEGIES:  # read at run time: strategies added later are covered too
+        layout = [v.data_ptr() for v in model.state_dict().values()]
         ema = ModelEMA(model, strategy=strategy)
         ema.update(model)  # the first update collects the pairs; count the steady state
         got[strategy] = count_ops(ema.update, model)
         assert count_ops(ema.update, model) == got[strategy], f"{strategy}: not deterministic"
+        resolved[strategy] = ema.resolved_strategy  # "auto" is checked as what it runs
+        if [v.data_ptr() for v in model.state_dict().values()] != layout:
+            model = models.build(name)  # flat_model re-pointed the model's tensors: the next gets a fresh one
         del ema
     for strategy, counts in got.items():
-        assert counts == _expected(strategy, stats, distinct, other), f"{name} / {strategy}"
+        assert counts == _expected(resolved[strategy], stats, distinct, other, mean_elements), (
+            f"{name} / {strategy}"
+        )
     # The seed's figure: 3 compute ops per float tensor before, one foreach op after.
     assert sum(without_views(got["seed_before"]).values()) == 3 * stats.float_tensors
     assert sum(without_views(got["seed_after"]).values()) == 1
