@@ -41,6 +41,11 @@ __all__ = [
     "ddp_model_ema",
     "missing_apis",
     "run",
+    "ddp_demo",
+    "fsdp_demo",
+    "reference",
+    "summarise",
+    "Report",
     "run_cli",
     "format_report",
     "main",
@@ -154,7 +159,7 @@ def _time_updates(ema: ModelEMA | ShardedModelEMA, model: nn.Module, repeats: in
     return out
 
 
-def _ddp_demo(cfg: Config, rank: int) -> dict[str, object]:
+def ddp_demo(cfg: Config, rank: int) -> dict[str, object]:
     """Train with DDP; return this rank's EMA state, bytes, collectives per update and timings."""
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -196,7 +201,7 @@ def shard_model(model: nn.Module, mesh: object) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def _fsdp_demo(cfg: Config, rank: int) -> dict[str, object]:
+def fsdp_demo(cfg: Config, rank: int) -> dict[str, object]:
     """Train with FSDP2; return this rank's EMA shard bytes, the gathered EMA, collectives and timings."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -251,7 +256,7 @@ def _worker(rank: int, cfg: Config, port: int, outdir: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.world_size, timeout=timeout)
     try:
-        result = {"ddp": _ddp_demo(cfg, rank), "fsdp": _fsdp_demo(cfg, rank)}
+        result = {"ddp": ddp_demo(cfg, rank), "fsdp": fsdp_demo(cfg, rank)}
         result["gloo_interface"] = os.environ.get("GLOO_SOCKET_IFNAME")
         torch.save(result, Path(outdir) / f"rank{rank}.pt")
         dist.barrier()
@@ -346,7 +351,8 @@ def _check(report: Report, name: str, passed: bool, detail: str) -> None:
         report.failures.append(f"{name}: {detail}")
 
 
-def _summarise(report: Report, ref: dict[str, Tensor], init: dict[str, Tensor], full_bytes: int) -> None:
+def summarise(report: Report, ref: dict[str, Tensor], init: dict[str, Tensor], full_bytes: int) -> None:
+    """Compare the ranks' results in ``report`` with the single-process ``ref``; fill checks and figures."""
     cfg, ranks = report.config, report.ranks
     moved = max_abs_diff(ref, init)
     report.figures["ema_moved_from_init"] = moved
@@ -449,7 +455,7 @@ def run(cfg: Config) -> Report:
             report.failures.append(error)
             return report
         report.ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(cfg.world_size)]
-    _summarise(report, *reference(cfg))
+    summarise(report, *reference(cfg))
     return report
 
 

@@ -131,6 +131,31 @@ def test_sharded_ema_refuses_unsharded_parameters_and_changes_nothing(mesh: obje
         ema.update(dist_demo.shard_model(build("tiny_cnn"), mesh))
 
 
+def test_checks_catch_a_wrong_ema(mesh: object) -> None:
+    """The comparison is not vacuous: a 1e-3 error in one element of either EMA fails exactly its checks."""
+    cfg = dist_demo.Config(world_size=1, steps=3, timing_repeats=1)
+    rank = {"ddp": dist_demo.ddp_demo(cfg, 0), "fsdp": dist_demo.fsdp_demo(cfg, 0), "gloo_interface": None}
+    ref = dist_demo.reference(cfg)
+    clean = dist_demo.Report(cfg, ranks=[rank])
+    dist_demo.summarise(clean, *ref)
+    rank["ddp"]["state"]["embed.weight"][0, 0] += 1e-3
+    rank["fsdp"]["state"]["blocks.layers.1.linear2.bias"][0] += 1e-3
+    bad = dist_demo.Report(cfg, ranks=[rank])
+    dist_demo.summarise(bad, *ref)
+    flipped = {k for k in clean.checks if clean.checks[k] and not bad.checks[k]}
+    assert flipped == {
+        "DDP: EMA equals the single-process reference",
+        "DDP: rank-0-only EMA equals the per-rank EMA",
+        "FSDP2: gathered EMA equals the single-process reference",
+        "FSDP2: copy_to + get_model_state_dict gives the same EMA",
+    }
+    assert not bad.ok and "result: FAILED" in dist_demo.format_report(bad)
+    # One rank holds the whole EMA at world size 1: the only check that fails on the clean run.
+    assert [k for k, v in clean.checks.items() if not v] == [
+        "FSDP2: shards add up to one full EMA, no rank holds it all"
+    ]
+
+
 def test_sharded_ema_checks_its_arguments() -> None:
     with pytest.raises(TypeError, match="torch.nn.Module"):
         ShardedModelEMA(object())
