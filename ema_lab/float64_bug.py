@@ -56,6 +56,13 @@ __all__ = [
     "step5_loop_and_fixes",
     "step6_deepcopy_fix",
     "run_all",
+    "STEPS",
+    "Step1",
+    "Step2",
+    "Step3",
+    "Step4",
+    "Step5",
+    "Step6",
 ]
 
 #: A decay far from 1 so the double update of step 4 is visible in the printed digits.
@@ -99,18 +106,19 @@ def _restoring_act(cls: type[Conv] = Conv) -> Iterator[nn.Module]:
 def shared_act_leak(cls: type[Conv] = Conv) -> Iterator[nn.Module]:
     """Profile one ``cls`` block in place (leaking onto ``cls.default_act``); remove the leak on exit."""
     thop = import_thop()
+    _require_clean_act(cls)
     with _restoring_act(cls):
         block = cls(3, 16, 3)
         thop.profile(block, inputs=(torch.randn(_BLOCK_INPUT),), verbose=False)
         yield block
 
 
-def _require_clean_act() -> None:
-    leaked = [n for n in THOP_BUFFERS if n in Conv.default_act._buffers]
+def _require_clean_act(cls: type[Conv] = Conv) -> None:
+    leaked = [n for n in THOP_BUFFERS if n in cls.default_act._buffers]
     if leaked:
         raise RuntimeError(
-            f"Conv.default_act already carries thop buffers {leaked} from an earlier in-place profile: "
-            "remove them (ema_lab.remove_thop_buffers(Conv.default_act)) before reproducing"
+            f"{cls.__name__}.default_act already carries thop buffers {leaked} from an earlier in-place "
+            f"profile: remove them (ema_lab.remove_thop_buffers({cls.__name__}.default_act)) first"
         )
 
 

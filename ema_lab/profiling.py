@@ -83,7 +83,8 @@ def profile_flops(model: nn.Module, inputs: Inputs) -> tuple[float, int]:
     GFLOPs are ultralytics' ``thop.profile(...)[0] / 1e9 * 2`` (thop counts multiply-accumulates).
     The parameter count is thop's too: only modules with a thop rule count, so it can be lower than
     ``sum(p.numel() for p in model.parameters())``. If the forward raises, the exception propagates
-    and the caller's model is still untouched (only the copy carries thop's leftovers).
+    and the caller's model is still untouched (only the copy carries thop's leftovers). Forward hooks
+    the caller registered are copied with the model and do run during the profiled forward.
     """
     thop = import_thop()
     copy, args = _private_copy(model, inputs)

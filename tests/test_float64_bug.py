@@ -178,6 +178,8 @@ def test_steps_refuse_to_run_on_an_already_leaked_class():
             bug.step1_profile_in_place()
         with pytest.raises(RuntimeError, match="already carries thop buffers"):
             bug.step6_deepcopy_fix()
+        with pytest.raises(RuntimeError, match="already carries thop buffers"), bug.shared_act_leak():
+            pass
         assert _thop_bufs(Conv.default_act) == ["total_ops"]  # someone else's leak is not touched
     finally:
         remove_thop_buffers(Conv.default_act)
