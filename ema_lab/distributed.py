@@ -334,7 +334,7 @@ def _spawn(cfg: Config, outdir: str) -> str | None:
     try:
         while not ctx.join(timeout=0.5):
             if time.monotonic() > deadline:
-                return f"timed out after {cfg.timeout_s:.0f} s"
+                return f"timed out after {cfg.timeout_s:g} s"
     except Exception as e:  # noqa: BLE001 (a worker's traceback, reported as the failure)
         return f"a worker failed: {e}"
     finally:

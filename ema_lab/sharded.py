@@ -23,9 +23,13 @@ from torch import Tensor, nn
 
 from . import pairs as _pairs
 from .pairs import Slot, module_entries, unwrap_model
-from .updates import PREPARERS, Step, prepare
+from .updates import Step, prepare
 
-__all__ = ["ShardedModelEMA", "local_tensor"]
+__all__ = ["ShardedModelEMA", "STRATEGIES", "local_tensor"]
+
+#: Strategies that update the EMA's tensors in place; a strategy that moves them into new storage
+#: would detach them from the DTensors that the state-dict and checkpoint calls read.
+STRATEGIES = ("loop", "foreach", "gated", "auto")
 
 
 def _dtensor_cls() -> type | None:
@@ -119,8 +123,8 @@ class ShardedModelEMA:
             raise ValueError(f"tau must be a positive number, got {tau!r}")
         if not (isinstance(updates, int) and updates >= 0):
             raise ValueError(f"updates must be a non-negative int, got {updates!r}")
-        if strategy != "auto" and strategy not in PREPARERS:
-            raise ValueError(f"unknown strategy {strategy!r}; expected one of {(*PREPARERS, 'auto')}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
         if _dtensor_cls() is None:
             raise RuntimeError("ShardedModelEMA needs torch.distributed.tensor.DTensor (torch >= 2.4)")
         model = unwrap_model(model)

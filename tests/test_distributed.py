@@ -46,7 +46,7 @@ def test_two_process_demo_passes_every_check() -> None:
 def test_timeout_reports_failure_and_leaves_no_worker() -> None:
     cfg = dist_demo.Config(timeout_s=0.3)  # far less than a rank needs to import torch
     report = dist_demo.run(cfg)
-    assert not report.ok and report.failures == ["timed out after 0 s"]
+    assert not report.ok and report.failures == ["timed out after 0.3 s"]
     assert multiprocessing.active_children() == []
     assert "result: FAILED" in dist_demo.format_report(report)
 
