@@ -1,5 +1,6 @@
 """ema_lab: teach, reproduce and benchmark a batched EMA weight update for PyTorch models."""
 
+from .counting import count_kernel_launches, count_ops
 from .ema import STRATEGIES, ModelEMA
 from .gates import foreach_lerp_supported
 from .profiling import check_movable, profile_flops, remove_thop_buffers, state_dict_diff
@@ -20,5 +21,7 @@ __all__ = [
     "state_dict_diff",
     "remove_thop_buffers",
     "check_movable",
+    "count_ops",
+    "count_kernel_launches",
     "__version__",
 ]
