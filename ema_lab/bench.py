@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import json
+from collections import Counter
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from pathlib import Path
@@ -39,6 +40,7 @@ __all__ = [
     "REFERENCES",
     "RAMP_UPDATES",
     "candidate_names",
+    "count_candidate_ops",
     "resolve_devices",
     "run_bench",
     "write_results",
@@ -110,6 +112,18 @@ def _model_ema_step(model: torch.nn.Module, strategy: str) -> Callable[[], objec
         own = model  # the layout is untouched: share the model like the other candidates
     ema.updates = RAMP_UPDATES
     return lambda: ema.update(own)
+
+
+def count_candidate_ops(model_name: str, names: Sequence[str] | None = None) -> dict[str, Counter[str]]:
+    """The ATen ops one steady-state update of each candidate dispatches on zoo model ``model_name`` (CPU)."""
+    names = list(names or candidate_names())
+    unknown = [n for n in names if n not in candidate_names()]
+    if unknown:
+        raise ValueError(f"unknown candidate(s) {unknown}; expected some of {candidate_names()}")
+    fns = _candidates(zoo.build(model_name), names)
+    for fn in fns.values():  # the first call builds caches (ModelEMA's pairs)
+        fn()
+    return {k: count_ops(fn) for k, fn in fns.items()}
 
 
 def _kind(name: str) -> str:
