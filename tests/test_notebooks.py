@@ -71,3 +71,24 @@ def test_nbval_fails_on_a_wrong_stored_count_and_ignores_stderr(tmp_path: Path) 
     out = nbval()
     assert "1 failed, 2 passed" in out, out
     assert "Cell 1: Cell outputs differ" in out and "+ 4 tensors at 0xADDRESS" in out, out
+
+
+def test_execute_saves_in_order_and_refuses_to_save_a_failure(tmp_path: Path, capsys) -> None:
+    good = tmp_path / "good.ipynb"
+    nbformat.write(
+        new_notebook([code("import os\nprint(os.getcwd())"), code("import ema_lab\nema_lab.__name__")]), good
+    )
+    bad = tmp_path / "bad.ipynb"
+    nbformat.write(new_notebook([code("print('ran')"), code("1 / 0"), code("print('never')")]), bad)
+    before = bad.read_text()
+
+    assert notebooks.main(["execute", str(good), str(bad)]) == 1
+    assert bad.read_text() == before  # the committed notebook is left as it was
+    err = capsys.readouterr().err
+    assert "FAILED bad.ipynb" in err and "ZeroDivisionError" in err and "1 of 2 failed" in err
+
+    nb = nbformat.read(good, as_version=4)
+    assert [c.execution_count for c in nb.cells] == [1, 2]
+    assert nb.cells[0].outputs[0].text.strip() == str(tmp_path)  # cwd is the notebook's folder
+    assert nb.cells[1].outputs[0].data["text/plain"] == "'ema_lab'"  # the repo is importable
+    assert nb.metadata.kernelspec.name == "python3"
