@@ -7,6 +7,8 @@ Every strategy computes ``ema = decay * ema + (1 - decay) * model`` for each pai
 - :func:`foreach_update`: the code after it, one ``torch._foreach_lerp_`` call.
 - :func:`gated_update`: the after-code behind its torch-version/device gate, made robust: one
   foreach call per (device, dtype) group, a per-tensor path for pairs whose dtypes differ.
+- ``"flat"`` / ``"flat_model"`` (:mod:`ema_lab.flat`): the EMA (and, opt-in, the model) in one
+  contiguous buffer per group, so the update approaches one ``lerp_`` per group.
 
 All of them validate the whole input before touching any tensor, so a bad input raises a
 ``ValueError`` and leaves the EMA bit-for-bit unchanged. That matters because a failed
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .flat import prepare_flat, prepare_flat_model
 from .gates import foreach_lerp_supported
 
 __all__ = [
@@ -166,6 +169,8 @@ PREPARERS: dict[str, tuple[bool, Callable[[list[Tensor], list[Tensor]], Step]]] 
     "loop": (False, _prepare_loop),
     "foreach": (True, _prepare_foreach),
     "gated": (False, _prepare_gated),
+    "flat": (False, prepare_flat),
+    "flat_model": (False, prepare_flat_model),  # opt-in: re-points the model's tensors into flat buffers
 }
 
 

@@ -1,0 +1,302 @@
+"""Flat EMA state: one contiguous buffer per group, the EMA module's tensors views into it.
+
+After PR #25315 an EMA update is one ``torch._foreach_lerp_`` call, but on CPU that call still
+loops over every tensor in C++ (about 0.5 us each), and the code around it walks both modules.
+The floor for the update is one ``lerp_`` over two contiguous buffers. This module gets there:
+
+- ``"flat"``: each (device, EMA dtype, model dtype) group of EMA tensors is copied into one
+  contiguous buffer and the EMA module's tensors are re-pointed into it (``t.data = view``), so
+  the EMA side is one tensor per group. How the model side is read depends on its layout
+  (:func:`plan_group` is the rule):
+
+  ``fused``    the model's tensors of the group exactly tile one storage (the model was flattened):
+               one ``lerp_`` (one cast-copy + one ``lerp_`` for a bf16/fp16 model into an fp32 EMA);
+  ``cat``      many small same-dtype tensors (mean under :data:`CAT_MAX_MEAN` elements):
+               ``torch.cat(..., out=scratch)`` then one ``lerp_`` (cat's per-tensor cost is far lower);
+  ``foreach``  same dtype otherwise: ``torch._foreach_lerp_`` over views of the flat EMA buffer;
+  ``cast``     model dtype differs from the EMA's (bf16 model, fp32 EMA): ``torch._foreach_copy_``
+               casts into an fp32 scratch buffer, then one ``lerp_``: no per-tensor Python path.
+
+- ``"flat_model"`` (opt-in: it changes the training model): first :func:`flatten_tensors` the
+  model's float parameters and buffers into one buffer per (device, dtype), then run ``"flat"``,
+  which finds every group ``fused``: the whole update is one kernel per group. Optimizers and
+  autograd see the same ``Parameter`` objects with the same values; only their storage moved.
+  :func:`unflatten_tensors` gives every tensor its own memory back.
+
+Staleness (never average dead memory). The step keeps no reference to the module tensors that are
+views into a flat buffer, so each flat storage's reference count is exactly "our own views + the
+modules' tensors". ``model.to()``, ``.half()``, ``p.data = ...``, ``torch.utils.swap_tensors`` or a
+module slot given a new tensor all drop references and change that count: :meth:`FlatStep.is_current`
+compares it (O(1) per group) and falls back to the exact per-slot check of
+:class:`ema_lab.pairs.ModulePairs` when it moved. Model tensors that are not views (``foreach``,
+``cat``, ``cast`` groups) are always checked per slot. Limit: a caller who re-points one flat tensor
+*and* keeps a new view of the same flat buffer alive between two updates leaves the count unchanged.
+
+Sync-free: ``step(decay)`` takes a Python float or a 0-dim floating tensor on the group's device;
+a tensor decay is used as a tensor weight (no ``.item()``), so under ``torch.compile`` a changing
+decay is data, not a constant that forces a recompile. Its value is not range-checked: that
+would need a host sync.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .gates import foreach_lerp_supported
+
+__all__ = [
+    "CAT_MAX_MEAN",
+    "FlatGroup",
+    "FlatStep",
+    "prepare_flat",
+    "prepare_flat_model",
+    "flatten_tensors",
+    "unflatten_tensors",
+    "tiles_one_storage",
+    "plan_group",
+    "storage_refs",
+]
+
+#: Below this mean tensor size (elements) a same-dtype group is gathered with ``torch.cat`` (one call,
+#: ~0.15 us per tensor) instead of ``_foreach_lerp_`` (~0.5 us per tensor on CPU); measured on the zoo.
+CAT_MAX_MEAN = 1024
+
+
+def storage_refs(t: Tensor) -> int:
+    """How many tensors (views included) hold ``t``'s storage right now."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _whole_storage(t: Tensor) -> Tensor:
+    """A 1-D tensor over all of ``t``'s storage, in ``t``'s dtype."""
+    storage = t.untyped_storage()
+    n = storage.nbytes() // t.element_size()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (n,), (1,))
+
+
+def tiles_one_storage(tensors: Sequence[Tensor]) -> bool:
+    """True when the tensors are contiguous, share one storage and cover all of it without overlap."""
+    if not tensors:
+        return False
+    first = tensors[0]
+    ptr = first.untyped_storage().data_ptr()
+    spans = []
+    for t in tensors:
+        if t.dtype != first.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != ptr:
+            return False
+        spans.append((t.storage_offset(), t.numel()))
+    spans.sort()
+    end = 0
+    for off, n in spans:
+        if off != end:  # a gap or an overlap
+            return False
+        end = off + n
+    return end * first.element_size() == first.untyped_storage().nbytes()
+
+
+def _repoint(t: Tensor, view: Tensor) -> None:
+    # ``.data =`` keeps the Parameter object (optimizers, hooks and module slots hold it) and its grad.
+    t.data = view
+
+
+def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Move each (device, dtype) group of ``tensors`` into one new contiguous buffer; return the buffers.
+
+    Every tensor keeps its object, value, shape and ``requires_grad``; its memory becomes a view of
+    the group's buffer. Tensors listed twice (tied weights) are moved once.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    seen: set[int] = set()
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    buffers = []
+    with torch.no_grad():
+        for (device, dtype), ts in groups.items():
+            buf = torch.empty(sum(t.numel() for t in ts), dtype=dtype, device=device)
+            views, off = [], 0
+            for t in ts:  # copy everything first: the tensors may already share one storage
+                views.append(buf[off : off + t.numel()].view(t.shape))
+                views[-1].copy_(t)
+                off += t.numel()
+            for t, v in zip(ts, views):
+                _repoint(t, v)
+            buffers.append(buf)
+    return buffers
+
+
+def unflatten_tensors(tensors: Sequence[Tensor]) -> None:
+    """Give every tensor its own contiguous memory again (undoes :func:`flatten_tensors`)."""
+    with torch.no_grad():
+        for t in {id(t): t for t in tensors}.values():
+            _repoint(t, t.detach().clone(memory_format=torch.contiguous_format))
+
+
+def plan_group(model: Sequence[Tensor], ema_dtype: torch.dtype) -> str:
+    """The group's mode: ``fused``, ``cast``, ``cat`` or ``foreach`` (see the module docstring)."""
+    if tiles_one_storage(model):
+        return "fused"
+    if model[0].dtype != ema_dtype:
+        return "cast"
+    if all(t.is_contiguous() for t in model) and sum(t.numel() for t in model) < CAT_MAX_MEAN * len(model):
+        return "cat"
+    return "foreach"
+
+
+@dataclass
+class FlatGroup:
+    """One (device, EMA dtype, model dtype) group: the flat EMA buffer and how to read the model side."""
+
+    mode: str
+    ema: Tensor  # 1-D, owns the EMA memory of the group
+    ema_views: list[Tensor]  # our own views (foreach mode), never the module's tensor objects
+    model: list[Tensor]  # the model's tensors (foreach/cast), 1-D views of them (cat), or [] (fused)
+    model_flat: Tensor | None  # fused: 1-D over the model's storage
+    scratch: Tensor | None  # cat/cast/fused-mixed: gathered model values in the EMA dtype
+    scratch_views: list[Tensor]
+    foreach_ok: bool
+
+    def apply(self, w: float | Tensor) -> None:
+        """``ema += w * (model - ema)`` for the whole group."""
+        if self.mode == "fused":
+            src = self.model_flat
+            if self.scratch is not None:  # bf16/fp16 model, fp32 EMA: one cast-copy, one lerp
+                self.scratch.copy_(src)
+                src = self.scratch
+            self.ema.lerp_(src, w)
+        elif self.mode == "cat":
+            torch.cat(self.model, out=self.scratch)
+            self.ema.lerp_(self.scratch, w)
+        elif self.mode == "cast":
+            if self.foreach_ok:
+                torch._foreach_copy_(self.scratch_views, self.model)
+            else:
+                for s, m in zip(self.scratch_views, self.model):
+                    s.copy_(m)
+            self.ema.lerp_(self.scratch, w)
+        elif self.foreach_ok:
+            torch._foreach_lerp_(
+                self.ema_views, self.model, w if isinstance(w, float) else [w] * len(self.model)
+            )
+        else:
+            for v, m in zip(self.ema_views, self.model):
+                v.lerp_(m, w)
+
+
+def _views(buf: Tensor, offsets: Sequence[int], like: Sequence[Tensor]) -> list[Tensor]:
+    return [buf[o : o + t.numel()].view(t.shape) for o, t in zip(offsets, like)]
+
+
+def _build_group(ema: list[Tensor], model: list[Tensor]) -> FlatGroup:
+    ema_dtype, device = ema[0].dtype, ema[0].device
+    mode = plan_group(model, ema_dtype)
+    if mode == "fused":
+        model_flat = _whole_storage(model[0])
+        offsets = [m.storage_offset() for m in model]
+        size = model_flat.numel()
+    else:
+        model_flat = None
+        offsets = [0, *torch.tensor([e.numel() for e in ema]).cumsum(0).tolist()[:-1]]
+        size = sum(e.numel() for e in ema)
+    buf = torch.zeros(size, dtype=ema_dtype, device=device)
+    views = _views(buf, offsets, ema)
+    with torch.no_grad():
+        for v, e in zip(views, ema):
+            v.copy_(e)
+        for v, e in zip(views, ema):
+            _repoint(e, v)
+    needs_scratch = mode in ("cat", "cast") or (mode == "fused" and model[0].dtype != ema_dtype)
+    scratch = torch.empty(size, dtype=ema_dtype, device=device) if needs_scratch else None
+    return FlatGroup(
+        mode=mode,
+        ema=buf,
+        ema_views=_views(buf, offsets, ema) if mode == "foreach" else [],
+        model=[m.view(-1) for m in model] if mode == "cat" else [] if mode == "fused" else list(model),
+        model_flat=model_flat,
+        scratch=scratch,
+        scratch_views=_views(scratch, offsets, ema) if mode == "cast" else [],
+        foreach_ok=foreach_lerp_supported(None, device.type),
+    )
+
+
+def _check_tensor_decay(decay: Tensor) -> None:
+    if decay.dim() != 0 or not decay.is_floating_point():
+        raise ValueError(
+            f"a tensor decay must be a 0-dim floating tensor, got shape {tuple(decay.shape)} {decay.dtype}"
+        )
+
+
+@dataclass
+class FlatStep:
+    """The prepared ``"flat"`` update: call it with the decay; :meth:`is_current` says whether it is stale."""
+
+    groups: list[FlatGroup]
+    fused_pairs: list[bool] = field(default_factory=list)  # per input pair: is its model tensor a flat view
+    # (buffer, reference count at build) for every flat storage the modules' tensors must be views of
+    watched: list[tuple[Tensor, int]] = field(default_factory=list)
+
+    def __call__(self, decay: float | Tensor) -> None:
+        """Apply one update; ``decay`` is a Python number or a 0-dim tensor (no host sync)."""
+        if isinstance(decay, Tensor):
+            _check_tensor_decay(decay)
+            w = 1 - decay
+            for g in self.groups:
+                if w.device != g.ema.device:
+                    raise ValueError(f"decay is on {w.device} but the EMA group is on {g.ema.device}")
+        else:
+            d = float(decay)
+            if not (math.isfinite(d) and 0.0 <= d <= 1.0):
+                raise ValueError(f"decay must be a finite number in [0, 1], got {decay!r}")
+            w = 1.0 - d
+        with torch.no_grad():
+            for g in self.groups:
+                g.apply(w)
+
+    def baseline(self) -> None:
+        """Record the reference counts of the watched storages as the intact state."""
+        self.watched = [(buf, storage_refs(buf)) for buf, _ in self.watched]
+
+    def refs_unchanged(self) -> bool:
+        """True while no watched flat storage gained or lost a reference since :meth:`baseline`."""
+        return all(storage_refs(buf) == n for buf, n in self.watched)
+
+    @property
+    def modes(self) -> list[str]:
+        """Each group's mode, in group order."""
+        return [g.mode for g in self.groups]
+
+
+def prepare_flat(ema: list[Tensor], model: list[Tensor]) -> FlatStep:
+    """Flatten the EMA tensors per (device, EMA dtype, model dtype) group; return the step over them."""
+    keyed: dict[tuple, tuple[list[Tensor], list[Tensor], list[int]]] = {}
+    for i, (e, m) in enumerate(zip(ema, model)):
+        es, ms, idx = keyed.setdefault((e.device, e.dtype, m.dtype), ([], [], []))
+        es.append(e)
+        ms.append(m)
+        idx.append(i)
+    groups = [_build_group(es, ms) for es, ms, _ in keyed.values()]
+    fused = [False] * len(ema)
+    for g, (_, _, idx) in zip(groups, keyed.values()):
+        for i in idx:
+            fused[i] = g.mode == "fused"
+    step = FlatStep(groups, fused)
+    step.watched = [(g.ema, 0) for g in groups] + [(g.model_flat, 0) for g in groups if g.mode == "fused"]
+    step.baseline()
+    return step
+
+
+def prepare_flat_model(ema: list[Tensor], model: list[Tensor]) -> FlatStep:
+    """Opt-in: flatten the model's tensors too (one buffer per device/dtype), then :func:`prepare_flat`."""
+    buffers: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for m in model:
+        buffers.setdefault((m.device, m.dtype), []).append(m)
+    for ts in buffers.values():
+        if not tiles_one_storage(ts):
+            flatten_tensors(ts)
+    return prepare_flat(ema, model)

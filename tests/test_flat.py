@@ -1,0 +1,280 @@
+"""The flat strategies: views into one buffer, the group modes, staleness, training twins, bf16, sync-free."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ema_lab import ModelEMA, models
+from ema_lab.counting import count_ops
+from ema_lab.ema import choose_strategy
+from ema_lab.flat import (
+    CAT_MAX_MEAN,
+    flatten_tensors,
+    plan_group,
+    prepare_flat,
+    tiles_one_storage,
+    unflatten_tensors,
+)
+from ema_lab.pairs import ModulePairs
+from ema_lab.precision import ema_stall
+
+
+def _shift(model: nn.Module, value: float | None = None, seed: int = 0) -> None:
+    """Stand-in for an optimizer step: every float parameter and buffer moves."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            if t.is_floating_point():
+                noise = torch.randn(t.shape, generator=gen)
+                new = torch.full_like(t, value) if value is not None else t + noise
+                t.copy_(new)
+
+
+def _floats(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in module.state_dict().items() if v.is_floating_point()}
+
+
+def _assert_follows(ema: ModelEMA, model: nn.Module) -> None:
+    """With decay 0 one update must copy the model exactly: proof the EMA reads live memory."""
+    _shift(model, value=3.0)
+    ema.update(model, decay=0.0)
+    for k, v in _floats(ema.ema).items():
+        assert torch.equal(v, _floats(model)[k].to(v.dtype)), k
+
+
+@pytest.mark.parametrize("name", ["tiny_cnn", "tiny_transformer", "tiny_tensors"])
+@pytest.mark.parametrize("strategy", ["flat", "flat_model"])
+def test_flat_matches_the_loop_and_ema_tensors_are_views(name, strategy):
+    model, twin = models.build(name), models.build(name)
+    flat, loop = ModelEMA(model, tau=5, strategy=strategy), ModelEMA(twin, tau=5, strategy="loop")
+    for step in range(4):
+        _shift(model, seed=step), _shift(twin, seed=step)
+        flat.update(model), loop.update(twin)
+    ref = _floats(loop.ema)
+    for k, v in _floats(flat.ema).items():
+        torch.testing.assert_close(v, ref[k], rtol=1e-6, atol=1e-6)
+    pairs = ModulePairs.collect(flat.ema, model)
+    assert tiles_one_storage(pairs.ema), "EMA tensors are not views tiling one buffer"
+    assert tiles_one_storage(pairs.model) == (strategy == "flat_model")
+
+
+def test_group_modes_follow_the_documented_rule():
+    small = [torch.zeros(4, 4) for _ in range(3)]
+    big = [torch.zeros(CAT_MAX_MEAN + 1) for _ in range(2)]
+    assert plan_group(big[:1], torch.float32) == "fused"  # one whole tensor tiles its own storage
+    assert plan_group(small, torch.float32) == "cat"
+    assert plan_group(big, torch.float32) == "foreach"
+    assert plan_group([t.bfloat16() for t in small], torch.float32) == "cast"
+    flatten_tensors(small)
+    assert plan_group(small, torch.float32) == "fused"
+    assert not tiles_one_storage(small[:2])  # a part of a storage is not a tiling
+
+
+def test_one_kernel_per_group_with_the_model_flattened():
+    model = models.build("yolo")
+    ema = ModelEMA(model, strategy="flat_model")
+    ema.update(model)
+    ops = count_ops(ema.update, model)
+    assert ops["aten.lerp_.Scalar"] == 1 and "aten._foreach_lerp_.Scalar" not in ops
+    assert ema._state.step.modes == ["fused"]
+
+
+def test_flatten_is_reversible_and_keeps_objects_values_and_grad_flags():
+    model = models.build("tiny_transformer")
+    params = list(model.parameters())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    (buf,) = flatten_tensors([t for t in (*params, *model.buffers()) if t.is_floating_point()])
+    assert list(model.parameters()) == params and all(p.requires_grad for p in params)
+    assert all(p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for p in params)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    unflatten_tensors(params)
+    ptrs = {p.untyped_storage().data_ptr() for p in params}
+    assert len(ptrs) == len(params) and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+OPTIMIZERS = {
+    "SGD momentum for-loop": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, foreach=False),
+    "SGD momentum foreach": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, foreach=True),
+    "AdamW for-loop": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
+    "AdamW foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+    "AdamW fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+}
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_training_a_flattened_model_is_bitwise_the_same(opt_name):
+    torch.manual_seed(0)
+    flat_model, plain = models.build("tiny_cnn"), models.build("tiny_cnn")
+    make = OPTIMIZERS[opt_name]
+    flat_opt, plain_opt = make(flat_model.parameters()), make(plain.parameters())
+    flat_ema = ModelEMA(flat_model, tau=3, strategy="flat_model")
+    plain_ema = ModelEMA(plain, tau=3, strategy="gated")
+    flat_ema.update(flat_model)  # flattens the model before the optimizer's first step
+    plain_ema.update(plain)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(8, 3, 16, 16, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+        for model, opt, ema in ((flat_model, flat_opt, flat_ema), (plain, plain_opt, plain_ema)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            ema.update(model)
+    assert flat_ema._state.step.modes == ["fused"], "the optimizer broke the views"
+    for a, b in zip(flat_model.state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(a, b)
+    for a, b in zip(flat_ema.ema.state_dict().values(), plain_ema.ema.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # lerp_ vs _foreach_lerp_ may round apart
+
+
+BREAKERS = {
+    "model.double()": lambda model, ema: model.double(),
+    "ema.ema.half()": lambda model, ema: ema.ema.half(),
+    "p.data = clone (optimizer replaces a tensor)": lambda model, ema: setattr(
+        next(model.parameters()), "data", next(model.parameters()).detach().clone()
+    ),
+    "reassigned parameter": lambda model, ema: setattr(
+        model[-1], "weight", nn.Parameter(model[-1].weight.detach().clone())
+    ),
+    "replaced buffer": lambda model, ema: setattr(
+        model[0].bn, "running_var", model[0].bn.running_var.clone()
+    ),
+}
+
+
+@pytest.mark.parametrize("strategy", ["flat", "flat_model"])
+@pytest.mark.parametrize("breaker", list(BREAKERS))
+def test_anything_that_breaks_the_views_is_detected(strategy, breaker):
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, strategy=strategy)
+    ema.update(model)
+    BREAKERS[breaker](model, ema)
+    _assert_follows(ema, model)  # rebuilt, never averaging the memory the modules left behind
+    _assert_follows(ema, model)  # and the rebuilt step is cached and still live
+
+
+def test_a_transient_extra_view_costs_an_exact_check_not_a_rebuild():
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, strategy="flat_model")
+    ema.update(model)
+    state = ema._state
+    keep = model[0].conv.weight.view(-1)  # a live view changes the reference count, breaks nothing
+    _assert_follows(ema, model)
+    assert ema._state is state
+    del keep
+    _assert_follows(ema, model)
+    assert ema._state is state
+
+
+def test_bf16_model_into_an_fp32_ema_without_the_per_tensor_path():
+    model = models.build("yolo").bfloat16()
+    ema = ModelEMA(model, strategy="auto")
+    ema.ema.float()
+    ema.update(model)
+    assert ema.resolved_strategy == "flat" and ema._state.step.modes == ["cast"]
+    ops = count_ops(ema.update, model)
+    assert ops["aten._foreach_copy_.default"] == 2 and ops["aten.lerp_.Scalar"] == 1  # + non-float copy
+    assert "aten.add_.Tensor" not in ops and "aten.mul_.Scalar" not in ops
+    _assert_follows(ema, model)
+    flat_model = models.build("tiny_cnn").half()
+    ema = ModelEMA(flat_model, strategy="flat_model")
+    ema.ema.float()
+    ema.update(flat_model)
+    assert ema._state.step.modes == ["fused"]  # one cast-copy + one lerp_
+    _assert_follows(ema, flat_model)
+
+
+def test_a_bf16_ema_at_decay_0_9999_rounds_every_update_away():
+    bf16, fp32 = ema_stall(torch.bfloat16), ema_stall(torch.float32)
+    assert bf16.step_size < bf16.half_ulp and bf16.end == bf16.start  # 1000 updates, not one moved it
+    assert fp32.step_size > fp32.half_ulp and fp32.end == pytest.approx(fp32.exact, abs=1e-5)
+
+
+def test_a_tensor_decay_gives_the_same_ema_and_no_host_sync():
+    model = models.build("tiny_cnn")
+    by_float, by_tensor = ModelEMA(model, strategy="flat"), ModelEMA(model, strategy="flat")
+    for step in range(3):
+        _shift(model, seed=step)
+        d = by_float.decay(step + 1)
+        by_float.update(model, decay=d)
+        by_tensor.update(model, decay=torch.tensor(d, dtype=torch.float64))
+    for a, b in zip(by_float.ema.state_dict().values(), by_tensor.ema.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    ops = count_ops(by_tensor.update, model, decay=torch.tensor(0.999))
+    assert "aten._local_scalar_dense.default" not in ops  # what .item() dispatches
+
+
+def test_bad_decays_raise_before_touching_the_ema():
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, strategy="flat")
+    ema.update(model)
+    before = {k: v.clone() for k, v in ema.ema.state_dict().items()}
+    with pytest.raises(ValueError, match="0-dim floating tensor"):
+        ema.update(model, decay=torch.tensor([0.9, 0.9]))
+    with pytest.raises(ValueError, match=r"finite number in \[0, 1\]"):
+        ema.update(model, decay=1.5)
+    with pytest.raises(TypeError, match="tensor decay needs one of the strategies"):
+        ModelEMA(model, strategy="gated").update(model, decay=torch.tensor(0.9))
+    assert all(torch.equal(v, before[k]) for k, v in ema.ema.state_dict().items())
+
+
+def test_auto_picks_flat_caches_it_and_stays_safe_with_mixed_dtypes():
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model)
+    assert ema.resolved_strategy == "flat"
+    ema.update(model)
+    model.double()  # every pair now disagrees in dtype: still flat (cast groups), same cached choice
+    _assert_follows(ema, model)
+    assert ema.resolved_strategy == "flat" and ema._state.step.modes == ["cast"]
+    sparse = [torch.zeros(2, 2).to_sparse()]
+    assert choose_strategy(sparse, sparse) == "gated"
+
+
+def test_prepare_flat_on_plain_lists():
+    ema, model = [torch.zeros(3), torch.zeros(2, 2)], [torch.ones(3), torch.full((2, 2), 2.0)]
+    step = prepare_flat(ema, model)
+    step(0.5)
+    assert ema[0].tolist() == [0.5] * 3 and ema[1].tolist() == [[1.0, 1.0]] * 2
+    assert ema[0].untyped_storage().data_ptr() == ema[1].untyped_storage().data_ptr()
+
+
+def test_no_recompiles_across_100_steps_of_a_changing_tensor_decay():
+    dynamo = pytest.importorskip("torch._dynamo")
+    from torch._dynamo.utils import counters
+
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, strategy="flat")
+    ema.update(model)
+    step = ema._state.step
+    compiles = []
+
+    def backend(gm, example_inputs):  # called once per (re)compilation
+        compiles.append(len(gm.graph.nodes))
+        return gm.forward
+
+    dynamo.reset()
+    counters.clear()
+    try:
+        compiled = torch.compile(lambda d: step(d), backend=backend, fullgraph=True)
+        for n in range(1, 101):
+            compiled(torch.tensor(ema.decay(n)))
+    except Exception as exc:  # noqa: BLE001 - a broken compiler stack is an environment fact, reported
+        pytest.skip(f"skipped: torch.compile unusable here ({type(exc).__name__}: {exc})")
+    assert len(compiles) == 1 and counters["stats"]["unique_graphs"] == 1
+    dynamo.reset()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="skipped: no CUDA device")
+def test_cuda_update_is_sync_free():
+    model = models.build("tiny_cnn").cuda()
+    ema = ModelEMA(model, strategy="flat")
+    decay = torch.tensor(0.999, device="cuda")
+    ema.update(model, decay=decay)  # builds the flat buffers (may sync)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            ema.update(model, decay=decay)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
