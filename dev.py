@@ -81,7 +81,9 @@ def main(argv: list[str]) -> int:
     if job == "notebooks":
         return run(PY, "-m", "ema_lab.notebooks", "execute", *rest, env=env)
     if job == "lab":
-        return run(BIN / "jupyter", "lab", "--notebook-dir", ROOT / "notebooks", *rest, env=env)
+        # Jupyter refuses to start as root (containers, CI boxes) unless told it is intended.
+        root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+        return run(BIN / "jupyter", "lab", "--notebook-dir", ROOT / "notebooks", *root, *rest, env=env)
     print(f"[dev] unknown job {job!r}; try: python dev.py --help", file=sys.stderr)
     return 2
 
