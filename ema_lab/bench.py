@@ -208,7 +208,7 @@ def run_bench(
     rounds = 3 if quick else 15
     cm_rounds = 3 if quick else 9
     measured = [d for d, reason in devices.items() if reason is None]
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     bar = tqdm(total=len(measured) * (len(models) * rounds + cm_rounds), disable=not progress, unit="round")
     previous = torch.get_num_threads()
