@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from . import pairs as _pairs
 from .flat import FlatStep
-from .pairs import ModulePairs, Slot, _ptrs, unwrap_model
+from .pairs import ModulePairs, Slot, slot_ptrs, unwrap_model
 from .updates import PREPARERS, Step, check_decay, prepare
 
 __all__ = ["ModelEMA", "STRATEGIES", "copy_attr", "choose_strategy"]
@@ -46,7 +46,7 @@ class _Prepared:
     pairs: ModulePairs
     step: Step
     strategy: str
-    watch: list[Slot]  # flat: slots checked per step (model tensors that are not flat views, non-floats)
+    watch: tuple[tuple[dict, ...], tuple[str, ...]]  # flat: (dicts, keys) of model slots that are not views
     watch_ptrs: list[int]
 
     def is_current(self, model: nn.Module) -> bool:
@@ -61,7 +61,7 @@ class _Prepared:
                 return False
             self.step.baseline()
         try:
-            return _ptrs(self.watch) == self.watch_ptrs
+            return slot_ptrs(*self.watch) == self.watch_ptrs
         except (KeyError, AttributeError, TypeError):
             return False
 
@@ -145,11 +145,14 @@ class ModelEMA:
             watch: list[Slot] = []
             if isinstance(step, FlatStep):
                 pairs.refresh()  # the EMA tensors (and with flat_model the model's) moved into flat buffers
-                fused = step.fused_pairs
-                watch = [s for s, f in zip(pairs.model_slots, fused) if not f] + pairs.other_slots
+                # Per step, only model tensors that are not flat views are checked slot by slot. Integer
+                # entries are left to the exact check: whatever replaces them (.to(device), a new
+                # buffer) also moves float tensors or bumps the registration counter.
+                watch = [s for s, f in zip(pairs.model_slots, step.fused_pairs) if not f]
                 pairs.release_ema()  # a reference held here would hide a replaced EMA tensor from the count
                 step.baseline()
-            state = _Prepared(pairs, step, strategy, watch, _ptrs(watch))
+            dicts, keys = (tuple(x) for x in zip(*watch)) if watch else ((), ())
+            state = _Prepared(pairs, step, strategy, (dicts, keys), slot_ptrs(dicts, keys))
             self._state = state
         return state
 

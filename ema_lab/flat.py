@@ -11,9 +11,12 @@ The floor for the update is one ``lerp_`` over two contiguous buffers. This modu
 
   ``fused``    the model's tensors of the group exactly tile one storage (the model was flattened):
                one ``lerp_`` (one cast-copy + one ``lerp_`` for a bf16/fp16 model into an fp32 EMA);
-  ``cat``      many small same-dtype tensors (mean under :data:`CAT_MAX_MEAN` elements):
-               ``torch.cat(..., out=scratch)`` then one ``lerp_`` (cat's per-tensor cost is far lower);
-  ``foreach``  same dtype otherwise: ``torch._foreach_lerp_`` over views of the flat EMA buffer;
+  ``cat``      same dtype, every tensor small (under :data:`CAT_MAX_NUMEL` elements): one
+               ``torch.cat(..., out=scratch)`` then one ``lerp_`` (cat costs ~0.15 us per tensor,
+               a foreach ~0.5 us);
+  ``foreach``  same dtype, every tensor large: ``torch._foreach_lerp_`` over views of the flat buffer;
+  ``cat+foreach``  both kinds: the small tensors sit first in the buffer and take the ``cat`` path,
+               the large ones the ``foreach`` path (a detector's BatchNorm vectors vs its conv weights);
   ``cast``     model dtype differs from the EMA's (bf16 model, fp32 EMA): ``torch._foreach_copy_``
                casts into an fp32 scratch buffer, then one ``lerp_``: no per-tensor Python path.
 
@@ -50,7 +53,7 @@ from torch import Tensor
 from .gates import foreach_lerp_supported
 
 __all__ = [
-    "CAT_MAX_MEAN",
+    "CAT_MAX_NUMEL",
     "FlatGroup",
     "FlatStep",
     "prepare_flat",
@@ -60,11 +63,12 @@ __all__ = [
     "tiles_one_storage",
     "plan_group",
     "storage_refs",
+    "count_compiles",
 ]
 
-#: Below this mean tensor size (elements) a same-dtype group is gathered with ``torch.cat`` (one call,
-#: ~0.15 us per tensor) instead of ``_foreach_lerp_`` (~0.5 us per tensor on CPU); measured on the zoo.
-CAT_MAX_MEAN = 1024
+#: Same-dtype model tensors under this many elements are gathered with one ``torch.cat`` (~0.15 us per
+#: tensor) instead of going through ``_foreach_lerp_`` (~0.5 us per tensor on CPU); measured on the zoo.
+CAT_MAX_NUMEL = 1024
 
 
 def storage_refs(t: Tensor) -> int:
@@ -138,15 +142,18 @@ def unflatten_tensors(tensors: Sequence[Tensor]) -> None:
             _repoint(t, t.detach().clone(memory_format=torch.contiguous_format))
 
 
+def _small(t: Tensor) -> bool:
+    return t.numel() < CAT_MAX_NUMEL and t.is_contiguous()
+
+
 def plan_group(model: Sequence[Tensor], ema_dtype: torch.dtype) -> str:
-    """The group's mode: ``fused``, ``cast``, ``cat`` or ``foreach`` (see the module docstring)."""
+    """The group's mode: ``fused``, ``cast``, ``cat``, ``foreach`` or ``cat+foreach`` (module docstring)."""
     if tiles_one_storage(model):
         return "fused"
     if model[0].dtype != ema_dtype:
         return "cast"
-    if all(t.is_contiguous() for t in model) and sum(t.numel() for t in model) < CAT_MAX_MEAN * len(model):
-        return "cat"
-    return "foreach"
+    small = sum(map(_small, model))
+    return "cat" if small == len(model) else "foreach" if small == 0 else "cat+foreach"
 
 
 @dataclass
@@ -155,12 +162,14 @@ class FlatGroup:
 
     mode: str
     ema: Tensor  # 1-D, owns the EMA memory of the group
-    ema_views: list[Tensor]  # our own views (foreach mode), never the module's tensor objects
-    model: list[Tensor]  # the model's tensors (foreach/cast), 1-D views of them (cat), or [] (fused)
+    ema_views: list[Tensor]  # our own views (foreach part), never the module's tensor objects
+    model: list[Tensor]  # the model's tensors: foreach part, or all of them (cast); [] when fused
     model_flat: Tensor | None  # fused: 1-D over the model's storage
-    scratch: Tensor | None  # cat/cast/fused-mixed: gathered model values in the EMA dtype
+    scratch: Tensor | None  # cat part/cast/fused-mixed: gathered model values in the EMA dtype
     scratch_views: list[Tensor]
     foreach_ok: bool
+    cat_model: list[Tensor] = field(default_factory=list)  # 1-D views of the small model tensors
+    cat_ema: Tensor | None = None  # the EMA buffer's leading part that the cat path updates
 
     def apply(self, w: float | Tensor) -> None:
         """``ema += w * (model - ema)`` for the whole group."""
@@ -170,9 +179,6 @@ class FlatGroup:
                 self.scratch.copy_(src)
                 src = self.scratch
             self.ema.lerp_(src, w)
-        elif self.mode == "cat":
-            torch.cat(self.model, out=self.scratch)
-            self.ema.lerp_(self.scratch, w)
         elif self.mode == "cast":
             if self.foreach_ok:
                 torch._foreach_copy_(self.scratch_views, self.model)
@@ -180,13 +186,19 @@ class FlatGroup:
                 for s, m in zip(self.scratch_views, self.model):
                     s.copy_(m)
             self.ema.lerp_(self.scratch, w)
-        elif self.foreach_ok:
-            torch._foreach_lerp_(
-                self.ema_views, self.model, w if isinstance(w, float) else [w] * len(self.model)
-            )
         else:
-            for v, m in zip(self.ema_views, self.model):
-                v.lerp_(m, w)
+            if self.cat_model:
+                torch.cat(self.cat_model, out=self.scratch)
+                self.cat_ema.lerp_(self.scratch, w)
+            if not self.model:
+                return
+            if self.foreach_ok:
+                torch._foreach_lerp_(
+                    self.ema_views, self.model, w if isinstance(w, float) else [w] * len(self.model)
+                )
+            else:
+                for v, m in zip(self.ema_views, self.model):
+                    v.lerp_(m, w)
 
 
 def _views(buf: Tensor, offsets: Sequence[int], like: Sequence[Tensor]) -> list[Tensor]:
@@ -196,6 +208,11 @@ def _views(buf: Tensor, offsets: Sequence[int], like: Sequence[Tensor]) -> list[
 def _build_group(ema: list[Tensor], model: list[Tensor]) -> FlatGroup:
     ema_dtype, device = ema[0].dtype, ema[0].device
     mode = plan_group(model, ema_dtype)
+    n_small = 0
+    if mode in ("cat", "cat+foreach"):  # small tensors first: the cat path updates one leading slice
+        order = sorted(range(len(model)), key=lambda i: not _small(model[i]))
+        ema, model = [ema[i] for i in order], [model[i] for i in order]
+        n_small = sum(map(_small, model))
     if mode == "fused":
         model_flat = _whole_storage(model[0])
         offsets = [m.storage_offset() for m in model]
@@ -211,17 +228,23 @@ def _build_group(ema: list[Tensor], model: list[Tensor]) -> FlatGroup:
             v.copy_(e)
         for v, e in zip(views, ema):
             _repoint(e, v)
-    needs_scratch = mode in ("cat", "cast") or (mode == "fused" and model[0].dtype != ema_dtype)
-    scratch = torch.empty(size, dtype=ema_dtype, device=device) if needs_scratch else None
+    cat_size = sum(m.numel() for m in model[:n_small])
+    needs_scratch = n_small or mode == "cast" or (mode == "fused" and model[0].dtype != ema_dtype)
+    scratch = (
+        torch.empty(cat_size if n_small else size, dtype=ema_dtype, device=device) if needs_scratch else None
+    )
+    loop = mode in ("foreach", "cat+foreach")
     return FlatGroup(
         mode=mode,
         ema=buf,
-        ema_views=_views(buf, offsets, ema) if mode == "foreach" else [],
-        model=[m.view(-1) for m in model] if mode == "cat" else [] if mode == "fused" else list(model),
+        ema_views=_views(buf, offsets[n_small:], ema[n_small:]) if loop else [],
+        model=[] if mode in ("fused", "cat") else list(model[n_small:]),
         model_flat=model_flat,
         scratch=scratch,
         scratch_views=_views(scratch, offsets, ema) if mode == "cast" else [],
         foreach_ok=foreach_lerp_supported(None, device.type),
+        cat_model=[m.view(-1) for m in model[:n_small]],
+        cat_ema=buf[:cat_size] if n_small else None,
     )
 
 
@@ -300,3 +323,26 @@ def prepare_flat_model(ema: list[Tensor], model: list[Tensor]) -> FlatStep:
         if not tiles_one_storage(ts):
             flatten_tensors(ts)
     return prepare_flat(ema, model)
+
+
+def count_compiles(step: FlatStep, decays: Sequence[float], as_tensor: bool = True) -> int:
+    """How many graphs ``torch.compile`` builds for ``step`` over ``decays`` (1 means no recompiles).
+
+    Uses a counting backend that runs the captured graph as is (no code generation), so it measures
+    Dynamo's guards alone and works without a C++ compiler.
+    """
+    import torch._dynamo
+
+    compiles = 0
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> object:
+        nonlocal compiles
+        compiles += 1
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda d: step(d), backend=backend)
+    for d in decays:
+        compiled(torch.tensor(d) if as_tensor else d)
+    torch._dynamo.reset()
+    return compiles

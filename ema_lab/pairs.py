@@ -14,33 +14,39 @@ torch's global parameter/buffer/module registration hooks (new or reassigned ent
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from operator import getitem
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ModulePairs", "module_entries", "unwrap_model"]
+__all__ = ["ModulePairs", "module_entries", "unwrap_model", "slot_ptrs"]
 
 _generation = 0
 
 
-def _bump(*_args: object) -> None:
-    global _generation
-    _generation += 1
+def _bumper(table: str) -> Callable[[nn.Module, str, object], None]:
+    def bump(module: nn.Module, name: str, value: object) -> None:
+        global _generation
+        # ``self.step += 1`` on a buffer re-registers the same object (AveragedModel and ema-pytorch do it
+        # every update): not a replacement, so it must not make every cache in the process rebuild.
+        if module.__dict__.get(table, {}).get(name) is not value:
+            _generation += 1
+
+    return bump
 
 
-# Global hooks (torch >= 2.0 for parameters; buffers and modules since 2.1): any registration anywhere
-# invalidates every cache; rebuilding is rare and cheap next to a stale EMA.
-for _name in (
-    "register_module_parameter_registration_hook",
-    "register_module_buffer_registration_hook",
-    "register_module_module_registration_hook",
+# Global hooks (torch >= 2.0 for parameters; buffers and modules since 2.1): any registration of a new
+# object anywhere invalidates every cache; rebuilding is rare and cheap next to a stale EMA.
+for _name, _table in (
+    ("register_module_parameter_registration_hook", "_parameters"),
+    ("register_module_buffer_registration_hook", "_buffers"),
+    ("register_module_module_registration_hook", "_modules"),
 ):
     _register = getattr(nn.modules.module, _name, None)
     if _register is not None:
-        _register(_bump)
+        _register(_bumper(_table))
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -70,10 +76,14 @@ def module_entries(module: nn.Module) -> Iterator[tuple[str, Slot]]:
                 yield dot + name, (mod._buffers, name)
 
 
-def _ptrs(slots: list[Slot]) -> list[int]:
-    # map() keeps the loop in C: ~25% cheaper than a comprehension on the 1188 slots of the yolo model.
-    dicts, keys = zip(*slots) if slots else ((), ())
+def slot_ptrs(dicts: tuple[dict, ...], keys: tuple[str, ...]) -> list[int]:
+    """``data_ptr()`` of the tensor each (dict, key) slot holds now; map() keeps the loop in C."""
     return list(map(Tensor.data_ptr, map(getitem, dicts, keys)))
+
+
+def _ptrs(slots: list[Slot]) -> list[int]:
+    dicts, keys = zip(*slots) if slots else ((), ())
+    return slot_ptrs(dicts, keys)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from ema_lab import ModelEMA, models
 from ema_lab.counting import count_ops
 from ema_lab.ema import choose_strategy
 from ema_lab.flat import (
-    CAT_MAX_MEAN,
+    CAT_MAX_NUMEL,
     flatten_tensors,
     plan_group,
     prepare_flat,
@@ -62,10 +62,11 @@ def test_flat_matches_the_loop_and_ema_tensors_are_views(name, strategy):
 
 def test_group_modes_follow_the_documented_rule():
     small = [torch.zeros(4, 4) for _ in range(3)]
-    big = [torch.zeros(CAT_MAX_MEAN + 1) for _ in range(2)]
+    big = [torch.zeros(CAT_MAX_NUMEL + 1) for _ in range(2)]
     assert plan_group(big[:1], torch.float32) == "fused"  # one whole tensor tiles its own storage
     assert plan_group(small, torch.float32) == "cat"
     assert plan_group(big, torch.float32) == "foreach"
+    assert plan_group([*small, *big], torch.float32) == "cat+foreach"  # a detector: BN vectors + conv weights
     assert plan_group([t.bfloat16() for t in small], torch.float32) == "cast"
     flatten_tensors(small)
     assert plan_group(small, torch.float32) == "fused"
@@ -278,3 +279,18 @@ def test_cuda_update_is_sync_free():
             ema.update(model, decay=decay)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_an_unrelated_in_place_buffer_increment_does_not_invalidate_the_cache():
+    other = nn.Module()
+    other.register_buffer("step", torch.zeros((), dtype=torch.long))
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model)
+    ema.update(model)
+    state = ema._state
+    other.step += 1  # what AveragedModel and ema-pytorch do on every update: same object re-registered
+    ema.update(model)
+    assert ema._state is state
+    other.step = torch.zeros((), dtype=torch.long)  # a real replacement anywhere: rebuild, cheap and safe
+    ema.update(model)
+    assert ema._state is not state
