@@ -30,7 +30,7 @@ from .costmodel import run_cost_model
 from .counting import count_ops, kernel_launches_or_reason, without_views
 from .ema import STRATEGIES, ModelEMA
 from .environment import available_devices, environment
-from .results import SCHEMA, SCHEMA_VERSION, load, machine_label, result_stem, validate
+from .results import SCHEMA, SCHEMA_VERSION, load_many, machine_label, result_stem, validate
 from .seed import seed_after, seed_before
 from .timing import time_candidates
 
@@ -292,9 +292,12 @@ def compare(files: Sequence[str | Path], out: str | Path) -> tuple[str, Path]:
 
     if not files:
         raise ValueError("compare needs at least one result file")
-    records = [load(f) for f in files]
-    lines = [f"{'file':<48}{'device':<7}{'model':<17}{'candidate':<13}{'median ms':>10}{'speed-up':>10}"]
-    for f, rec in zip(files, records):
+    loaded, notes = load_many(list(files))
+    lines = [
+        *notes,
+        f"{'file':<48}{'device':<7}{'model':<17}{'candidate':<13}{'median ms':>10}{'speed-up':>10}",
+    ]
+    for f, rec in loaded:
         for r in rec["results"]:
             if r["kind"] != "reference":
                 lines.append(
@@ -305,5 +308,5 @@ def compare(files: Sequence[str | Path], out: str | Path) -> tuple[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     stamp = _dt.date.today().isoformat()
     png = out / f"compare_{stamp}.png"
-    plot_compare(records).savefig(png, dpi=110)
+    plot_compare([rec for _, rec in loaded]).savefig(png, dpi=110)
     return "\n".join(lines), png

@@ -20,6 +20,7 @@ __all__ = [
     "ResultError",
     "validate",
     "load",
+    "load_many",
     "machine_label",
     "result_stem",
     "format_table",
@@ -148,6 +149,32 @@ def load(path: str | Path) -> dict[str, Any]:
     except ResultError as exc:
         raise ResultError(f"{str(path)!r} is not a valid ema_lab result: {exc}") from None
     return record
+
+
+def load_many(paths: list[str | Path]) -> tuple[list[tuple[Path, dict[str, Any]]], list[str]]:
+    """Load every bench result among ``paths``; JSON files of other tools (no bench schema) are skipped.
+
+    Returns ([(path, record)], notes on skipped files). A broken bench file still raises, and so does a
+    list with no bench result at all: ``results/`` may hold other JSON (a peers benchmark), but a
+    typo must not pass silently.
+    """
+    records, notes = [], []
+    for path in paths:
+        try:
+            records.append((Path(path), load(path)))
+        except ResultError:
+            try:
+                foreign = json.loads(Path(path).read_text()).get("schema") != SCHEMA
+            except (OSError, ValueError, AttributeError):
+                foreign = False
+            if not foreign:
+                raise
+            notes.append(f"skipped {str(path)!r}: not an {SCHEMA} result")
+    if not records:
+        raise ResultError(
+            f"no {SCHEMA} result among {[str(p) for p in paths]}" + "".join(f"; {n}" for n in notes)
+        )
+    return records, notes
 
 
 def _slug(text: str) -> str:

@@ -71,12 +71,15 @@ def test_skipped_devices_are_reported_in_the_table(quick_run, tmp_path, capsys):
     assert {r["candidate"] for r in record["results"]} == {BASELINE, "foreach", "copy"}
 
 
-def test_compare_plots_result_files(quick_run, tmp_path, capsys):
+def test_compare_plots_result_files_and_skips_other_tools_json(quick_run, tmp_path, capsys):
     _, out = quick_run
     files = [str(p) for p in out.glob("*.json")]
-    assert main(["compare", *files, files[0], "--out", str(tmp_path)]) == 0
+    foreign = tmp_path / "peers-2026-01-01.json"  # results/ may hold another tool's JSON
+    foreign.write_text(json.dumps({"rows": []}))
+    assert main(["compare", *files, files[0], str(foreign), "--out", str(tmp_path)]) == 0
     assert len(list(tmp_path.glob("compare_*.png"))) == 1
-    assert "seed_before" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"skipped '{foreign}': not an ema_lab.bench result" in printed and "seed_before" in printed
 
 
 def test_validate_names_the_bad_field(quick_run):
@@ -138,11 +141,17 @@ def test_absent_device_and_bad_result_files_exit_2(tmp_path, capsys):
     not_json.write_text("this is not JSON")
     other_json = tmp_path / "other.json"
     other_json.write_text(json.dumps({"schema": "something else"}))
+    broken_bench = tmp_path / "broken.json"
+    broken_bench.write_text(json.dumps({"schema": "ema_lab.bench"}))
     (tmp_path / "out").write_text("a file, not a folder")
     for argv, message in (
         (["compare", str(not_json)], "is not a JSON result file"),
         (
             ["compare", str(other_json)],
+            "no ema_lab.bench result among",
+        ),
+        (
+            ["compare", str(broken_bench)],
             "is not a valid ema_lab result: result: missing field 'schema_version'",
         ),
         (["bench", "--out", str(tmp_path / "out")], "exists and is not a folder"),

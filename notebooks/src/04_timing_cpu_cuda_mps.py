@@ -48,7 +48,7 @@ CELLS = [
         from ema_lab.bench import run_bench
         from ema_lab.environment import available_devices, format_environment, quick_mode
         from ema_lab.plots import plot_compare, plot_cost_model, plot_times
-        from ema_lab.results import ResultError, format_table, load, validate
+        from ema_lab.results import ResultError, format_table, load_many, validate
         from ema_lab.timing import cold_vs_warm, unsynced_vs_synced
 
         torch.set_num_threads(1)
@@ -191,7 +191,8 @@ CELLS = [
         """
         ## 5. Several machines side by side
 
-        Every machine's results sit in `results/`, named by machine and date. `load` validates each file;
+        Every machine's results sit in `results/`, named by machine and date. `load_many` validates each
+        bench file (JSON files of other tools, such as a peers benchmark, are skipped with a note);
         `plot_compare` draws each model's speed-ups against `seed_before`, one bar per machine and device.
         The same plot comes from the command line: `python -m ema_lab compare results/*.json`.
         """
@@ -200,13 +201,14 @@ CELLS = [
         """
         # NBVAL_IGNORE_OUTPUT
         files = sorted(Path("../results").glob("*.json"))
-        saved = [load(f) for f in files]
-        for f, rec in zip(files, saved):
+        saved, notes = load_many(files) if files else ([], [])
+        print(*notes, sep="\n")
+        for f, rec in saved:
             measured = [d for d, s in rec["devices"].items() if s["status"] == "measured"]
             env, threads = rec["environment"], rec["settings"]["threads"]
             print(f"{f.name}: {env['cpu']}, torch {env['torch']}, {threads} thread(s), measured {measured}")
         if saved:
-            display(plot_compare(saved, candidates=("seed_after", "foreach", "gated", "floor")))
+            display(plot_compare([rec for _, rec in saved], candidates=("seed_after", "foreach", "gated", "floor")))
         else:
             print("no saved results yet: run `python -m ema_lab bench` from the repository root")
         """
