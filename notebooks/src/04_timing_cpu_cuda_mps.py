@@ -116,9 +116,10 @@ CELLS = [
 
         ## 3. The benchmark on every available device
 
-        This is what `python -m ema_lab bench --device all` runs (in quick mode with two small models, so
-        that the notebook stays fast; the command line default covers yolo, resnet50, gpt2 and
-        tiny_tensors). Devices that are missing are listed as skipped with the reason, never as zero.
+        This is what `python -m ema_lab bench --device all` runs, here on two models of the zoo and five
+        candidates so that the notebook stays fast (the command line default covers yolo, resnet50, gpt2
+        and tiny_tensors and every strategy). Devices that are missing are listed as skipped with the
+        reason, never as zero.
         """
     ),
     code(
@@ -202,7 +203,7 @@ CELLS = [
         # NBVAL_IGNORE_OUTPUT
         files = sorted(Path("../results").glob("*.json"))
         saved, notes = load_many(files) if files else ([], [])
-        print(*notes, sep="\n")
+        print(*notes, sep="\\n")
         for f, rec in saved:
             measured = [d for d, s in rec["devices"].items() if s["status"] == "measured"]
             env, threads = rec["environment"], rec["settings"]["threads"]
