@@ -21,7 +21,7 @@ def _names(values: list[str]) -> list[str]:
 
 
 def _parser() -> _Parser:
-    from .bench import DEFAULT_MODELS, candidate_names
+    from .bench import DEFAULT_MODELS, QUICK_MODELS, candidate_names
     from .models import ZOO
 
     parser = _Parser(prog="python -m ema_lab", description=__doc__)
@@ -39,8 +39,8 @@ def _parser() -> _Parser:
     bench.add_argument(
         "--models",
         nargs="+",
-        default=list(DEFAULT_MODELS),
-        help=f"zoo models (default: %(default)s); of {list(ZOO)}",
+        default=None,
+        help=f"zoo models, of {list(ZOO)} (default: {list(DEFAULT_MODELS)}; --quick: {list(QUICK_MODELS)})",
     )
     bench.add_argument(
         "--strategies",
@@ -49,7 +49,11 @@ def _parser() -> _Parser:
         help=f"candidates to time (default: all of {candidate_names()}); seed_before and copy always run",
     )
     bench.add_argument("--threads", type=int, default=1, help="intra-op threads while timing (default: 1)")
-    bench.add_argument("--quick", action="store_true", help="fewer rounds and a smaller cost-model sweep")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 rounds, a smaller cost-model sweep, two models unless --models",
+    )
     bench.add_argument("--out", default="results", help="output folder (default: results/)")
     bench.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     comp = sub.add_parser("compare", help="plot several result files side by side")
@@ -64,7 +68,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     record = run_bench(
         args.device,
-        _names(args.models),
+        _names(args.models) if args.models else None,
         _names(args.strategies) if args.strategies else None,
         threads=args.threads,
         quick=args.quick,

@@ -36,6 +36,7 @@ from .timing import time_candidates
 
 __all__ = [
     "DEFAULT_MODELS",
+    "QUICK_MODELS",
     "BASELINE",
     "REFERENCES",
     "RAMP_UPDATES",
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 DEFAULT_MODELS = ("yolo", "resnet50", "gpt2", "tiny_tensors")
+QUICK_MODELS = ("yolo", "tiny_tensors")  # the two launch-bound models; copying 100-340 MB models dominates
 BASELINE = "seed_before"
 REFERENCES = ("floor", "copy")
 RAMP_UPDATES = 20_000  # ModelEMA's ramp gives decay 0.9999 * (1 - exp(-10)) = 0.99986 here
@@ -70,10 +72,18 @@ def resolve_devices(device: str) -> dict[str, str | None]:
     return {device: None}
 
 
-def _candidates(model: torch.nn.Module, names: Sequence[str]) -> dict[str, Callable[[], object]]:
-    """Zero-argument update functions for each candidate on ``model`` (already on ``device``)."""
+def _candidates(
+    model: torch.nn.Module, names: Sequence[str], rebuild: Callable[[], torch.nn.Module]
+) -> dict[str, Callable[[], object]]:
+    """Zero-argument update functions for each candidate on ``model``; ``rebuild()`` makes a fresh twin."""
     decay = ModelEMA(torch.nn.Linear(1, 1)).decay(RAMP_UPDATES)
     out: dict[str, Callable[[], object]] = {}
+    shared = {"model": model}
+    # ModelEMA strategies first: one that re-points the shared model's tensors keeps that model.
+    for name in names:
+        if name not in {BASELINE, "seed_after", *REFERENCES}:
+            out[name] = _model_ema_step(shared, name, rebuild)
+    model = shared["model"]
     seed_ema = deepcopy(model).eval() if {"seed_before", "seed_after"} & set(names) else None
     floats = [v for v in model.state_dict().values() if v.is_floating_point()]
     flat = {}
@@ -89,29 +99,31 @@ def _candidates(model: torch.nn.Module, names: Sequence[str]) -> dict[str, Calla
             out[name] = lambda: flat["ema"].lerp_(flat["model"], 1 - decay)
         elif name == "copy":
             out[name] = lambda: flat["ema"].copy_(flat["model"])
-        else:
-            out[name] = _model_ema_step(model, name)
-    return out
+    return {k: out[k] for k in names}
 
 
 def _layout(model: torch.nn.Module) -> list[int]:
     return [t.data_ptr() for t in model.state_dict().values()]
 
 
-def _model_ema_step(model: torch.nn.Module, strategy: str) -> Callable[[], object]:
-    """``ModelEMA(..., strategy).update`` on ``model``, or on a private copy if the strategy re-points it.
+def _model_ema_step(
+    shared: dict[str, torch.nn.Module], strategy: str, rebuild: Callable[[], torch.nn.Module]
+) -> Callable[[], object]:
+    """``ModelEMA(..., strategy).update`` on the shared model, unless the strategy re-points it.
 
-    A strategy such as ``flat_model`` moves the model's tensors into its own buffers; sharing the
-    model would change the memory layout every other candidate reads, so it gets a copy.
+    A strategy such as ``flat_model`` moves the model's tensors into its own buffers. It keeps that
+    model to itself and the other candidates get a freshly built twin, so that every other candidate
+    reads the model's original memory layout (the ones built earlier re-collect their pairs once).
     """
-    own = deepcopy(model)
-    before = _layout(own)
-    ema = ModelEMA(own, strategy=strategy)
-    ema.update(own)
-    if _layout(own) == before:
-        own = model  # the layout is untouched: share the model like the other candidates
+    model = shared["model"]
+    before = _layout(model)
+    ema = ModelEMA(model, strategy=strategy)
+    ema.update(model)
     ema.updates = RAMP_UPDATES
-    return lambda: ema.update(own)
+    if _layout(model) != before:
+        shared["model"] = rebuild()
+        return lambda: ema.update(model)
+    return lambda: ema.update(shared["model"])
 
 
 def count_candidate_ops(model_name: str, names: Sequence[str] | None = None) -> dict[str, Counter[str]]:
@@ -120,7 +132,7 @@ def count_candidate_ops(model_name: str, names: Sequence[str] | None = None) -> 
     unknown = [n for n in names if n not in candidate_names()]
     if unknown:
         raise ValueError(f"unknown candidate(s) {unknown}; expected some of {candidate_names()}")
-    fns = _candidates(zoo.build(model_name), names)
+    fns = _candidates(zoo.build(model_name), names, lambda: zoo.build(model_name))
     for fn in fns.values():  # the first call builds caches (ModelEMA's pairs)
         fn()
     return {k: count_ops(fn) for k, fn in fns.items()}
@@ -136,7 +148,7 @@ def _measure_model(
     """Rows for one (device, model): op counts, kernel launches, interleaved timings."""
     model = zoo.build(name).to(device)
     stats = zoo.describe(model)
-    fns = _candidates(model, candidates)
+    fns = _candidates(model, candidates, lambda: zoo.build(name).to(device))
     for fn in fns.values():  # first call builds caches (ModelEMA's pairs): count the steady state
         fn()
     ops = {k: count_ops(fn) for k, fn in fns.items()}
@@ -183,13 +195,17 @@ def _measure_model(
 
 def run_bench(
     device: str = "cpu",
-    models: Sequence[str] = DEFAULT_MODELS,
+    models: Sequence[str] | None = None,
     strategies: Sequence[str] | None = None,
     threads: int = 1,
     quick: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Run the sweep and return the (validated) result record; see the module docstring for what runs."""
+    """Run the sweep and return the (validated) result record; see the module docstring for what runs.
+
+    ``models`` defaults to DEFAULT_MODELS, or QUICK_MODELS when ``quick``.
+    """
+    models = list(models or (QUICK_MODELS if quick else DEFAULT_MODELS))
     for m in models:
         if m not in zoo.ZOO:
             raise ValueError(f"unknown model {m!r}; expected one of {sorted(zoo.ZOO)}")
