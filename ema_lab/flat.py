@@ -30,7 +30,7 @@ Staleness (never average dead memory). The step keeps no reference to the module
 views into a flat buffer, so each flat storage's reference count is exactly "our own views + the
 modules' tensors". ``model.to()``, ``.half()``, ``p.data = ...``, ``torch.utils.swap_tensors`` or a
 module slot given a new tensor all drop references and change that count: :meth:`FlatStep.is_current`
-compares it (O(1) per group) and falls back to the exact per-slot check of
+compares it (O(1) per group) and ``ModelEMA`` falls back to the exact per-slot check of
 :class:`ema_lab.pairs.ModulePairs` when it moved. Model tensors that are not views (``foreach``,
 ``cat``, ``cast`` groups) are always checked per slot. Limit: a caller who re-points one flat tensor
 *and* keeps a new view of the same flat buffer alive between two updates leaves the count unchanged.
@@ -257,7 +257,7 @@ def _check_tensor_decay(decay: Tensor) -> None:
 
 @dataclass
 class FlatStep:
-    """The prepared ``"flat"`` update: call it with the decay; :meth:`is_current` says whether it is stale."""
+    """The prepared ``"flat"`` update: call it with the decay; :meth:`refs_unchanged` is the O(1) check."""
 
     groups: list[FlatGroup]
     fused_pairs: list[bool] = field(default_factory=list)  # per input pair: is its model tensor a flat view
