@@ -149,7 +149,11 @@ class ModelEMA:
                 # entries are left to the exact check: whatever replaces them (.to(device), a new
                 # buffer) also moves float tensors or bumps the registration counter.
                 watch = [s for s, f in zip(pairs.model_slots, step.fused_pairs) if not f]
-                pairs.release_ema()  # a reference held here would hide a replaced EMA tensor from the count
+                # A reference held here to a tensor that is a view of a flat buffer would hide its
+                # replacement from the reference count: drop them (model ones only when there are any).
+                pairs.release_ema()
+                if any(step.fused_pairs):
+                    pairs.model = []
                 step.baseline()
             dicts, keys = (tuple(x) for x in zip(*watch)) if watch else ((), ())
             state = _Prepared(pairs, step, strategy, (dicts, keys), slot_ptrs(dicts, keys))

@@ -32,8 +32,9 @@ modules' tensors". ``model.to()``, ``.half()``, ``p.data = ...``, ``torch.utils.
 module slot given a new tensor all drop references and change that count: :meth:`FlatStep.is_current`
 compares it (O(1) per group) and ``ModelEMA`` falls back to the exact per-slot check of
 :class:`ema_lab.pairs.ModulePairs` when it moved. Model tensors that are not views (``foreach``,
-``cat``, ``cast`` groups) are always checked per slot. Limit: a caller who re-points one flat tensor
-*and* keeps a new view of the same flat buffer alive between two updates leaves the count unchanged.
+``cat``, ``cast`` groups) are always checked per slot. Limit: the count cannot see a flat tensor that
+is re-pointed or replaced while something else keeps an equal number of new views of the same buffer,
+or keeps the replaced tensor object itself, alive between two updates (``ModelEMA`` holds none).
 
 Sync-free: ``step(decay)`` takes a Python float or a 0-dim floating tensor on the group's device;
 a tensor decay is used as a tensor weight (no ``.item()``), so under ``torch.compile`` a changing

@@ -294,3 +294,13 @@ def test_an_unrelated_in_place_buffer_increment_does_not_invalidate_the_cache():
     other.step = torch.zeros((), dtype=torch.long)  # a real replacement anywhere: rebuild, cheap and safe
     ema.update(model)
     assert ema._state is not state
+
+
+def test_converting_only_the_buffers_of_a_flattened_model_is_detected():
+    model = models.build("tiny_cnn")
+    model[0].bn.running_var = model[0].bn.running_var.half()  # a model with one fp16 buffer
+    ema = ModelEMA(model, strategy="flat_model")
+    ema.update(model)
+    assert sorted(ema._state.step.modes) == ["fused", "fused"]
+    model.float()  # parameters untouched; the fp16 buffer is replaced by a new fp32 object, no hook fires
+    _assert_follows(ema, model)
