@@ -66,6 +66,31 @@ class _Prepared:
             return False
 
 
+def check_arguments(
+    model: object, decay: float, tau: float, updates: int, strategy: str, strategies: Sequence[str]
+) -> None:
+    """Raise a clear TypeError/ValueError for a bad EMA constructor argument (shared with ShardedModelEMA)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not (isinstance(decay, (int, float)) and 0.0 < decay < 1.0):
+        raise ValueError(f"decay must be in (0, 1), got {decay!r}")
+    if not (isinstance(tau, (int, float)) and tau > 0 and math.isfinite(tau)):
+        raise ValueError(f"tau must be a positive number, got {tau!r}")
+    if not (isinstance(updates, int) and updates >= 0):
+        raise ValueError(f"updates must be a non-negative int, got {updates!r}")
+    if strategy not in strategies:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {tuple(strategies)}")
+
+
+def _is_fully_sharded(model: nn.Module) -> bool:
+    # FSDP2 swaps each sharded module's class for a subclass of FSDPModule (torch >= 2.6 public path).
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def copy_attr(a: object, b: object, include: tuple = (), exclude: tuple = ()) -> None:
     """Copy plain attributes (not starting with ``_``) from ``b`` to ``a``, as ultralytics does."""
     for k, v in b.__dict__.items():
@@ -92,16 +117,12 @@ class ModelEMA:
         updates: int = 0,
         strategy: str = "auto",
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not (isinstance(decay, (int, float)) and 0.0 < decay < 1.0):
-            raise ValueError(f"decay must be in (0, 1), got {decay!r}")
-        if not (isinstance(tau, (int, float)) and tau > 0 and math.isfinite(tau)):
-            raise ValueError(f"tau must be a positive number, got {tau!r}")
-        if not (isinstance(updates, int) and updates >= 0):
-            raise ValueError(f"updates must be a non-negative int, got {updates!r}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+        check_arguments(model, decay, tau, updates, strategy, STRATEGIES)
+        if _is_fully_sharded(unwrap_model(model)):
+            raise TypeError(
+                "model is sharded with FSDP2 (fully_shard): a deep copy of it is not possible; "
+                "use ema_lab.sharded.ShardedModelEMA, which keeps the EMA of the local shards"
+            )
         self.ema = deepcopy(unwrap_model(model)).eval()
         for p in self.ema.parameters():
             p.requires_grad_(False)

@@ -1,7 +1,8 @@
 """``ShardedModelEMA``: the EMA of an FSDP2 (``fully_shard``) model, kept as this rank's shards only.
 
 ``ModelEMA`` deep-copies the model, which a ``fully_shard``-ed module refuses ("FSDP does not support
-deepcopy"), and a full copy per rank would cost the memory FSDP exists to save. The EMA is
+deepcopy"; ``ModelEMA`` checks first and raises a TypeError pointing here), and a full copy per
+rank would cost the memory FSDP exists to save. The EMA is
 elementwise, so each rank can average just the shard it owns: ``ema_shard = lerp(ema_shard,
 param.to_local(), 1 - d)``. That needs no communication and, for one dtype, one foreach call over
 the local tensors. Only a checkpoint needs the whole EMA: ``full_state_dict()`` gathers it with
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from . import pairs as _pairs
+from .ema import check_arguments
 from .pairs import Slot, module_entries, unwrap_model
 from .updates import Step, prepare
 
@@ -115,16 +117,7 @@ class ShardedModelEMA:
         updates: int = 0,
         strategy: str = "auto",
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not (isinstance(decay, (int, float)) and 0.0 < decay < 1.0):
-            raise ValueError(f"decay must be in (0, 1), got {decay!r}")
-        if not (isinstance(tau, (int, float)) and tau > 0 and math.isfinite(tau)):
-            raise ValueError(f"tau must be a positive number, got {tau!r}")
-        if not (isinstance(updates, int) and updates >= 0):
-            raise ValueError(f"updates must be a non-negative int, got {updates!r}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+        check_arguments(model, decay, tau, updates, strategy, STRATEGIES)
         if _dtensor_cls() is None:
             raise RuntimeError("ShardedModelEMA needs torch.distributed.tensor.DTensor (torch >= 2.4)")
         model = unwrap_model(model)

@@ -40,7 +40,8 @@ def test_two_process_demo_passes_every_check() -> None:
     assert [r["fsdp_ema_bytes"] for r in ranks] == [full // 2, full // 2]
     assert [r["fsdp_cache_builds"] for r in ranks] == [1, 1]  # FSDP2 keeps its sharded tensors
     assert all(r["gloo_interface"] == dist_demo.loopback_interface() for r in ranks)
-    assert "does not support deepcopy" in fig["fsdp_modelema_error"]
+    assert fig["fsdp_modelema_error"].startswith("TypeError: model is sharded with FSDP2 (fully_shard)")
+    assert "ShardedModelEMA" in fig["fsdp_modelema_error"]
 
 
 def test_timeout_reports_failure_and_leaves_no_worker() -> None:

@@ -105,8 +105,10 @@ CELLS = [
         to the others; and since `update()` never waits for another rank, keeping the EMA on rank 0 only
         (`ddp_model_ema(model, rank0_only=True)`) saves the memory elsewhere and cannot deadlock.
 
-        With FSDP2, `ModelEMA` stops at its first line: it deep-copies the model, and a `fully_shard` module
-        refuses to be deep-copied. A full copy per rank would also defeat the point of sharding.
+        With FSDP2, `ModelEMA` cannot work the same way: it deep-copies the model, and a `fully_shard` module
+        refuses to be deep-copied ("FSDP does not support deepcopy"), so `ModelEMA` checks for `FSDPModule`
+        first and raises a `TypeError` that points to `ShardedModelEMA`. A full copy per rank would also
+        defeat the point of sharding.
         `ShardedModelEMA` instead clones each parameter's local shard (a `DTensor` clones only its shard) into
         a module that holds them as `DTensor`s under the model's names, and updates the plain local tensors
         with the same validated strategies as `ModelEMA` (one `_foreach_lerp_` for a single-dtype model).
