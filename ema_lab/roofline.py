@@ -4,12 +4,20 @@ An EMA update of ``B`` float bytes reads the EMA and the model and writes the EM
 of useful traffic. One ``copy_`` of ``B`` bytes moves ``2 B`` in one kernel; its GB/s is the
 roofline this machine reaches with a single large kernel. A strategy at the roofline spends its
 time moving bytes; one far below it spends it on per-tensor overhead.
+
+The byte counts are :data:`ema_lab.costmodel.BYTES_PER_ELEMENT`, shared with the cost model. They
+count what a kernel asks for, not what the memory system moves: on a CPU with write-allocate
+caches a copy also reads its destination, so a lerp can show a fraction above 1 there (about 1.5
+when it runs as fast as the copy). The ratio that needs no byte model is ``floor`` time over a
+strategy's time: the bench table lists the floor beside every strategy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from .costmodel import BYTES_PER_ELEMENT
 
 __all__ = ["RooflinePoint", "roofline_points", "format_roofline", "plot_roofline"]
 
@@ -45,8 +53,8 @@ def roofline_points(record: dict[str, Any], device: str = "cpu") -> list[Rooflin
                 model=r["model"],
                 candidate=r["candidate"],
                 median_ms=r["median_ms"],
-                gbps=3 * nbytes / (r["median_ms"] * 1e-3) / 1e9,
-                copy_gbps=2 * nbytes / (c["median_ms"] * 1e-3) / 1e9,
+                gbps=BYTES_PER_ELEMENT["floor"] * nbytes / (r["median_ms"] * 1e-3) / 1e9,
+                copy_gbps=BYTES_PER_ELEMENT["copy"] * nbytes / (c["median_ms"] * 1e-3) / 1e9,
             )
         )
     return out
