@@ -304,3 +304,27 @@ def test_converting_only_the_buffers_of_a_flattened_model_is_detected():
     assert sorted(ema._state.step.modes) == ["fused", "fused"]
     model.float()  # parameters untouched; the fp16 buffer is replaced by a new fp32 object, no hook fires
     _assert_follows(ema, model)
+
+
+def test_without_the_use_count_binding_every_step_takes_the_exact_check(monkeypatch) -> None:
+    """On a torch without ``_storage_Use_Count`` the O(1) check is off, the per-slot check still catches."""
+    from ema_lab import ModelEMA, flat, models
+
+    monkeypatch.setattr(flat, "_USE_COUNT", None)
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, decay=0.5, tau=1e-9, strategy="flat")
+    ema.update(model)
+    assert ema._state.step.refs_unchanged() is False
+    first = ema._state
+    ema.update(model)
+    assert ema._state is first  # nothing changed: the exact check passes, no rebuild
+    ema.ema.half()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(2.0)
+    for _ in range(30):
+        ema.update(model)
+    assert ema._state is not first
+    assert all(
+        torch.allclose(p.float(), torch.full_like(p.float(), 2.0), atol=1e-2) for p in ema.ema.parameters()
+    )
