@@ -211,6 +211,12 @@ class ModelEMA:
         if self.enabled:
             copy_attr(self.ema, model, include, exclude)
 
+    def __getstate__(self) -> dict:
+        # The cache holds weak references and module dicts: drop it, the next update() rebuilds it.
+        state = self.__dict__.copy()
+        state["_state"] = None
+        return state
+
     def __repr__(self) -> str:
         return (
             f"ModelEMA(decay={self.max_decay}, tau={self.tau}, updates={self.updates}, "

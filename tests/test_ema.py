@@ -233,3 +233,26 @@ def test_update_attr() -> None:
     model.stride = 16
     ema.update_attr(model, include=("names",))
     assert ema.ema.stride == 32
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_pickle_and_deepcopy_drop_the_cache_and_keep_averaging(strategy: str) -> None:
+    import io
+    import pickle
+
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, decay=0.5, tau=1e-9, strategy=strategy)
+    ema.update(model)
+    buf = io.BytesIO()
+    torch.save(ema, buf)  # trainers checkpoint the whole object
+    clones = [pickle.loads(pickle.dumps(ema)), deepcopy(ema)]
+    buf.seek(0)
+    clones.append(torch.load(buf, weights_only=False))
+    _perturb(model)
+    ema.update(model)
+    for clone in clones:
+        assert clone.updates == 1 and clone._pairs is None
+        clone.update(model)
+        assert clone.updates == 2
+        for k, v in float_entries(clone.ema).items():
+            torch.testing.assert_close(v, float_entries(ema.ema)[k])
