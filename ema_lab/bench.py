@@ -72,7 +72,7 @@ def resolve_devices(device: str) -> dict[str, str | None]:
     return {device: None}
 
 
-def _candidates(
+def candidates(
     model: torch.nn.Module, names: Sequence[str], rebuild: Callable[[], torch.nn.Module]
 ) -> dict[str, Callable[[], object]]:
     """Zero-argument update functions for each candidate on ``model``; ``rebuild()`` makes a fresh twin."""
@@ -132,7 +132,7 @@ def count_candidate_ops(model_name: str, names: Sequence[str] | None = None) -> 
     unknown = [n for n in names if n not in candidate_names()]
     if unknown:
         raise ValueError(f"unknown candidate(s) {unknown}; expected some of {candidate_names()}")
-    fns = _candidates(zoo.build(model_name), names, lambda: zoo.build(model_name))
+    fns = candidates(zoo.build(model_name), names, lambda: zoo.build(model_name))
     for fn in fns.values():  # the first call builds caches (ModelEMA's pairs)
         fn()
     return {k: count_ops(fn) for k, fn in fns.items()}
@@ -143,12 +143,12 @@ def _kind(name: str) -> str:
 
 
 def _measure_model(
-    device: str, name: str, candidates: Sequence[str], threads: int, rounds: int, quick: bool, tick: Callable
+    device: str, name: str, names: Sequence[str], threads: int, rounds: int, quick: bool, tick: Callable
 ) -> list[dict[str, Any]]:
     """Rows for one (device, model): op counts, kernel launches, interleaved timings."""
     model = zoo.build(name).to(device)
     stats = zoo.describe(model)
-    fns = _candidates(model, candidates, lambda: zoo.build(name).to(device))
+    fns = candidates(model, names, lambda: zoo.build(name).to(device))
     for fn in fns.values():  # first call builds caches (ModelEMA's pairs): count the steady state
         fn()
     ops = {k: count_ops(fn) for k, fn in fns.items()}

@@ -99,7 +99,22 @@ def copy_attr(a: object, b: object, include: tuple = (), exclude: tuple = ()) ->
         setattr(a, k, v)
 
 
-class ModelEMA:
+class EMASchedule:
+    """The decay ramp and counters shared by :class:`ModelEMA` and ``ShardedModelEMA``."""
+
+    def _init_schedule(self, decay: float, tau: float, updates: int, strategy: str) -> None:
+        self.updates = updates
+        self.max_decay = float(decay)
+        self.tau = float(tau)
+        self.strategy = strategy
+        self.enabled = True
+
+    def decay(self, n: int) -> float:
+        """The decay used at update number ``n``: ramps from 0 to ``max_decay``, time constant tau."""
+        return self.max_decay * (1 - math.exp(-n / self.tau))
+
+
+class ModelEMA(EMASchedule):
     """Exponential moving average of a model's weights, with the ramp ``decay * (1 - exp(-n / tau))``.
 
     Compatible with ``ultralytics.utils.torch_utils.ModelEMA``: ``.ema`` (a deep copy in eval mode,
@@ -126,17 +141,9 @@ class ModelEMA:
         self.ema = deepcopy(unwrap_model(model)).eval()
         for p in self.ema.parameters():
             p.requires_grad_(False)
-        self.updates = updates
-        self.max_decay = float(decay)
-        self.tau = float(tau)
-        self.strategy = strategy
-        self.enabled = True
+        self._init_schedule(decay, tau, updates, strategy)
         self._state: _Prepared | None = None
         self._auto: str | None = None  # the cached "auto" choice
-
-    def decay(self, n: int) -> float:
-        """The decay used at update number ``n``: ramps from 0 to ``max_decay``, time constant tau."""
-        return self.max_decay * (1 - math.exp(-n / self.tau))
 
     @property
     def resolved_strategy(self) -> str:

@@ -8,16 +8,35 @@ from copy import deepcopy
 import torch
 from torch import Tensor, nn
 
+from .ema import STRATEGIES, ModelEMA
 from .pairs import ModulePairs
 from .updates import foreach_update, gated_update, loop_update
 
-__all__ = ["STRATEGY_FUNCTIONS", "strategy_errors"]
+__all__ = ["STRATEGY_FUNCTIONS", "strategy_errors", "model_ema_errors"]
 
 STRATEGY_FUNCTIONS: dict[str, Callable[[Sequence[Tensor], Sequence[Tensor], float], None]] = {
     "loop": loop_update,
     "foreach": foreach_update,
     "gated": gated_update,
 }
+
+
+def _walk(model_tensors: Sequence[Tensor], gen: torch.Generator, noise: float) -> None:
+    """One seeded random step of the model's tensors: a stand-in for an optimizer step."""
+    with torch.no_grad():
+        for m in model_tensors:
+            m.add_(torch.randn(m.shape, generator=gen).to(m), alpha=noise)
+
+
+def _reference_step(ref: list[Tensor], model_tensors: Sequence[Tensor], decay: float) -> None:
+    """``ref = d * ref + (1 - d) * model`` in float64, independent of every strategy."""
+    with torch.no_grad():
+        for r, m in zip(ref, model_tensors):
+            r.mul_(decay).add_(m.double(), alpha=1 - decay)
+
+
+def _max_error(tensors: Sequence[Tensor], ref: Sequence[Tensor]) -> float:
+    return max((e.double() - r).abs().max().item() for e, r in zip(tensors, ref))
 
 
 def strategy_errors(
@@ -36,15 +55,35 @@ def strategy_errors(
     emas = {name: [t.detach().clone() for t in pairs.ema] for name in STRATEGY_FUNCTIONS}
     ref = [t.detach().double() for t in pairs.ema]
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _ in range(steps):
-            for m in pairs.model:
-                m.add_(torch.randn(m.shape, generator=gen).to(m), alpha=noise)
-            for name, update in STRATEGY_FUNCTIONS.items():
-                update(emas[name], pairs.model, decay)
-            for r, m in zip(ref, pairs.model):
-                r.mul_(decay).add_(m.double(), alpha=1 - decay)
-    return {
-        name: max((e.double() - r).abs().max().item() for e, r in zip(tensors, ref))
-        for name, tensors in emas.items()
-    }
+    for _ in range(steps):
+        _walk(pairs.model, gen, noise)
+        for name, update in STRATEGY_FUNCTIONS.items():
+            update(emas[name], pairs.model, decay)
+        _reference_step(ref, pairs.model, decay)
+    return {name: _max_error(tensors, ref) for name, tensors in emas.items()}
+
+
+def model_ema_errors(
+    model: nn.Module,
+    strategies: Sequence[str] = STRATEGIES,
+    steps: int = 10,
+    decay: float = 0.999,
+    seed: int = 0,
+    noise: float = 0.01,
+) -> dict[str, float]:
+    """Like :func:`strategy_errors` for ``ModelEMA(strategy=...)`` (caching, flat buffers and all)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    model = deepcopy(model)
+    # tau -> 0 makes the ramp a constant ``decay``, so the reference needs no schedule.
+    emas = {name: ModelEMA(model, decay=decay, tau=1e-9, strategy=name) for name in strategies}
+    ref = [t.detach().double() for t in ModulePairs.collect(deepcopy(model), model).ema]
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        # Collected each step: "flat_model" moves the model's tensors into a buffer of its own.
+        model_tensors = ModulePairs.collect(model, model).model
+        _walk(model_tensors, gen, noise)
+        for ema in emas.values():
+            ema.update(model)
+        _reference_step(ref, model_tensors, decay)
+    return {name: _max_error(ModulePairs.collect(e.ema, model).ema, ref) for name, e in emas.items()}

@@ -15,7 +15,6 @@ It is a container, not a runnable network: load it into an FSDP model with :meth
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from . import pairs as _pairs
-from .ema import check_arguments
+from .ema import EMASchedule, check_arguments
 from .pairs import Slot, module_entries, unwrap_model
 from .updates import Step, prepare
 
@@ -101,7 +100,7 @@ def _holder(entries: dict[str, Tensor]) -> nn.Module:
     return root
 
 
-class ShardedModelEMA:
+class ShardedModelEMA(EMASchedule):
     """EMA of a model whose parameters are sharded DTensors (FSDP2): local shards, no communication.
 
     Same schedule and counters as ``ModelEMA`` (``decay(n) = decay * (1 - exp(-n / tau))``,
@@ -130,11 +129,7 @@ class ShardedModelEMA:
                     copies[id(t)] = t.detach().clone()  # a DTensor clones only its local shard
                 entries[key] = copies[id(t)]
         self.ema = _holder(entries)
-        self.updates = updates
-        self.max_decay = float(decay)
-        self.tau = float(tau)
-        self.strategy = strategy
-        self.enabled = True
+        self._init_schedule(decay, tau, updates, strategy)
         self._keys = self._distinct_keys(entries)
         self.rebuilds = 0  # how often the model-side cache was (re)built: once, unless tensors moved
         self._cache: _Prepared | None = None
@@ -148,10 +143,6 @@ class ShardedModelEMA:
                 seen.add(id(t))
                 keys.append(key)
         return keys
-
-    def decay(self, n: int) -> float:
-        """The decay used at update number ``n``: ramps from 0 to ``max_decay``, time constant tau."""
-        return self.max_decay * (1 - math.exp(-n / self.tau))
 
     @property
     def resolved_strategy(self) -> str:

@@ -29,3 +29,16 @@ def test_reproducible_and_nonzero() -> None:
 def test_rejects_zero_steps() -> None:
     with pytest.raises(ValueError, match="steps must be >= 1"):
         strategy_errors(models.build("tiny_cnn"), steps=0)
+
+
+def test_model_ema_errors_cover_every_strategy_and_leave_the_model_alone() -> None:
+    from ema_lab import models
+    from ema_lab.ema import STRATEGIES
+    from ema_lab.reference import model_ema_errors
+
+    model = models.build("tiny_transformer")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    errors = model_ema_errors(model, steps=5)
+    assert list(errors) == list(STRATEGIES)
+    assert all(0 <= e <= 1e-5 for e in errors.values())  # float32 rounding of values up to ~5
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
