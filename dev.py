@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
         rc |= run(PY, "-m", "pytest", "tests", "notebooks", *NBVAL_ARGS, *rest, env=env)
         return rc
     if job == "notebooks":
-        return run(PY, "-m", "ema_lab.notebooks", "execute", *rest, env=env)
+        return run(PY, ROOT / "notebooks" / "execute.py", *rest, env=env)
     if job == "lab":
         # Jupyter refuses to start as root (containers, CI boxes) unless told it is intended.
         root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []

@@ -8,7 +8,7 @@
 timm's ModelEmaV3 is loaded from its own source file (``timm/utils/model_ema.py`` imports only
 torch), because ``import timm`` needs torchvision and no CPU torchvision build for torch 2.13 is on
 PyPI. Everything is timed in one process, interleaved, at one intra-op thread, medians of rounds,
-with :func:`ema_lab.timing.time_candidates`. Each candidate gets its own copy of the model.
+with :func:`ema_lab.bench.timing.time_candidates`. Each candidate gets its own copy of the model.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from ema_lab import ModelEMA, models
-from ema_lab.environment import environment
-from ema_lab.timing import time_candidates
+from ema_lab import ModelEMA
+from ema_lab.bench.environment import environment
+from ema_lab.bench.timing import time_candidates
+from ema_lab.lessons import models
 
 DECAY = 0.9999
 MODELS = ("yolo", "resnet50", "gpt2", "tiny_tensors")

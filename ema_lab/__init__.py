@@ -1,9 +1,12 @@
-"""ema_lab: teach, reproduce and benchmark a batched EMA weight update for PyTorch models."""
+"""ema_lab: an EMA of model weights updated with one batched ``torch._foreach_lerp_`` (or one flat ``lerp_``).
 
-from .counting import count_kernel_launches, count_ops
+The core needs torch alone. ``ema_lab.bench`` (timing, counting, the ``python -m ema_lab bench`` sweep)
+and ``ema_lab.lessons`` (the pieces the notebooks reuse) are subpackages with their own extras.
+"""
+
 from .ema import STRATEGIES, ModelEMA
+from .flat import flatten_tensors, unflatten_tensors
 from .gates import foreach_lerp_supported
-from .profiling import check_movable, profile_flops, remove_thop_buffers, state_dict_diff
 from .sharded import ShardedModelEMA
 from .updates import foreach_update, gated_update, loop_update
 
@@ -13,15 +16,11 @@ __all__ = [
     "ModelEMA",
     "ShardedModelEMA",
     "STRATEGIES",
-    "foreach_lerp_supported",
     "loop_update",
     "foreach_update",
     "gated_update",
-    "profile_flops",
-    "state_dict_diff",
-    "remove_thop_buffers",
-    "check_movable",
-    "count_ops",
-    "count_kernel_launches",
+    "foreach_lerp_supported",
+    "flatten_tensors",
+    "unflatten_tensors",
     "__version__",
 ]

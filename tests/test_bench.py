@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from ema_lab import models
 from ema_lab.__main__ import main
-from ema_lab.bench import BASELINE, REFERENCES, candidate_names
+from ema_lab.bench.environment import available_devices
+from ema_lab.bench.results import SCHEMA_VERSION, ResultError, load, validate
+from ema_lab.bench.sweep import BASELINE, REFERENCES, candidate_names
 from ema_lab.ema import STRATEGIES
-from ema_lab.environment import available_devices
-from ema_lab.results import SCHEMA_VERSION, ResultError, load, validate
+from ema_lab.lessons import models
 
 MODELS = ("tiny_cnn", "tiny_transformer")
 

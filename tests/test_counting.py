@@ -8,8 +8,8 @@ from copy import deepcopy
 import pytest
 import torch
 
-from ema_lab import ModelEMA, models
-from ema_lab.counting import (
+from ema_lab import ModelEMA
+from ema_lab.bench.counting import (
     KernelCountUnavailable,
     count_kernel_launches,
     count_ops,
@@ -18,7 +18,8 @@ from ema_lab.counting import (
     without_views,
 )
 from ema_lab.ema import STRATEGIES
-from ema_lab.seed import seed_after, seed_before
+from ema_lab.lessons import models
+from ema_lab.lessons.seed import seed_after, seed_before
 
 D = 0.9999
 

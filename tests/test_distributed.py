@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from ema_lab import ModelEMA, ShardedModelEMA
-from ema_lab import distributed as dist_demo
-from ema_lab.counting import count_ops
-from ema_lab.models import build
+from ema_lab.bench.counting import count_ops
+from ema_lab.lessons import distributed as dist_demo
+from ema_lab.lessons.models import build
 
 MISSING = dist_demo.missing_apis()
 needs_distributed = pytest.mark.skipif(bool(MISSING), reason=f"skipped: torch lacks {', '.join(MISSING)}")

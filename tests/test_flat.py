@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from ema_lab import ModelEMA, models
-from ema_lab.counting import count_ops
+from ema_lab import ModelEMA
+from ema_lab.bench.counting import count_ops
 from ema_lab.ema import choose_strategy
 from ema_lab.flat import (
     CAT_MAX_NUMEL,
@@ -17,8 +17,9 @@ from ema_lab.flat import (
     tiles_one_storage,
     unflatten_tensors,
 )
+from ema_lab.lessons import models
+from ema_lab.lessons.precision import ema_stall
 from ema_lab.pairs import ModulePairs
-from ema_lab.precision import ema_stall
 
 
 def _shift(model: nn.Module, value: float | None = None, seed: int = 0) -> None:
@@ -308,7 +309,8 @@ def test_converting_only_the_buffers_of_a_flattened_model_is_detected():
 
 def test_without_the_use_count_binding_every_step_takes_the_exact_check(monkeypatch) -> None:
     """On a torch without ``_storage_Use_Count`` the O(1) check is off, the per-slot check still catches."""
-    from ema_lab import ModelEMA, flat, models
+    from ema_lab import ModelEMA, flat
+    from ema_lab.lessons import models
 
     monkeypatch.setattr(flat, "_USE_COUNT", None)
     model = models.build("tiny_cnn")

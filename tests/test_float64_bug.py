@@ -10,10 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from ema_lab import float64_bug as bug
-from ema_lab import remove_thop_buffers
-from ema_lab.models import Conv, yolo
-from ema_lab.profiling import import_thop
+from ema_lab.lessons import float64_bug as bug
+from ema_lab.lessons.models import Conv, yolo
+from ema_lab.lessons.profiling import import_thop, remove_thop_buffers
 
 THOP_PIN = "0.1.1.post2209072238"
 

@@ -10,17 +10,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from ema_lab import check_movable, profile_flops, remove_thop_buffers, state_dict_diff
-from ema_lab.models import Conv, tiny_cnn, tiny_transformer
-from ema_lab.models import build as build_zoo
-from ema_lab.profiling import (
+from ema_lab.lessons.models import Conv, tiny_cnn, tiny_transformer
+from ema_lab.lessons.models import build as build_zoo
+from ema_lab.lessons.profiling import (
+    check_movable,
     compare_flop_counts,
     dtype_table,
     fingerprint,
     float64_entries,
     import_thop,
     move_to,
+    profile_flops,
+    remove_thop_buffers,
     snapshot,
+    state_dict_diff,
 )
 
 C = 4  # channels every random tree keeps, so any composition has a valid forward

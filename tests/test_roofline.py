@@ -8,7 +8,7 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 
-from ema_lab.roofline import format_roofline, plot_roofline, roofline_points  # noqa: E402
+from ema_lab.bench.roofline import format_roofline, plot_roofline, roofline_points  # noqa: E402
 
 
 def _row(candidate: str, ms: float) -> dict:

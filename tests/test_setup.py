@@ -21,14 +21,22 @@ def _pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~\[ ;]", d)[0] for d in requirements}
+
+
 def test_pyproject_dependencies() -> None:
     project = _pyproject()["project"]
-    names = {re.split(r"[<>=!~\[ ]", d)[0] for d in project["dependencies"]}
-    assert {"torch", "matplotlib", "jupyterlab", "thop"} <= names
-    assert "torch>=2.0" in project["dependencies"]
-    assert "ultralytics-thop" not in names  # same import package as thop: never both
-    dev = {re.split(r"[<>=!~\[ ]", d)[0] for d in project["optional-dependencies"]["dev"]}
-    assert {"pytest", "nbval", "hypothesis", "ruff"} <= dev
+    # The core needs torch alone; everything else is an extra.
+    assert project["dependencies"] == ["torch>=2.0"]
+    extras = project["optional-dependencies"]
+    assert {"numpy", "matplotlib", "tqdm"} <= _names(extras["bench"])
+    assert {"jupyterlab", "jupytext", "thop"} <= _names(extras["notebooks"])
+    assert "thop==0.1.1.post2209072238" in extras["notebooks"]
+    assert {"ema_lab[bench,notebooks]", "pytest>=8"} <= set(extras["dev"])
+    assert {"pytest", "nbval", "hypothesis", "ruff"} <= _names(extras["dev"])
+    for reqs in (project["dependencies"], *extras.values()):
+        assert "ultralytics-thop" not in _names(reqs)  # same import package as thop: never both
 
 
 def test_no_requirement_asks_for_torch_newer_than_the_cap() -> None:

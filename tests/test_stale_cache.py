@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from ema_lab import ModelEMA, models
+from ema_lab import ModelEMA
+from ema_lab.lessons import models
+from ema_lab.lessons.seed import CachedListEMA
+from ema_lab.lessons.staleness import CONVERSIONS, follows_after
 from ema_lab.pairs import ModulePairs
-from ema_lab.seed import CachedListEMA
-from ema_lab.staleness import CONVERSIONS, follows_after
 
 from .helpers import float_entries
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from ema_lab.costmodel import BYTES_PER_ELEMENT, FIXED_ELEMENTS, FIXED_TENSORS, fit_cost, sweep_plan
-from ema_lab.timing import quantiles, synchronize, time_candidates
+from ema_lab.bench.costmodel import BYTES_PER_ELEMENT, FIXED_ELEMENTS, FIXED_TENSORS, fit_cost, sweep_plan
+from ema_lab.bench.timing import quantiles, synchronize, time_candidates
 
 
 def test_quantiles_inclusive():

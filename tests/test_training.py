@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ema_lab.training import train_with_ema
+from ema_lab.lessons.training import train_with_ema
 
 
 @pytest.fixture(autouse=True)

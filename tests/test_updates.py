@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ema_lab import models, updates
+from ema_lab import updates
+from ema_lab.lessons import models
 from ema_lab.updates import foreach_update, gated_update, group_pairs, loop_update
 
 from .helpers import float_entries, reference_step

@@ -1,14 +1,14 @@
 """The main job: time every EMA strategy on the model zoo on every available device, save JSON and plots.
 
 For each (device, model) it builds one set of candidates and times them interleaved
-(:func:`ema_lab.timing.time_candidates`):
+(:func:`ema_lab.bench.timing.time_candidates`):
 
 - ``seed_before`` (the baseline) and ``seed_after``: the seed's code, walking ``state_dict()`` per call;
 - every strategy of :data:`ema_lab.ema.STRATEGIES` through ``ModelEMA(model, strategy=s).update``;
 - ``floor``: one ``lerp_`` over two contiguous buffers holding as many floats as the model (the best
   any EMA update of that model can do), and ``copy``: one ``copy_`` of those bytes (the roofline).
 
-Each candidate's dispatched ops per step are counted (:func:`ema_lab.counting.count_ops`), and on
+Each candidate's dispatched ops per step are counted (:func:`ema_lab.bench.counting.count_ops`), and on
 CUDA its kernel launches. The decay is the ramp's value after ``RAMP_UPDATES`` steps (about 0.9999).
 """
 
@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from . import models as zoo
+from ..ema import STRATEGIES, ModelEMA
+from ..lessons import models as zoo
+from ..lessons.seed import seed_after, seed_before
 from .costmodel import run_cost_model
 from .counting import count_ops, kernel_launches_or_reason, without_views
-from .ema import STRATEGIES, ModelEMA
 from .environment import available_devices, environment
 from .results import SCHEMA, SCHEMA_VERSION, load_many, machine_label, result_stem, validate
-from .seed import seed_after, seed_before
 from .timing import time_candidates
 
 __all__ = [

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from . import bench, models
-from .ema import STRATEGIES, ModelEMA
-from .reference import model_ema_errors
+from ..ema import STRATEGIES, ModelEMA
+from ..lessons import models
+from ..lessons.reference import model_ema_errors
+from . import sweep as bench
 from .timing import time_candidates
 
 

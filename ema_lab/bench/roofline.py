@@ -5,7 +5,7 @@ of useful traffic. One ``copy_`` of ``B`` bytes moves ``2 B`` in one kernel; its
 roofline this machine reaches with a single large kernel. A strategy at the roofline spends its
 time moving bytes; one far below it spends it on per-tensor overhead.
 
-The byte counts are :data:`ema_lab.costmodel.BYTES_PER_ELEMENT`, shared with the cost model. They
+The byte counts are :data:`ema_lab.bench.costmodel.BYTES_PER_ELEMENT`, shared with the cost model. They
 count what a kernel asks for, not what the memory system moves: on a CPU with write-allocate
 caches a copy also reads its destination, so a lerp can show a fraction above 1 there (about 1.5
 when it runs as fast as the copy). The ratio that needs no byte model is ``floor`` time over a

@@ -28,9 +28,10 @@ from importlib import metadata
 import torch
 from torch import nn
 
-from .ema import ModelEMA
+from ..ema import ModelEMA
+from ..pairs import ModulePairs
+from ..updates import foreach_update, gated_update
 from .models import Conv, tiny_cnn, yolo
-from .pairs import ModulePairs
 from .profiling import (
     THOP_BUFFERS,
     StateDictDiff,
@@ -41,7 +42,6 @@ from .profiling import (
     state_dict_diff,
 )
 from .seed import seed_after, seed_before
-from .updates import foreach_update, gated_update
 
 __all__ = [
     "DECAY",

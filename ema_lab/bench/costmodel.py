@@ -8,7 +8,7 @@ Two sweeps over synthetic (EMA, model) float32 tensor lists on one device:
   bandwidth-bound).
 
 For the per-tensor ``loop`` (``v *= d; v += (1 - d) * m.detach()``) ``ops`` is every op it dispatches
-(counted with :func:`ema_lab.counting.count_ops`, views included: each one is a trip through
+(counted with :func:`ema_lab.bench.counting.count_ops`, views included: each one is a trip through
 the dispatcher) and ``bytes`` its memory traffic (7 element-sized reads/writes per element). For
 one ``_foreach_lerp_`` the unit is a tensor inside the call (3 per element: read EMA and model, write EMA).
 Each fit is a least-squares fit without intercept, weighted by 1/time so small and large points
@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from ..updates import prepare
 from .counting import count_ops
 from .timing import time_candidates
-from .updates import prepare
 
 __all__ = [
     "CostFit",

@@ -8,9 +8,9 @@ from copy import deepcopy
 import torch
 from torch import Tensor, nn
 
-from .ema import STRATEGIES, ModelEMA
-from .pairs import ModulePairs
-from .updates import foreach_update, gated_update, loop_update
+from ..ema import STRATEGIES, ModelEMA
+from ..pairs import ModulePairs
+from ..updates import foreach_update, gated_update, loop_update
 
 __all__ = ["STRATEGY_FUNCTIONS", "strategy_errors", "model_ema_errors"]
 

@@ -1,6 +1,6 @@
 """EMA under torch.distributed: DDP and FSDP2 demos run as real processes (gloo, 127.0.0.1), checked.
 
-``python -m ema_lab.distributed --world-size 2`` spawns one process per rank. Each rank trains the
+``python -m ema_lab.lessons.distributed --world-size 2`` spawns one process per rank. Each rank trains the
 same tiny transformer on its slice of a global batch, twice:
 
 - DDP: ``ModelEMA`` on the ``DistributedDataParallel`` model. Gradients are averaged in backward,
@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .counting import count_ops
-from .ema import ModelEMA
+from ..bench.counting import count_ops
+from ..ema import ModelEMA
+from ..sharded import ShardedModelEMA
 from .models import build
-from .sharded import ShardedModelEMA
 
 __all__ = [
     "Config",
@@ -463,7 +463,7 @@ def format_report(report: Report) -> str:
     """The human-readable result: configuration, per-rank memory and time, every check."""
     cfg = report.config
     lines = [
-        f"ema_lab.distributed: world size {cfg.world_size}, gloo on 127.0.0.1, model {cfg.model}, "
+        f"ema_lab.lessons.distributed: world size {cfg.world_size}, gloo on 127.0.0.1, model {cfg.model}, "
         f"{cfg.steps} steps, batch {cfg.batch_per_rank} per rank, decay {cfg.decay}, tau {cfg.tau}, "
         "1 thread per rank"
     ]
@@ -496,26 +496,29 @@ def format_report(report: Report) -> str:
 
 
 def run_cli(world_size: int = 2, timeout_s: float = Config.timeout_s) -> tuple[int, str, dict[str, object]]:
-    """Run ``python -m ema_lab.distributed`` in a fresh interpreter; return exit status, output, summary."""
+    """Run ``python -m ema_lab.lessons.distributed`` in a fresh interpreter: exit status, output, summary."""
     import json
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
+    # The folder holding this ema_lab package (a checkout or site-packages), so the child imports this copy.
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
     with tempfile.TemporaryDirectory(prefix="ema_lab_dist_") as tmp:
         out = Path(tmp) / "summary.json"
-        cmd = [sys.executable, "-m", "ema_lab.distributed", "--world-size", str(world_size)]
+        cmd = [sys.executable, "-m", "ema_lab.lessons.distributed", "--world-size", str(world_size)]
         cmd += ["--timeout", str(timeout_s), "--json", str(out)]
         # The ranks are bounded by timeout_s; the extra margin covers interpreter start and the reference.
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s + 60)
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout_s + 60)
         summary = json.loads(out.read_text()) if out.exists() else {}
     return proc.returncode, proc.stdout + proc.stderr, summary
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: run both demos, print the report, exit 0 only if every check passed."""
-    parser = argparse.ArgumentParser(prog="python -m ema_lab.distributed", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ema_lab.lessons.distributed", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=Config.steps)
     parser.add_argument("--timeout", type=float, default=Config.timeout_s, help="seconds for the whole run")
@@ -535,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Re-import under the package name so spawned ranks unpickle ``ema_lab.distributed._worker``.
-    from ema_lab.distributed import main as _main
+    # Re-import under the package name so spawned ranks unpickle ``ema_lab.lessons.distributed._worker``.
+    from ema_lab.lessons.distributed import main as _main
 
     sys.exit(_main())

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .ema import ModelEMA
+from ..ema import ModelEMA
 
 __all__ = ["TrainingRun", "synthetic_regression", "tiny_mlp", "train_with_ema"]
 

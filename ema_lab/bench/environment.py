@@ -53,7 +53,10 @@ def available_devices() -> dict[str, str | None]:
 
 
 def _git_revision() -> str | None:
-    root = Path(__file__).resolve().parent.parent
+    """The checkout's short revision, or None for an installed copy (no repository around it)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
@@ -65,7 +68,7 @@ def _git_revision() -> str | None:
 
 def environment(device: str = "cpu") -> dict[str, object]:
     """Versions, hardware, OS and thread count for a result record."""
-    from . import __version__
+    from .. import __version__
 
     env: dict[str, object] = {
         "ema_lab": __version__,

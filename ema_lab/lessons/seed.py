@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ema import ModelEMA
-from .gates import foreach_lerp_supported
+from ..ema import ModelEMA
+from ..gates import foreach_lerp_supported
 
 __all__ = ["seed_before", "seed_after", "CachedListEMA"]
 

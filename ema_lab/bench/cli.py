@@ -1,0 +1,108 @@
+"""Command line: ``python -m ema_lab demo | bench | compare`` (needs the ``bench`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit code 2 (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _names(values: list[str]) -> list[str]:
+    """Accept ``--models a b`` and ``--models a,b`` alike."""
+    return [v for item in values for v in item.split(",") if v]
+
+
+def _parser() -> _Parser:
+    from ..lessons.models import ZOO
+    from .sweep import DEFAULT_MODELS, QUICK_MODELS, candidate_names
+
+    parser = _Parser(prog="python -m ema_lab", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    demo = sub.add_parser("demo", help="run every EMA strategy on a built-in model")
+    demo.add_argument("--model", default="yolo")
+    demo.add_argument("--steps", type=int, default=20)
+    bench = sub.add_parser(
+        "bench",
+        help="time every EMA strategy on the model zoo; write JSON and PNGs",
+        description="Time EMA update strategies against the seed's before-code on the model zoo, count the "
+        "ops they dispatch, fit the per-op cost model, and write <machine>_<date>.json plus PNG plots.",
+    )
+    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps", "all"])
+    bench.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        help=f"zoo models, of {list(ZOO)} (default: {list(DEFAULT_MODELS)}; --quick: {list(QUICK_MODELS)})",
+    )
+    bench.add_argument(
+        "--strategies",
+        nargs="+",
+        default=None,
+        help=f"candidates to time (default: all of {candidate_names()}); seed_before and copy always run",
+    )
+    bench.add_argument("--threads", type=int, default=1, help="intra-op threads while timing (default: 1)")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 rounds, a smaller cost-model sweep, two models unless --models",
+    )
+    bench.add_argument("--out", default="results", help="output folder (default: results/)")
+    bench.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    comp = sub.add_parser("compare", help="plot several result files side by side")
+    comp.add_argument("files", nargs="+", help="result JSON files (e.g. results/*.json)")
+    comp.add_argument("--out", default="results", help="where compare_<date>.png goes (default: results/)")
+    return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .results import format_table
+    from .sweep import run_bench, write_results
+
+    record = run_bench(
+        args.device,
+        _names(args.models) if args.models else None,
+        _names(args.strategies) if args.strategies else None,
+        threads=args.threads,
+        quick=args.quick,
+        progress=not args.no_progress,
+    )
+    paths = write_results(record, args.out)
+    print(format_table(record))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run one subcommand; bad input is one line on stderr and exit code 2."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "demo":
+            from .demo import run_demo
+
+            return run_demo(args.model, args.steps)
+        if args.cmd == "bench":
+            if Path(args.out).exists() and not Path(args.out).is_dir():
+                raise ValueError(f"--out {args.out!r} exists and is not a folder")
+            return _bench(args)
+        from .sweep import compare
+
+        table, png = compare(args.files, args.out)
+        print(table)
+        print(f"wrote {png}")
+        return 0
+    except ValueError as exc:  # bad input (ResultError is a ValueError): one line, no traceback
+        print(f"{parser.prog} {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
