@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from . import pairs as _pairs
 from .flat import FlatStep
-from .pairs import ModulePairs, Slot, slot_ptrs, unwrap_model
+from .pairs import ModulePairs, Slot, install_hooks, slot_ptrs, unwrap_model
 from .updates import PREPARERS, Step, check_decay, prepare
 
 __all__ = ["ModelEMA", "STRATEGIES", "copy_attr", "choose_strategy"]
@@ -122,6 +122,9 @@ class ModelEMA(EMASchedule):
     Unlike it, the (EMA, model) tensor pairs are collected once and rebuilt when the model's or the
     EMA's tensors are replaced (``.to()``, ``.half()``, a new parameter), non-float entries are
     copied from the model, tied weights are averaged once, and a failed update changes nothing.
+
+    Making the first one registers torch's global parameter/buffer/module registration hooks
+    (:func:`ema_lab.pairs.install_hooks`, once per process); importing ema_lab registers nothing.
     """
 
     def __init__(
@@ -138,6 +141,7 @@ class ModelEMA(EMASchedule):
                 "model is sharded with FSDP2 (fully_shard): a deep copy of it is not possible; "
                 "use ema_lab.sharded.ShardedModelEMA, which keeps the EMA of the local shards"
             )
+        install_hooks()  # torch's global registration hooks: first EMA made, once per process
         self.ema = deepcopy(unwrap_model(model)).eval()
         for p in self.ema.parameters():
             p.requires_grad_(False)

@@ -256,3 +256,19 @@ def test_pickle_and_deepcopy_drop_the_cache_and_keep_averaging(strategy: str) ->
         assert clone.updates == 2
         for k, v in float_entries(clone.ema).items():
             torch.testing.assert_close(v, float_entries(ema.ema)[k])
+
+
+def test_import_registers_no_torch_hooks_the_first_ema_does() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import torch.nn.modules.module as m, ema_lab\n"
+        "names = ('_global_parameter_registration_hooks', '_global_buffer_registration_hooks',"
+        " '_global_module_registration_hooks')\n"
+        "print([len(getattr(m, n)) for n in names])\n"
+        "ema_lab.ModelEMA(torch.nn.Linear(2, 2)); ema_lab.ModelEMA(torch.nn.Linear(2, 2))\n"
+        "print([len(getattr(m, n)) for n in names])\n"
+    ).replace("torch.nn.Linear", "__import__('torch').nn.Linear")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["[0, 0, 0]", "[1, 1, 1]"]  # none at import, one each after, not two
