@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from . import pairs as _pairs
-from .flat import FlatStep
+from .flat import FlatStep, GroupPlan
 from .pairs import ModulePairs, Slot, install_hooks, slot_ptrs, unwrap_model
 from .updates import PREPARERS, Step, check_decay, prepare
 
@@ -148,6 +148,7 @@ class ModelEMA(EMASchedule):
         self._init_schedule(decay, tau, updates, strategy)
         self._state: _Prepared | None = None
         self._auto: str | None = None  # the cached "auto" choice
+        self.rebuilds = 0  # how many times the cached pairs and step were (re)built
 
     @property
     def resolved_strategy(self) -> str:
@@ -160,9 +161,21 @@ class ModelEMA(EMASchedule):
         return self._auto
 
     @property
-    def _pairs(self) -> ModulePairs | None:
-        """The cached (EMA, model) pairs, None before the first update."""
-        return None if self._state is None else self._state.pairs
+    def prepared_step(self) -> Step | None:
+        """The cached update step (a :class:`ema_lab.flat.FlatStep` for the flat strategies), None before
+        the first update and after pickling; call it with a decay to run one update of the EMA alone."""
+        return None if self._state is None else self._state.step
+
+    @property
+    def plan(self) -> tuple[GroupPlan, ...]:
+        """Per flat group: mode and how many pairs take each path; ``()`` for other strategies or unbuilt."""
+        step = self.prepared_step
+        return step.plan if isinstance(step, FlatStep) else ()
+
+    @property
+    def modes(self) -> list[str]:
+        """Each flat group's mode (``fused``, ``cast``, ``cat``, ``foreach``, ``cat+foreach``), in order."""
+        return [g.mode for g in self.plan]
 
     def _prepared(self, model: nn.Module) -> _Prepared:
         """The cached step for ``model``, rebuilt (and re-validated) if any tensor it touches was replaced."""
@@ -190,6 +203,7 @@ class ModelEMA(EMASchedule):
             dicts, keys = (tuple(x) for x in zip(*watch)) if watch else ((), ())
             state = _Prepared(pairs, step, strategy, (dicts, keys), slot_ptrs(dicts, keys))
             self._state = state
+            self.rebuilds += 1
         return state
 
     def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:

@@ -57,6 +57,7 @@ __all__ = [
     "CAT_MAX_NUMEL",
     "FlatGroup",
     "FlatStep",
+    "GroupPlan",
     "prepare_flat",
     "prepare_flat_model",
     "flatten_tensors",
@@ -162,6 +163,20 @@ def plan_group(model: Sequence[Tensor], ema_dtype: torch.dtype) -> str:
     return "cat" if small == len(model) else "foreach" if small == 0 else "cat+foreach"
 
 
+@dataclass(frozen=True)
+class GroupPlan:
+    """What one flat group runs: its mode and how many of its pairs take each path (public, for notebooks)."""
+
+    mode: str  # fused, cast, cat, foreach or cat+foreach
+    device: str
+    ema_dtype: torch.dtype
+    model_dtype: torch.dtype
+    tensors: int  # pairs in the group
+    cat: int  # of them gathered by one torch.cat
+    foreach: int  # of them read by one _foreach_lerp_
+    elements: int
+
+
 @dataclass
 class FlatGroup:
     """One (device, EMA dtype, model dtype) group: the flat EMA buffer and how to read the model side."""
@@ -176,6 +191,21 @@ class FlatGroup:
     foreach_ok: bool
     cat_model: list[Tensor] = field(default_factory=list)  # 1-D views of the small model tensors
     cat_ema: Tensor | None = None  # the EMA buffer's leading part that the cat path updates
+    model_dtype: torch.dtype | None = None
+    tensors: int = 0  # pairs in the group
+
+    def plan(self) -> GroupPlan:
+        """This group's :class:`GroupPlan`."""
+        return GroupPlan(
+            mode=self.mode,
+            device=str(self.ema.device),
+            ema_dtype=self.ema.dtype,
+            model_dtype=self.model_dtype,
+            tensors=self.tensors,
+            cat=len(self.cat_model),
+            foreach=len(self.model) if self.mode in ("foreach", "cat+foreach") else 0,
+            elements=self.ema.numel(),
+        )
 
     def apply(self, w: float | Tensor) -> None:
         """``ema += w * (model - ema)`` for the whole group."""
@@ -251,6 +281,8 @@ def _build_group(ema: list[Tensor], model: list[Tensor]) -> FlatGroup:
         foreach_ok=foreach_lerp_supported(None, device.type),
         cat_model=[m.view(-1) for m in model[:n_small]],
         cat_ema=buf[:cat_size] if n_small else None,
+        model_dtype=model[0].dtype,
+        tensors=len(model),
     )
 
 
@@ -299,6 +331,11 @@ class FlatStep:
     def modes(self) -> list[str]:
         """Each group's mode, in group order."""
         return [g.mode for g in self.groups]
+
+    @property
+    def plan(self) -> tuple[GroupPlan, ...]:
+        """Each group's :class:`GroupPlan`, in group order."""
+        return tuple(g.plan() for g in self.groups)
 
 
 def prepare_flat(ema: list[Tensor], model: list[Tensor]) -> FlatStep:

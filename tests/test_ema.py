@@ -95,10 +95,9 @@ def test_update_does_not_walk_state_dict(monkeypatch: pytest.MonkeyPatch) -> Non
     ema = ModelEMA(model)
     ema.update(model)
     monkeypatch.setattr(nn.Module, "state_dict", lambda *a, **k: pytest.fail("state_dict walked per update"))
-    pairs = ema._pairs
     for _ in range(3):
         ema.update(model)
-    assert ema._pairs is pairs and ema.updates == 4
+    assert ema.rebuilds == 1 and ema.updates == 4
 
 
 def _moves(ema: ModelEMA, model: nn.Module) -> bool:
@@ -147,13 +146,14 @@ def test_stale_cache_is_rebuilt_not_reused() -> None:
     model = models.build("tiny_cnn")
     ema = ModelEMA(model)
     ema.update(model)
-    first = ema._pairs
+    assert ema.rebuilds == 1 and ema.plan[0].model_dtype == torch.float32
     ema.update(model)
-    assert ema._pairs is first
+    assert ema.rebuilds == 1
     model.double()
     ema.update(model)
-    assert ema._pairs is not first
-    assert ema._pairs.model[0].dtype == torch.float64
+    assert (ema.rebuilds, ema.modes) == (2, ["cast"])  # rebuilt over the float64 model tensors
+    (group,) = ema.plan
+    assert (group.model_dtype, group.ema_dtype, group.tensors) == (torch.float64, torch.float32, 27)
 
 
 def test_foreach_strategy_refuses_mixed_dtypes_atomically() -> None:
@@ -200,8 +200,9 @@ def test_wrapped_models_are_unwrapped() -> None:
     assert not isinstance(ema.ema, nn.DataParallel)
     _perturb(model)
     ema.update(wrapped)
-    assert ema._pairs.model_ref() is model
     torch.testing.assert_close(ema.ema[6].bias, model[6].bias - 0.5)
+    ema.update(model)  # the same module, wrapped or not: no rebuild
+    assert ema.rebuilds == 1
 
 
 def test_mismatched_model_is_refused() -> None:
@@ -251,7 +252,7 @@ def test_pickle_and_deepcopy_drop_the_cache_and_keep_averaging(strategy: str) ->
     _perturb(model)
     ema.update(model)
     for clone in clones:
-        assert clone.updates == 1 and clone._pairs is None
+        assert clone.updates == 1 and clone.prepared_step is None
         clone.update(model)
         assert clone.updates == 2
         for k, v in float_entries(clone.ema).items():
