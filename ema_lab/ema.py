@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
 
@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from . import pairs as _pairs
-from .flat import FlatStep
-from .pairs import ModulePairs, Slot, slot_ptrs, unwrap_model
+from .flat import FlatStep, GroupPlan, prepare_counter_copy
+from .pairs import ModulePairs, Slot, install_hooks, slot_ptrs, unwrap_model
 from .updates import PREPARERS, Step, check_decay, prepare
 
 __all__ = ["ModelEMA", "STRATEGIES", "copy_attr", "choose_strategy"]
@@ -48,6 +48,7 @@ class _Prepared:
     strategy: str
     watch: tuple[tuple[dict, ...], tuple[str, ...]]  # flat: (dicts, keys) of model slots that are not views
     watch_ptrs: list[int]
+    copy_other: Callable[[], None]  # copies the non-float entries (BatchNorm's num_batches_tracked)
 
     def is_current(self, model: nn.Module) -> bool:
         """True while every tensor the step touches is still the module's memory."""
@@ -122,6 +123,21 @@ class ModelEMA(EMASchedule):
     Unlike it, the (EMA, model) tensor pairs are collected once and rebuilt when the model's or the
     EMA's tensors are replaced (``.to()``, ``.half()``, a new parameter), non-float entries are
     copied from the model, tied weights are averaged once, and a failed update changes nothing.
+
+    Never in the way of torch's own tensor swaps: it holds no view of a module tensor, so
+    ``torch.utils.swap_tensors`` and ``set_swap_module_params_on_conversion(True)`` work, and the EMA
+    follows the swapped-in tensors (a rebuild, as after any replacement).
+
+    With the flat strategies (the default "auto" included) the EMA module's float tensors (and its
+    integer counters) are views of one buffer per group: ``torch.save(ema.ema.state_dict())`` stores
+    each buffer once, but saving a *subset* of the entries stores the whole buffer they share; clone
+    the subset first (``{k: v.clone() for k, v in ...}``) to save only what it holds.
+
+    Public seams: :attr:`rebuilds`, :attr:`prepared_step`, :attr:`plan`, :attr:`modes`,
+    :attr:`resolved_strategy`.
+
+    Making the first one registers torch's global parameter/buffer/module registration hooks
+    (:func:`ema_lab.pairs.install_hooks`, once per process); importing ema_lab registers nothing.
     """
 
     def __init__(
@@ -138,12 +154,14 @@ class ModelEMA(EMASchedule):
                 "model is sharded with FSDP2 (fully_shard): a deep copy of it is not possible; "
                 "use ema_lab.sharded.ShardedModelEMA, which keeps the EMA of the local shards"
             )
+        install_hooks()  # torch's global registration hooks: first EMA made, once per process
         self.ema = deepcopy(unwrap_model(model)).eval()
         for p in self.ema.parameters():
             p.requires_grad_(False)
         self._init_schedule(decay, tau, updates, strategy)
         self._state: _Prepared | None = None
         self._auto: str | None = None  # the cached "auto" choice
+        self.rebuilds = 0  # how many times the cached pairs and step were (re)built
 
     @property
     def resolved_strategy(self) -> str:
@@ -156,9 +174,21 @@ class ModelEMA(EMASchedule):
         return self._auto
 
     @property
-    def _pairs(self) -> ModulePairs | None:
-        """The cached (EMA, model) pairs, None before the first update."""
-        return None if self._state is None else self._state.pairs
+    def prepared_step(self) -> Step | None:
+        """The cached update step (a :class:`ema_lab.flat.FlatStep` for the flat strategies), None before
+        the first update and after pickling; call it with a decay to run one update of the EMA alone."""
+        return None if self._state is None else self._state.step
+
+    @property
+    def plan(self) -> tuple[GroupPlan, ...]:
+        """Per flat group: mode and how many pairs take each path; ``()`` for other strategies or unbuilt."""
+        step = self.prepared_step
+        return step.plan if isinstance(step, FlatStep) else ()
+
+    @property
+    def modes(self) -> list[str]:
+        """Each flat group's mode (``fused``, ``cast``, ``cat``, ``foreach``, ``cat+foreach``), in order."""
+        return [g.mode for g in self.plan]
 
     def _prepared(self, model: nn.Module) -> _Prepared:
         """The cached step for ``model``, rebuilt (and re-validated) if any tensor it touches was replaced."""
@@ -171,12 +201,18 @@ class ModelEMA(EMASchedule):
             strategy = self.resolved_strategy
             step = prepare(strategy, pairs.ema, pairs.model, pairs.names)
             watch: list[Slot] = []
+            copy_other = pairs.copy_other
             if isinstance(step, FlatStep):
+                if pairs.other_ema:  # the EMA's counters into one buffer too: one cat per step, not a foreach
+                    counters = prepare_counter_copy(pairs.other_ema, pairs.other_model)
+                    step.watched += [(buf, 0) for buf in counters.buffers]
+                    pairs.other_ema, pairs.other_model, copy_other = [], [], counters
                 pairs.refresh()  # the EMA tensors (and with flat_model the model's) moved into flat buffers
-                # Per step, only model tensors that are not flat views are checked slot by slot. Integer
-                # entries are left to the exact check: whatever replaces them (.to(device), a new
-                # buffer) also moves float tensors or bumps the registration counter.
+                # Per step, model tensors that are not flat views (counters included) are checked slot by
+                # slot: data_ptr() of what each slot holds now, which also sees torch.utils.swap_tensors
+                # and ``p.data = ...`` (an identity check would not: the Parameter object stays).
                 watch = [s for s, f in zip(pairs.model_slots, step.fused_pairs) if not f]
+                watch += pairs.other_slots[1::2]
                 # A reference held here to a tensor that is a view of a flat buffer would hide its
                 # replacement from the reference count: drop them (model ones only when there are any).
                 pairs.release_ema()
@@ -184,8 +220,9 @@ class ModelEMA(EMASchedule):
                     pairs.model = []
                 step.baseline()
             dicts, keys = (tuple(x) for x in zip(*watch)) if watch else ((), ())
-            state = _Prepared(pairs, step, strategy, (dicts, keys), slot_ptrs(dicts, keys))
+            state = _Prepared(pairs, step, strategy, (dicts, keys), slot_ptrs(dicts, keys), copy_other)
             self._state = state
+            self.rebuilds += 1
         return state
 
     def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:
@@ -208,7 +245,7 @@ class ModelEMA(EMASchedule):
             decay = check_decay(decay)
         state = self._prepared(unwrap_model(model))
         state.step(decay)
-        state.pairs.copy_other()
+        state.copy_other()
         self.updates += 1
 
     def update_attr(

@@ -32,9 +32,16 @@ modules' tensors". ``model.to()``, ``.half()``, ``p.data = ...``, ``torch.utils.
 module slot given a new tensor all drop references and change that count: :meth:`FlatStep.is_current`
 compares it (O(1) per group) and ``ModelEMA`` falls back to the exact per-slot check of
 :class:`ema_lab.pairs.ModulePairs` when it moved. Model tensors that are not views (``foreach``,
-``cat``, ``cast`` groups) are always checked per slot. Limit: the count cannot see a flat tensor that
-is re-pointed or replaced while something else keeps an equal number of new views of the same buffer,
-or keeps the replaced tensor object itself, alive between two updates (``ModelEMA`` holds none).
+``cat``, ``cast`` groups, and the counters) are always checked per slot by ``data_ptr()``, which
+also sees a swap (an identity check would not: ``swap_tensors`` keeps the Python object). Limit of the
+O(1) count, so of ``fused`` groups only (``flat_model``): it cannot see a flat tensor that is re-pointed,
+swapped or replaced while something else keeps an equal number of new views of the same buffer, or
+keeps the swapped-out or replaced tensor alive, between two updates (``ModelEMA`` holds none).
+
+Never in the way of torch's tensor swaps: ``torch.utils.swap_tensors`` (and so
+``torch.__future__.set_swap_module_params_on_conversion(True)``) refuses a tensor that something
+else references at the C++ level, a view's base for one. The step reads the model through detached
+aliases (``m.detach()`` and views of those), never through views of the module's own tensors.
 
 Sync-free: ``step(decay)`` takes a Python float or a 0-dim floating tensor on the group's device;
 a tensor decay is used as a tensor weight (no ``.item()``), so under ``torch.compile`` a changing
@@ -55,8 +62,11 @@ from .gates import foreach_lerp_supported
 
 __all__ = [
     "CAT_MAX_NUMEL",
+    "CounterCopy",
+    "prepare_counter_copy",
     "FlatGroup",
     "FlatStep",
+    "GroupPlan",
     "prepare_flat",
     "prepare_flat_model",
     "flatten_tensors",
@@ -67,9 +77,15 @@ __all__ = [
     "count_compiles",
 ]
 
-#: Same-dtype model tensors under this many elements are gathered with one ``torch.cat`` (~0.15 us per
-#: tensor) instead of going through ``_foreach_lerp_`` (~0.5 us per tensor on CPU); measured on the zoo.
-CAT_MAX_NUMEL = 1024
+#: Per-tensor costs on CPU, one thread (``benchmarks/peers.py`` models, torch 2.13/2.14, this machine):
+#: a tensor inside ``_foreach_lerp_`` costs one full per-tensor dispatch, a tensor gathered by
+#: ``torch.cat`` much less but then each of its elements is written to scratch and read back once more.
+FOREACH_TENSOR_US = 0.9
+CAT_TENSOR_US = 0.3
+CAT_ELEMENT_NS = 0.33
+#: Break-even size of the two: same-dtype model tensors under this many elements take the ``cat`` path
+#: (1818; a sweep of the split on the YOLO-like model is flat from 256 to 4096 with its minimum at 2048).
+CAT_MAX_NUMEL = round(1000 * (FOREACH_TENSOR_US - CAT_TENSOR_US) / CAT_ELEMENT_NS)
 
 
 # A private binding (present in the torch versions tested here). Without it every step takes the exact
@@ -162,6 +178,20 @@ def plan_group(model: Sequence[Tensor], ema_dtype: torch.dtype) -> str:
     return "cat" if small == len(model) else "foreach" if small == 0 else "cat+foreach"
 
 
+@dataclass(frozen=True)
+class GroupPlan:
+    """What one flat group runs: its mode and how many of its pairs take each path (public, for notebooks)."""
+
+    mode: str  # fused, cast, cat, foreach or cat+foreach
+    device: str
+    ema_dtype: torch.dtype
+    model_dtype: torch.dtype
+    tensors: int  # pairs in the group
+    cat: int  # of them gathered by one torch.cat
+    foreach: int  # of them read by one _foreach_lerp_
+    elements: int
+
+
 @dataclass
 class FlatGroup:
     """One (device, EMA dtype, model dtype) group: the flat EMA buffer and how to read the model side."""
@@ -176,6 +206,21 @@ class FlatGroup:
     foreach_ok: bool
     cat_model: list[Tensor] = field(default_factory=list)  # 1-D views of the small model tensors
     cat_ema: Tensor | None = None  # the EMA buffer's leading part that the cat path updates
+    model_dtype: torch.dtype | None = None
+    tensors: int = 0  # pairs in the group
+
+    def plan(self) -> GroupPlan:
+        """This group's :class:`GroupPlan`."""
+        return GroupPlan(
+            mode=self.mode,
+            device=str(self.ema.device),
+            ema_dtype=self.ema.dtype,
+            model_dtype=self.model_dtype,
+            tensors=self.tensors,
+            cat=len(self.cat_model),
+            foreach=len(self.model) if self.mode in ("foreach", "cat+foreach") else 0,
+            elements=self.ema.numel(),
+        )
 
     def apply(self, w: float | Tensor) -> None:
         """``ema += w * (model - ema)`` for the whole group."""
@@ -213,6 +258,11 @@ def _views(buf: Tensor, offsets: Sequence[int], like: Sequence[Tensor]) -> list[
 
 def _build_group(ema: list[Tensor], model: list[Tensor]) -> FlatGroup:
     ema_dtype, device = ema[0].dtype, ema[0].device
+    # Detached aliases of the model's tensors: same memory, but no reference to the module's tensor
+    # (a view of it would hold it as its base and make torch.utils.swap_tensors refuse to swap it),
+    # and no autograd bookkeeping per tensor inside the foreach. They also keep the memory they read
+    # alive, so a replaced tensor's address cannot be reused by its successor and fool the ptr check.
+    model = [m.detach() for m in model]
     mode = plan_group(model, ema_dtype)
     n_small = 0
     if mode in ("cat", "cat+foreach"):  # small tensors first: the cat path updates one leading slice
@@ -249,9 +299,51 @@ def _build_group(ema: list[Tensor], model: list[Tensor]) -> FlatGroup:
         scratch=scratch,
         scratch_views=_views(scratch, offsets, ema) if mode == "cast" else [],
         foreach_ok=foreach_lerp_supported(None, device.type),
-        cat_model=[m.view(-1) for m in model[:n_small]],
+        cat_model=[m.view(-1) for m in model[:n_small]],  # views of the detached aliases
         cat_ema=buf[:cat_size] if n_small else None,
+        model_dtype=model[0].dtype,
+        tensors=len(model),
     )
+
+
+@dataclass
+class CounterCopy:
+    """Non-float entries (BatchNorm's ``num_batches_tracked``): the EMA's are views of one buffer per
+    (device, dtype), filled from the model's with one ``torch.cat`` instead of a per-tensor copy."""
+
+    buffers: list[Tensor]
+    sources: list[list[Tensor]]  # per buffer: 1-D views of detached aliases of the model's tensors
+
+    def __call__(self) -> None:
+        """Copy the model's counters into the EMA's."""
+        with torch.no_grad():
+            for buf, src in zip(self.buffers, self.sources):
+                torch.cat(src, out=buf)
+
+
+def prepare_counter_copy(ema: Sequence[Tensor], model: Sequence[Tensor]) -> CounterCopy:
+    """Re-point the EMA's non-float tensors into one buffer per (device, dtype); return their copy step."""
+    keyed: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}
+    for e, m in zip(ema, model):
+        if e.numel() and m.dtype == e.dtype and m.is_contiguous():
+            es, ms = keyed.setdefault((e.device, e.dtype), ([], []))
+            es.append(e)
+            ms.append(m.detach().view(-1))
+        else:  # a cast or a strided counter: a group of its own, cat casts and copies it alone
+            keyed[(e.device, e.dtype, id(e))] = ([e], [m.detach().reshape(-1)])
+    copy = CounterCopy([], [])
+    with torch.no_grad():
+        for es, ms in keyed.values():
+            buf = torch.empty(sum(e.numel() for e in es), dtype=es[0].dtype, device=es[0].device)
+            off = 0
+            for e in es:
+                view = buf[off : off + e.numel()].view(e.shape)
+                view.copy_(e)
+                _repoint(e, view)
+                off += e.numel()
+            copy.buffers.append(buf)
+            copy.sources.append(ms)
+    return copy
 
 
 def _check_tensor_decay(decay: Tensor) -> None:
@@ -299,6 +391,11 @@ class FlatStep:
     def modes(self) -> list[str]:
         """Each group's mode, in group order."""
         return [g.mode for g in self.groups]
+
+    @property
+    def plan(self) -> tuple[GroupPlan, ...]:
+        """Each group's :class:`GroupPlan`, in group order."""
+        return tuple(g.plan() for g in self.groups)
 
 
 def prepare_flat(ema: list[Tensor], model: list[Tensor]) -> FlatStep:

@@ -8,7 +8,9 @@ re-register tensors. ultralytics' cached lists miss exactly this and silently av
 
 The check is cheap and complete for memory: it reads ``data_ptr()`` of the tensor each module
 slot holds *now* and compares it with the one cached, plus a process-wide counter bumped by
-torch's global parameter/buffer/module registration hooks (new or reassigned entries).
+torch's global parameter/buffer/module registration hooks (new or reassigned entries). Those hooks
+are registered by :func:`install_hooks` on first use (the first EMA made), once per process, never
+at import.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from operator import getitem
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ModulePairs", "module_entries", "unwrap_model", "slot_ptrs"]
+__all__ = ["ModulePairs", "module_entries", "unwrap_model", "slot_ptrs", "install_hooks"]
 
 _generation = 0
 
@@ -37,16 +39,28 @@ def _bumper(table: str) -> Callable[[nn.Module, str, object], None]:
     return bump
 
 
-# Global hooks (torch >= 2.0 for parameters; buffers and modules since 2.1): any registration of a new
-# object anywhere invalidates every cache; rebuilding is rare and cheap next to a stale EMA.
-for _name, _table in (
-    ("register_module_parameter_registration_hook", "_parameters"),
-    ("register_module_buffer_registration_hook", "_buffers"),
-    ("register_module_module_registration_hook", "_modules"),
-):
-    _register = getattr(nn.modules.module, _name, None)
-    if _register is not None:
-        _register(_bumper(_table))
+#: Handles of the global registration hooks, once :func:`install_hooks` ran (kept so they can be removed).
+_hook_handles: list = []
+
+
+def install_hooks() -> None:
+    """Register torch's global parameter/buffer/module registration hooks once per process.
+
+    Called when the first ``ModelEMA``/``ShardedModelEMA`` is made (and by :meth:`ModulePairs.collect`),
+    not at import: importing ema_lab changes nothing in torch. The hooks bump a process-wide counter on
+    any registration of a new object anywhere, which invalidates every cache; a rebuild is rare and
+    cheap next to a stale EMA. Parameters need torch >= 2.0, buffers and modules 2.1.
+    """
+    if _hook_handles:
+        return
+    for name, table in (
+        ("register_module_parameter_registration_hook", "_parameters"),
+        ("register_module_buffer_registration_hook", "_buffers"),
+        ("register_module_module_registration_hook", "_modules"),
+    ):
+        register = getattr(nn.modules.module, name, None)
+        if register is not None:
+            _hook_handles.append(register(_bumper(table)))
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -105,6 +119,7 @@ class ModulePairs:
     @classmethod
     def collect(cls, ema: nn.Module, model: nn.Module) -> ModulePairs:
         """Match every parameter and persistent buffer of ``ema`` with ``model``'s by key."""
+        install_hooks()  # before the generation is read: from here on, every registration bumps it
         ema_slots = dict(module_entries(ema))
         model_slots = dict(module_entries(model))
         if ema_slots.keys() != model_slots.keys():

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from . import pairs as _pairs
 from .ema import EMASchedule, check_arguments
-from .pairs import Slot, module_entries, unwrap_model
+from .pairs import Slot, install_hooks, module_entries, unwrap_model
 from .updates import Step, prepare
 
 __all__ = ["ShardedModelEMA", "STRATEGIES", "local_tensor"]
@@ -119,6 +119,7 @@ class ShardedModelEMA(EMASchedule):
         check_arguments(model, decay, tau, updates, strategy, STRATEGIES)
         if _dtensor_cls() is None:
             raise RuntimeError("ShardedModelEMA needs torch.distributed.tensor.DTensor (torch >= 2.4)")
+        install_hooks()  # torch's global registration hooks: first EMA made, once per process
         model = unwrap_model(model)
         copies: dict[int, Tensor] = {}
         entries: dict[str, Tensor] = {}

@@ -96,10 +96,9 @@ def test_update_does_not_walk_state_dict(monkeypatch: pytest.MonkeyPatch) -> Non
     ema = ModelEMA(model)
     ema.update(model)
     monkeypatch.setattr(nn.Module, "state_dict", lambda *a, **k: pytest.fail("state_dict walked per update"))
-    pairs = ema._pairs
     for _ in range(3):
         ema.update(model)
-    assert ema._pairs is pairs and ema.updates == 4
+    assert ema.rebuilds == 1 and ema.updates == 4
 
 
 def _moves(ema: ModelEMA, model: nn.Module) -> bool:
@@ -148,13 +147,14 @@ def test_stale_cache_is_rebuilt_not_reused() -> None:
     model = models.build("tiny_cnn")
     ema = ModelEMA(model)
     ema.update(model)
-    first = ema._pairs
+    assert ema.rebuilds == 1 and ema.plan[0].model_dtype == torch.float32
     ema.update(model)
-    assert ema._pairs is first
+    assert ema.rebuilds == 1
     model.double()
     ema.update(model)
-    assert ema._pairs is not first
-    assert ema._pairs.model[0].dtype == torch.float64
+    assert (ema.rebuilds, ema.modes) == (2, ["cast"])  # rebuilt over the float64 model tensors
+    (group,) = ema.plan
+    assert (group.model_dtype, group.ema_dtype, group.tensors) == (torch.float64, torch.float32, 27)
 
 
 def test_foreach_strategy_refuses_mixed_dtypes_atomically() -> None:
@@ -201,8 +201,9 @@ def test_wrapped_models_are_unwrapped() -> None:
     assert not isinstance(ema.ema, nn.DataParallel)
     _perturb(model)
     ema.update(wrapped)
-    assert ema._pairs.model_ref() is model
     torch.testing.assert_close(ema.ema[6].bias, model[6].bias - 0.5)
+    ema.update(model)  # the same module, wrapped or not: no rebuild
+    assert ema.rebuilds == 1
 
 
 def test_mismatched_model_is_refused() -> None:
@@ -252,8 +253,24 @@ def test_pickle_and_deepcopy_drop_the_cache_and_keep_averaging(strategy: str) ->
     _perturb(model)
     ema.update(model)
     for clone in clones:
-        assert clone.updates == 1 and clone._pairs is None
+        assert clone.updates == 1 and clone.prepared_step is None
         clone.update(model)
         assert clone.updates == 2
         for k, v in float_entries(clone.ema).items():
             torch.testing.assert_close(v, float_entries(ema.ema)[k])
+
+
+def test_import_registers_no_torch_hooks_the_first_ema_does() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import torch.nn.modules.module as m, ema_lab\n"
+        "names = ('_global_parameter_registration_hooks', '_global_buffer_registration_hooks',"
+        " '_global_module_registration_hooks')\n"
+        "print([len(getattr(m, n)) for n in names])\n"
+        "ema_lab.ModelEMA(torch.nn.Linear(2, 2)); ema_lab.ModelEMA(torch.nn.Linear(2, 2))\n"
+        "print([len(getattr(m, n)) for n in names])\n"
+    ).replace("torch.nn.Linear", "__import__('torch').nn.Linear")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["[0, 0, 0]", "[1, 1, 1]"]  # none at import, one each after, not two

@@ -125,3 +125,89 @@ def test_follows_after_table(conversion: str) -> None:
 def test_follows_after_rejects_unknown_conversion() -> None:
     with pytest.raises(ValueError, match="unknown conversion 'model.cuda\\(\\)'"):
         follows_after(ModelEMA, "model.cuda()")
+
+
+# --- torch's own tensor swaps: the EMA must never block them, and must follow the new tensors -------------
+
+STRATEGIES_ = ("auto", "flat", "flat_model", "gated", "foreach", "loop")
+
+
+def _fill(model: nn.Module) -> None:
+    # A function of its own: no alias of a model tensor outlives it (one left alive across a replacement
+    # would hold the flat storage's reference count, the documented limit of flat_model's fused groups).
+    with torch.no_grad():
+        for i, v in enumerate(float_entries(model).values()):
+            v.fill_(3.0 + i % 7)
+
+
+def _follows(ema: ModelEMA, model: nn.Module) -> None:
+    """Decay 0: one update copies the model exactly, so the EMA reads the module's live memory."""
+    _fill(model)
+    ema.update(model, decay=0.0)
+    live = float_entries(model)
+    for k, v in float_entries(ema.ema).items():
+        assert torch.equal(v, live[k].to(v.dtype)), k
+
+
+@pytest.fixture
+def swap_on_conversion():
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES_ if s != "flat_model"])
+def test_swap_tensors_on_a_model_parameter_works_and_is_followed(strategy: str) -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, strategy=strategy)
+    ema.update(model)
+    new = nn.Parameter(torch.randn_like(model[0].conv.weight))
+    torch.utils.swap_tensors(model[0].conv.weight, new)  # raised "Expected use_count ... got 3" before
+    _follows(ema, model)
+    assert ema.rebuilds == 2
+    _follows(ema, model)
+    assert ema.rebuilds == 2  # the rebuilt step is cached and live
+
+
+def test_swap_tensors_on_a_flattened_model_is_followed_once_the_old_tensor_is_released() -> None:
+    # flat_model checks its fused groups by the flat storage's reference count (O(1) per group): a swap
+    # whose swapped-out tensor the caller keeps alive holds that count; documented in ema_lab.flat.
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, strategy="flat_model")
+    ema.update(model)
+    torch.utils.swap_tensors(model[0].conv.weight, nn.Parameter(torch.randn_like(model[0].conv.weight)))
+    _follows(ema, model)
+    assert ema.rebuilds == 2
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES_)
+def test_swap_module_params_on_conversion_works_and_is_followed(strategy: str, swap_on_conversion) -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, strategy=strategy)
+    ema.update(model)
+    params = list(model.parameters())
+    model.half()  # raised "_apply(): Couldn't swap Conv2d.weight" before
+    model.float()
+    assert list(model.parameters()) == params  # swapped in place: the same Parameter objects
+    _follows(ema, model)
+    ema.ema.half()  # the EMA's own tensors swapped too
+    ema.ema.float()
+    _follows(ema, model)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES_)
+@pytest.mark.parametrize("entry", ["_parameters", "_buffers", "counter"])
+def test_direct_slot_assignment_is_followed(strategy: str, entry: str) -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, strategy=strategy)
+    ema.update(model)
+    bn = model[0].bn
+    if entry == "_parameters":  # no registration hook fires for a direct dict write
+        bn._parameters["weight"] = nn.Parameter(bn.weight.detach().clone())
+    elif entry == "_buffers":
+        bn._buffers["running_mean"] = bn.running_mean.clone()
+    else:
+        bn._buffers["num_batches_tracked"] = torch.tensor(7)
+    _follows(ema, model)
+    assert ema.ema[0].bn.num_batches_tracked.item() == bn.num_batches_tracked.item()
