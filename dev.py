@@ -83,7 +83,10 @@ def main(argv: list[str]) -> int:
     if job == "lab":
         # Jupyter refuses to start as root (containers, CI boxes) unless told it is intended.
         root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
-        return run(BIN / "jupyter", "lab", "--notebook-dir", ROOT / "notebooks", *root, *rest, env=env)
+        # The reader's own --notebook-dir / --ServerApp.root_dir wins; jupyter accepts the option only once.
+        given = any(a.split("=")[0] in {"--notebook-dir", "--ServerApp.root_dir"} for a in rest)
+        where = [] if given else ["--notebook-dir", ROOT / "notebooks"]
+        return run(BIN / "jupyter", "lab", *where, *root, *rest, env=env)
     print(f"[dev] unknown job {job!r}; try: python dev.py --help", file=sys.stderr)
     return 2
 

@@ -71,3 +71,21 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
 def test_dev_help() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "dev.py"), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "python dev.py test" in out.stdout
+
+
+def test_dev_lab_passes_a_notebook_dir_through_once(monkeypatch, tmp_path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dev", ROOT / "dev.py")
+    dev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dev)
+    calls = []
+    monkeypatch.setattr(dev, "ensure_venv", lambda: None)
+    monkeypatch.setattr(dev, "run", lambda *cmd, env=None: calls.append([str(c) for c in cmd]) or 0)
+    assert dev.main(["lab", "--notebook-dir", str(tmp_path)]) == 0
+    assert dev.main(["lab", "--no-browser"]) == 0
+    mine, default = calls
+    assert mine.count("--notebook-dir") == 1 and mine[mine.index("--notebook-dir") + 1] == str(tmp_path)
+    assert (
+        default[default.index("--notebook-dir") + 1] == str(ROOT / "notebooks") and "--no-browser" in default
+    )
