@@ -252,12 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--note", default="", help="a line for the Markdown header (e.g. the machine's load)")
     parser.add_argument("--target-s", type=float, default=0.02)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "results"))
+    parser.add_argument("--suffix", default="", help="appended to the file stem, keeps older runs")
     args = parser.parse_args(argv)
     record = run(tuple(args.models), args.rounds, args.target_s, tuple(args.threads))
     record["note"] = args.note
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"peers-{record['created'][:10]}"
+    stem = out / f"peers-{record['created'][:10]}{args.suffix}"
     stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     env = record["environment"]
     header = (

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "results"))
+    parser.add_argument("--suffix", default="", help="appended to the file stem, keeps older runs")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     import ultralytics
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"trainer-{record['created'][:10]}"
+    stem = out / f"trainer-{record['created'][:10]}{args.suffix}"
     stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     m = record["median_update_ms"]
     stem.with_suffix(".md").write_text(
