@@ -61,6 +61,21 @@ def ensure_venv() -> None:
     STAMP.write_text(wanted)
 
 
+LAB_SETTINGS = VENV / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+AUTOSAVE_OFF = {"@jupyterlab/docmanager-extension:plugin": {"autosave": False}}
+
+
+def lab_settings() -> None:
+    """Turn JupyterLab's autosave off in this venv: running a notebook never rewrites its outputs."""
+    import json
+
+    LAB_SETTINGS.parent.mkdir(parents=True, exist_ok=True)
+    current = json.loads(LAB_SETTINGS.read_text()) if LAB_SETTINGS.exists() else {}
+    for plugin, values in AUTOSAVE_OFF.items():
+        current.setdefault(plugin, {}).update(values)
+    LAB_SETTINGS.write_text(json.dumps(current, indent=2) + "\n")
+
+
 def main(argv: list[str]) -> int:
     """Dispatch one job."""
     if not argv or argv[0] in {"-h", "--help"}:
@@ -86,6 +101,7 @@ def main(argv: list[str]) -> int:
         # The reader's own --notebook-dir / --ServerApp.root_dir wins; jupyter accepts the option only once.
         given = any(a.split("=")[0] in {"--notebook-dir", "--ServerApp.root_dir"} for a in rest)
         where = [] if given else ["--notebook-dir", ROOT / "notebooks"]
+        lab_settings()
         return run(BIN / "jupyter", "lab", *where, *root, *rest, env=env)
     print(f"[dev] unknown job {job!r}; try: python dev.py --help", file=sys.stderr)
     return 2

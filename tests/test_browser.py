@@ -1,0 +1,181 @@
+"""The reader's path: JupyterLab started as the README says, a notebook run in headless Chromium.
+
+It runs on a copy of ``notebooks/`` so the committed outputs stay as they are. Chromium is Debian's
+``chromium`` package (playwright cannot download its own browsers on every machine); without it the
+test is skipped with the reason, unless ``EMA_LAB_REQUIRE_BROWSER=1`` (set by ``.ci/run``) makes that a
+failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+NOTEBOOK = "02_ema_strategies"  # every cell runs in about 20 s in quick mode
+TOKEN = "ema-lab-browser-test"
+
+
+def _missing(reason: str) -> None:
+    if os.environ.get("EMA_LAB_REQUIRE_BROWSER") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on a copy of notebooks/, started through ``dev.py lab``."""
+    try:
+        import playwright  # noqa: F401
+    except ModuleNotFoundError:
+        _missing("playwright is not installed (pip install playwright)")
+    if CHROMIUM is None:
+        _missing("no chromium on PATH (Debian: apt-get install chromium)")
+    copy = tmp_path_factory.mktemp("lab") / "notebooks"
+    shutil.copytree(ROOT / "notebooks", copy, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (copy.parent / "lab.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, str(ROOT / "dev.py"), "lab", "--notebook-dir", str(copy), "--no-browser"]
+        + [f"--port={port}", "--ip=127.0.0.1", f"--IdentityProvider.token={TOKEN}"]
+        # The test drives JupyterLab through its own command registry, as a menu click would.
+        + ["--LabApp.expose_app_in_browser=True"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, EMA_LAB_QUICK="1"),
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={TOKEN}", timeout=1)
+                break
+            except OSError:
+                if server.poll() is not None:
+                    break
+                time.sleep(0.5)
+        else:
+            pytest.fail("JupyterLab did not answer within 60 s")
+        if server.poll() is not None:
+            pytest.fail("JupyterLab exited:\n" + (copy.parent / "lab.log").read_text()[-2000:])
+        yield url, copy
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
+def _open(page, url: str, path: str, factory: str) -> None:
+    page.goto(f"{url}/lab?token={TOKEN}")
+    page.wait_for_function("window.jupyterapp && window.jupyterapp.started", timeout=120_000)
+    page.evaluate(
+        """async ([path, factory]) => {
+            await window.jupyterapp.started;
+            await window.jupyterapp.restored;
+            await window.jupyterapp.commands.execute('docmanager:open', {path, factory});
+        }""",
+        [path, factory],
+    )
+    page.wait_for_function(
+        "() => { const w = window.jupyterapp.shell.currentWidget;"
+        " return w && w.context && w.context.isReady && w.sessionContext"
+        " && w.sessionContext.session && w.sessionContext.session.kernel"
+        " && w.sessionContext.session.kernel.status === 'idle'; }",
+        timeout=120_000,
+    )
+
+
+_NOTEBOOK_JSON = "() => window.jupyterapp.shell.currentWidget.context.model.toJSON()"
+
+
+def _run_all(url: str, path: str) -> dict:
+    """Open ``path`` in JupyterLab, Run All Cells, and return the notebook as the browser holds it."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], headless=True)
+        page = browser.new_page()
+        _open(page, url, path, "Notebook")
+        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        # Done when every code cell has run, or a cell failed (Run All stops there), and the kernel is idle.
+        page.wait_for_function(
+            """() => {
+                const w = window.jupyterapp.shell.currentWidget;
+                const cells = w.context.model.toJSON().cells.filter(c => c.cell_type === 'code');
+                const failed = cells.some(c => c.outputs.some(o => o.output_type === 'error'));
+                const ran = cells.every(c => c.execution_count !== null);
+                return (failed || ran) && w.sessionContext.session.kernel.status === 'idle';
+            }""",
+            timeout=300_000,
+            polling=1000,
+        )
+        nb = page.evaluate(_NOTEBOOK_JSON)
+        browser.close()
+    return nb
+
+
+def _errors(nb: dict) -> list[dict]:
+    return [
+        o
+        for c in nb["cells"]
+        if c["cell_type"] == "code"
+        for o in c["outputs"]
+        if o["output_type"] == "error"
+    ]
+
+
+def test_run_all_cells_in_jupyterlab_without_an_error(lab) -> None:
+    url, copy = lab
+    committed = (ROOT / "notebooks" / f"{NOTEBOOK}.ipynb").read_bytes()
+    nb = _run_all(url, f"{NOTEBOOK}.ipynb")
+    errors = _errors(nb)
+    assert not errors, f"{errors[0]['ename']}: {errors[0]['evalue']}"
+    assert all(c["execution_count"] for c in nb["cells"] if c["cell_type"] == "code")
+    assert (ROOT / "notebooks" / f"{NOTEBOOK}.ipynb").read_bytes() == committed  # the browser ran a copy
+
+
+def test_an_error_in_a_cell_is_seen(lab) -> None:
+    import nbformat
+
+    url, copy = lab
+    cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("1 / 0")]
+    kernel = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+    nbformat.write(nbformat.v4.new_notebook(cells=cells, metadata=kernel), copy / "broken.ipynb")
+    assert [e["ename"] for e in _errors(_run_all(url, "broken.ipynb"))] == ["ZeroDivisionError"]
+
+
+def test_autosave_is_off_in_the_lab_dev_py_starts(lab) -> None:
+    url, _ = lab
+    plugin = "@jupyterlab/docmanager-extension:plugin"
+    with urllib.request.urlopen(f"{url}/lab/api/settings/{plugin}?token={TOKEN}", timeout=10) as r:
+        answer = json.load(r)
+    # overrides.json changes the schema's default (what the lab uses while the user sets nothing).
+    assert answer["schema"]["properties"]["autosave"]["default"] is False
+    assert "autosave" not in answer["settings"]
+
+
+def test_the_jupytext_py_form_opens_as_the_same_notebook(lab) -> None:
+    from playwright.sync_api import sync_playwright
+
+    url, _ = lab
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], headless=True)
+        page = browser.new_page()
+        _open(page, url, f"{NOTEBOOK}.py", "Jupytext Notebook")
+        nb = page.evaluate(_NOTEBOOK_JSON)
+        browser.close()
+    stored = json.loads((ROOT / "notebooks" / f"{NOTEBOOK}.ipynb").read_text())
+    assert [c["cell_type"] for c in nb["cells"]] == [c["cell_type"] for c in stored["cells"]]
+    assert ["".join(c["source"]) for c in nb["cells"]] == ["".join(c["source"]) for c in stored["cells"]]
