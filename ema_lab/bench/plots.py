@@ -210,5 +210,5 @@ def plot_compare(records: list[dict[str, Any]], candidates: tuple[str, ...] = ()
     fig.legend(handles=handles, loc="outside lower center", fontsize=7, ncols=1)
     diffs = settings_differences(records)
     if diffs:
-        fig.suptitle("NOTE: " + "; ".join(diffs), fontsize=8, color="darkred")
+        fig.suptitle("NOTE, unlike settings:\n" + "\n".join(diffs), fontsize=8, color="darkred")
     return fig
