@@ -32,10 +32,10 @@ def _parser() -> _Parser:
     bench = sub.add_parser(
         "bench",
         help="time every EMA strategy on the model zoo; write JSON and PNGs",
-        description="Time EMA update strategies against the seed's before-code on the model zoo, count the "
-        "ops they dispatch, fit the per-op cost model, and write results/<stem>.json plus PNG plots, "
-        "where the stem is unique per run: <machine>_<date>T<time>Z_<quick|full>_t<threads>_<devices>. "
-        "An existing file is never replaced.",
+        description="Time EMA update strategies against the PR's before-code (seed_before) on the model "
+        "zoo, count the ops they dispatch, fit the per-op cost model, and write results/<stem>.json plus "
+        "PNG plots, where the stem is unique per run: "
+        "<machine>_<date>T<time>Z_<quick|full>_t<threads>_<devices>. An existing file is never replaced.",
     )
     bench.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps", "all"])
     bench.add_argument(

@@ -3,7 +3,8 @@
 For each (device, model) it builds one set of candidates and times them interleaved
 (:func:`ema_lab.bench.timing.time_candidates`):
 
-- ``seed_before`` (the baseline) and ``seed_after``: the seed's code, walking ``state_dict()`` per call;
+- ``seed_before`` (the baseline) and ``seed_after``: ultralytics PR #25315's before- and after-code,
+  walking ``state_dict()`` per call;
 - every strategy of :data:`ema_lab.ema.STRATEGIES` through ``ModelEMA(model, strategy=s).update``;
 - ``floor``: one ``lerp_`` over two contiguous buffers holding as many floats as the model (the best
   any EMA update of that model can do), and ``copy``: one ``copy_`` of those bytes (the roofline).
