@@ -3,25 +3,58 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
 from ema_lab.__main__ import main
+from ema_lab.bench import sweep
 from ema_lab.bench.environment import available_devices
-from ema_lab.bench.results import SCHEMA_VERSION, ResultError, load, validate
-from ema_lab.bench.sweep import BASELINE, REFERENCES, candidate_names
+from ema_lab.bench.plots import plot_compare
+from ema_lab.bench.results import (
+    SCHEMA_VERSION,
+    ResultError,
+    bench_files,
+    load,
+    load_many,
+    result_stem,
+    settings_differences,
+    validate,
+)
+from ema_lab.bench.sweep import BASELINE, REFERENCES, candidate_names, write_results
 from ema_lab.ema import STRATEGIES
 from ema_lab.lessons import models
 
 MODELS = ("tiny_cnn", "tiny_transformer")
+THREADS = (1, 2)
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+COMMITTED = RESULTS / "linux-amd-epyc-2c_2026-12-02.json"  # schema version 1, written before threads lists
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
-    rc = main(["bench", "--quick", "--models", ",".join(MODELS), "--out", str(out), "--no-progress"])
+    rc = main(
+        [
+            "bench",
+            "--quick",
+            "--models",
+            ",".join(MODELS),
+            "--threads",
+            "1,2",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     return rc, out
+
+
+def _record(out: Path) -> dict:
+    (path,) = out.glob("*.json")
+    return load(path)
 
 
 def test_quick_bench_writes_valid_json_and_pngs(quick_run, capsys):
@@ -29,16 +62,21 @@ def test_quick_bench_writes_valid_json_and_pngs(quick_run, capsys):
     assert rc == 0
     (path,) = out.glob("*.json")
     record = load(path)  # validates
-    assert record["schema_version"] == SCHEMA_VERSION
-    assert path.name == f"{record['machine']}_{record['created'][:10]}.json"
+    assert record["schema_version"] == SCHEMA_VERSION == 2
+    created = record["created"]
+    stamp = f"{created[:10]}T{created[11:19].replace(':', '')}Z"
+    assert path.name == f"{record['machine']}_{stamp}_quick_t1-2_cpu.json" == f"{result_stem(record)}.json"
     assert sorted(p.name for p in out.glob("*.png")) == sorted(
-        f"{path.stem}_cpu_{kind}.png" for kind in ("costmodel", "times")
+        f"{path.stem}_cpu_{kind}.png" for kind in ("costmodel", "times_1t", "times_2t", "threads")
     )
-    assert record["settings"]["threads"] == 1 and record["environment"]["threads"] == 1
+    assert record["settings"]["threads"] == list(THREADS) and record["environment"]["threads"] == 1
+    assert record["cost_model"]["cpu"]["threads"] == 1
     assert record["settings"]["candidates"] == candidate_names()
     assert set(STRATEGIES) <= set(record["settings"]["candidates"])
     rows = record["results"]
-    assert [(r["model"], r["candidate"]) for r in rows] == [(m, c) for m in MODELS for c in candidate_names()]
+    assert [(r["model"], r["threads"], r["candidate"]) for r in rows] == [
+        (m, n, c) for m in MODELS for n in THREADS for c in candidate_names()
+    ]
     for row in rows:
         stats = models.describe(models.build(row["model"]))
         assert row["stats"]["float_tensors"] == stats.float_tensors
@@ -76,10 +114,112 @@ def test_compare_plots_result_files_and_skips_other_tools_json(quick_run, tmp_pa
     files = [str(p) for p in out.glob("*.json")]
     foreign = tmp_path / "peers-2026-01-01.json"  # results/ may hold another tool's JSON
     foreign.write_text(json.dumps({"rows": []}))
-    assert main(["compare", *files, files[0], str(foreign), "--out", str(tmp_path)]) == 0
+    assert main(["compare", *files, str(foreign), "--out", str(tmp_path)]) == 0
     assert len(list(tmp_path.glob("compare_*.png"))) == 1
     printed = capsys.readouterr().out
-    assert f"skipped '{foreign}': not an ema_lab.bench result" in printed and "seed_before" in printed
+    assert f"skipped '{foreign}': written by another tool" in printed and "seed_before" in printed
+    # bench_files() keeps other tools' JSON out by design (no note at all), broken bench files in
+    assert bench_files(tmp_path) == [] and bench_files(out) == [Path(files[0])]
+
+
+def test_committed_results_load_and_stay_intact():
+    """The committed version-1 file loads as version 2 (threads [1]) and is not rewritten by loading."""
+    before = hashlib.sha256(COMMITTED.read_bytes()).hexdigest()
+    record = load(COMMITTED)
+    assert record["schema_version"] == 2 and record["upgraded_from"] == 1
+    assert record["settings"]["threads"] == [1]
+    validate(json.loads(COMMITTED.read_text()))  # the raw version-1 record is valid as it stands
+    assert len(plot_compare([record]).axes) == 4  # yolo, resnet50, gpt2, tiny_tensors
+    assert hashlib.sha256(COMMITTED.read_bytes()).hexdigest() == before
+    records, notes = load_many(bench_files(RESULTS))
+    assert any(p == COMMITTED for p, _ in records) and notes == []
+
+
+def _later(record: dict, seconds: int) -> dict:
+    """The same record as if run ``seconds`` later the same day."""
+    import datetime as dt
+
+    rec = copy.deepcopy(record)
+    t = dt.datetime.fromisoformat(rec["created"]) + dt.timedelta(seconds=seconds)
+    rec["created"] = t.isoformat(timespec="seconds")
+    return rec
+
+
+def test_a_second_run_on_the_same_day_keeps_both_files(quick_run, tmp_path):
+    _, out = quick_run
+    record = _record(out)
+    morning = dict(record, created="2026-12-03T09:00:00+00:00")
+    first = write_results(morning, tmp_path)[0]
+    second = write_results(_later(morning, 90), tmp_path)[0]  # 09:01:30, same day, same settings
+    assert first != second and first.exists() and second.exists()
+    assert "_2026-12-03T090000Z_" in first.name and "_2026-12-03T090130Z_" in second.name
+    assert load(first)["created"] != load(second)["created"]
+    record = morning
+    # The very same run again (same second, same settings) is refused, and nothing is replaced.
+    stamp = first.stat().st_mtime_ns
+    with pytest.raises(FileExistsError, match="never replaces"):
+        write_results(record, tmp_path)
+    assert first.stat().st_mtime_ns == stamp
+
+
+def test_a_quick_run_does_not_replace_a_full_one(quick_run, tmp_path):
+    """A quick run on a machine of the committed file's kind, the same day: the full run is untouched."""
+    _, out = quick_run
+    (tmp_path / COMMITTED.name).write_bytes(COMMITTED.read_bytes())
+    full = load(tmp_path / COMMITTED.name)
+    quick = copy.deepcopy(_record(out))
+    quick.update(machine=full["machine"], created=full["created"])  # same machine, same second even
+    written = write_results(quick, tmp_path)
+    assert (tmp_path / COMMITTED.name).read_bytes() == COMMITTED.read_bytes()
+    assert all(p.name.startswith(f"{full['machine']}_") and "_quick_" in p.name for p in written)
+    full_again = copy.deepcopy(quick)
+    full_again["settings"]["quick"] = False
+    assert write_results(full_again, tmp_path)[0].name != written[0].name
+
+
+def test_compare_keeps_runs_of_one_machine_apart(quick_run, tmp_path, capsys):
+    """Two runs from one machine with different settings: distinct labels, every model, mismatch said."""
+    _, out = quick_run
+    full = load(COMMITTED)
+    quick = copy.deepcopy(_record(out))
+    quick["machine"] = full["machine"]
+    path = tmp_path / "same-machine.json"
+    path.write_text(json.dumps(quick))
+    fig = plot_compare([full, quick])
+    panels = [ax.get_title() for ax in fig.axes]
+    assert panels == ["yolo", "resnet50", "gpt2", "tiny_tensors", *MODELS]  # every model of either run
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert len(labels) == 4 and len(set(labels)) == 4  # full at 1 thread, quick at 1 and 2, floor
+    assert all(full["machine"][:20] in label for label in labels[:3])
+    assert any("full" in label and "1t" in label for label in labels)
+    assert any("quick" in label and "2t" in label for label in labels)
+    for ax in fig.axes:
+        assert ax.get_yscale() == "log"
+    assert "runs differ in thread counts: 1 vs 1/2" in fig._suptitle.get_text()
+    assert main(["compare", str(COMMITTED), str(path), "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    for line in (
+        "runs differ in thread counts: 1 vs 1/2",
+        "runs differ in rounds: 15 vs 3",
+        "runs differ in mode (quick vs full): full vs quick",
+        "run 1: ",
+        "run 3: ",
+    ):
+        assert line in printed
+    assert "run 4: " not in printed
+
+
+def test_settings_mismatch_is_reported(quick_run):
+    _, out = quick_run
+    a = _record(out)
+    assert settings_differences([a, _later(a, 60)]) == []  # same settings, later time: nothing to say
+    b = copy.deepcopy(a)
+    b["environment"]["torch"] = "2.14.1"
+    b["settings"]["rounds"] = 15
+    assert settings_differences([a, b]) == [
+        "runs differ in rounds: 3 vs 15",
+        f"runs differ in torch version: {a['environment']['torch']} vs 2.14.1",
+    ]
 
 
 def test_validate_names_the_bad_field(quick_run):
@@ -93,6 +233,9 @@ def test_validate_names_the_bad_field(quick_run):
         (lambda r: r["results"][0].update(device="tpu"), "not a measured device"),
         (lambda r: r["devices"]["cpu"].update(status="zero"), "'measured' or 'skipped: <reason>'"),
         (lambda r: r["settings"].update(quick="yes"), "settings.quick: expected bool"),
+        (lambda r: r["settings"].update(threads=[1, 1]), "a thread count is listed twice"),
+        (lambda r: r["settings"].update(threads=[]), "non-empty list of ints"),
+        (lambda r: r["results"][0].update(threads=8), r"results\[0\].threads: 8 is not in settings.threads"),
     ]
     for breaks, message in cases:
         bad = copy.deepcopy(good)
@@ -121,6 +264,8 @@ def _exit_code(argv: list[str]) -> int:
         (["bench", "--device", "tpu"], "invalid choice: 'tpu'"),
         (["bench", "--threads", "0", "--models", "tiny_cnn"], "--threads must be >= 1"),
         (["bench", "--threads", "two"], "invalid int value: 'two'"),
+        (["bench", "--threads", "1,1", "--models", "tiny_cnn"], "lists a thread count twice"),
+        (["bench", "--threads", "1", "0", "--models", "tiny_cnn"], "--threads must be >= 1, got 0"),
         (["compare", "missing.json"], "cannot read result file 'missing.json'"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
@@ -159,3 +304,13 @@ def test_absent_device_and_bad_result_files_exit_2(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
+
+
+def test_a_run_that_would_replace_a_file_exits_2(quick_run, monkeypatch, tmp_path, capsys):
+    _, out = quick_run
+    record = _record(out)
+    write_results(record, tmp_path)
+    monkeypatch.setattr(sweep, "run_bench", lambda *a, **k: record)  # the same run again, same second
+    assert main(["bench", "--out", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "exists already; a run never replaces another" in err and err.count("\n") == 1

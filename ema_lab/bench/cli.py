@@ -32,8 +32,10 @@ def _parser() -> _Parser:
     bench = sub.add_parser(
         "bench",
         help="time every EMA strategy on the model zoo; write JSON and PNGs",
-        description="Time EMA update strategies against the seed's before-code on the model zoo, count the "
-        "ops they dispatch, fit the per-op cost model, and write <machine>_<date>.json plus PNG plots.",
+        description="Time EMA update strategies against the PR's before-code (seed_before) on the model "
+        "zoo, count the ops they dispatch, fit the per-op cost model, and write results/<stem>.json plus "
+        "PNG plots, where the stem is unique per run: "
+        "<machine>_<date>T<time>Z_<quick|full>_t<threads>_<devices>. An existing file is never replaced.",
     )
     bench.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps", "all"])
     bench.add_argument(
@@ -48,7 +50,12 @@ def _parser() -> _Parser:
         default=None,
         help=f"candidates to time (default: all of {candidate_names()}); seed_before and copy always run",
     )
-    bench.add_argument("--threads", type=int, default=1, help="intra-op threads while timing (default: 1)")
+    bench.add_argument(
+        "--threads",
+        nargs="+",
+        default=["1"],
+        help="intra-op thread count(s) while timing, e.g. 1 or 1 2 or 1,2; each is measured (default: 1)",
+    )
     bench.add_argument(
         "--quick",
         action="store_true",
@@ -58,8 +65,21 @@ def _parser() -> _Parser:
     bench.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     comp = sub.add_parser("compare", help="plot several result files side by side")
     comp.add_argument("files", nargs="+", help="result JSON files (e.g. results/*.json)")
-    comp.add_argument("--out", default="results", help="where compare_<date>.png goes (default: results/)")
+    comp.add_argument(
+        "--out", default="results", help="where compare_<date>T<time>Z.png goes (default: results/)"
+    )
     return parser
+
+
+def _threads(values: list[str]) -> list[int]:
+    """``--threads 1 2`` and ``--threads 1,2`` alike, as ints; a non-number raises ValueError."""
+    out = []
+    for v in _names(values):
+        try:
+            out.append(int(v))
+        except ValueError:
+            raise ValueError(f"--threads: invalid int value: {v!r}") from None
+    return out
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -70,7 +90,7 @@ def _bench(args: argparse.Namespace) -> int:
         args.device,
         _names(args.models) if args.models else None,
         _names(args.strategies) if args.strategies else None,
-        threads=args.threads,
+        threads=_threads(args.threads),
         quick=args.quick,
         progress=not args.no_progress,
     )
@@ -99,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table)
         print(f"wrote {png}")
         return 0
-    except ValueError as exc:  # bad input (ResultError is a ValueError): one line, no traceback
+    except (ValueError, FileExistsError) as exc:  # bad input (ResultError is a ValueError): one line
         print(f"{parser.prog} {args.cmd}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -11,7 +11,9 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-__all__ = ["plot_times", "plot_cost_model", "plot_compare"]
+from .results import run_label, settings_differences, upgrade
+
+__all__ = ["plot_times", "plot_threads", "plot_cost_model", "plot_compare"]
 
 
 def _bars(ax: Any, groups: list[str], series: dict[str, list[float | None]], err: dict | None = None) -> None:
@@ -30,9 +32,14 @@ def _bars(ax: Any, groups: list[str], series: dict[str, list[float | None]], err
     ax.set_xticks(x, groups)
 
 
-def plot_times(record: dict[str, Any], device: str) -> Figure:
-    """Median EMA update time (ms, log scale, IQR whiskers) per model and candidate on one device."""
-    rows = [r for r in record["results"] if r["device"] == device]
+def plot_times(record: dict[str, Any], device: str, threads: int | None = None) -> Figure:
+    """Median EMA update time (ms, log scale, IQR whiskers) per model and candidate on one device.
+
+    ``threads`` picks one of the run's thread counts (default: the first).
+    """
+    record = upgrade(record)
+    threads = record["settings"]["threads"][0] if threads is None else threads
+    rows = [r for r in record["results"] if r["device"] == device and r["threads"] == threads]
     models = list(dict.fromkeys(r["model"] for r in rows))
     cands = list(dict.fromkeys(r["candidate"] for r in rows))
     by = {(r["model"], r["candidate"]): r for r in rows}
@@ -51,8 +58,49 @@ def plot_times(record: dict[str, Any], device: str) -> Figure:
     ax.set_ylabel("EMA update time per step (ms, log scale)")
     ax.set_xlabel("model")
     name = record["devices"][device]["environment"].get("device_name", device)
-    ax.set_title(f"{device} ({name}), {record['settings']['threads']} thread(s); whiskers: IQR", fontsize=9)
+    ax.set_title(f"{device} ({name}), {threads} thread(s); whiskers: IQR", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+def plot_threads(record: dict[str, Any], device: str) -> Figure:
+    """Thread scaling: median update time (log) against intra-op thread count, one panel per model."""
+    record = upgrade(record)
+    counts = record["settings"]["threads"]
+    rows = [r for r in record["results"] if r["device"] == device]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    cands = list(dict.fromkeys(r["candidate"] for r in rows))
+    by = {(r["model"], r["candidate"], r["threads"]): r for r in rows}
+    fig = Figure(figsize=(max(6, 3.2 * len(models)), 4.2), layout="constrained")
+    axes = [fig.add_subplot(1, len(models), i + 1) for i in range(len(models))]
+    for ax, model in zip(axes, models):
+        for c in cands:
+            pts = [(n, by[model, c, n]) for n in counts if (model, c, n) in by]
+            if not pts:
+                continue
+            style = "s--" if c in ("floor", "copy") else "o-"
+            ax.errorbar(
+                [n for n, _ in pts],
+                [r["median_ms"] for _, r in pts],
+                yerr=[
+                    [r["median_ms"] - r["q1_ms"] for _, r in pts],
+                    [r["q3_ms"] - r["median_ms"] for _, r in pts],
+                ],
+                fmt=style,
+                capsize=2,
+                label=c,
+            )
+        ax.set_yscale("log")
+        ax.set_xticks(counts)
+        ax.set_xlabel("intra-op threads")
+        ax.set_title(model, fontsize=9)
+    axes[0].set_ylabel("EMA update time per step (ms, log scale)")
+    axes[-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    name = record["devices"][device]["environment"].get("device_name", device)
+    fig.suptitle(
+        f"{device} ({name}): thread scaling, median and IQR of {record['settings']['rounds']} rounds",
+        fontsize=9,
+    )
     return fig
 
 
@@ -106,28 +154,61 @@ def plot_cost_model(cost: dict[str, Any]) -> Figure:
 
 
 def plot_compare(records: list[dict[str, Any]], candidates: tuple[str, ...] = ()) -> Figure:
-    """Speed-up vs seed_before for several machines/devices side by side, one panel per model."""
-    runs = []  # (label, device, record)
+    """Speed-up vs seed_before (log scale) of every run, one panel per model present in any run.
+
+    A run is one (record, device, thread count), labelled by :func:`ema_lab.bench.results.run_label`,
+    so runs from one machine stay apart. ``floor`` (one ``lerp_`` over flat buffers) is a bound, not
+    a strategy: it is drawn as a dashed line in the run's colour. Settings in which the runs differ
+    are written under the figure.
+    """
+    records = [upgrade(r) for r in records]
+    runs = []  # (label, device, threads, record)
     for rec in records:
         for dev, status in rec["devices"].items():
             if status["status"] == "measured":
-                runs.append((f"{rec['machine'][:32]} {dev} ({rec['created'][:10]})", dev, rec))
+                runs += [(run_label(rec, dev, n), dev, n, rec) for n in rec["settings"]["threads"]]
+    labels = [label for label, *_ in runs]
+    for i, label in enumerate(labels):  # two files with identical settings to the minute: number them
+        if labels.count(label) > 1:
+            runs[i] = (f"{label} #{labels[:i].count(label) + 1}", *runs[i][1:])
     models = list(dict.fromkeys(r["model"] for rec in records for r in rec["results"]))
     cands = list(candidates) or list(
         dict.fromkeys(r["candidate"] for rec in records for r in rec["results"] if r["kind"] == "strategy")
     )
-    fig = Figure(figsize=(max(6, 3.2 * len(models)), 4.2), layout="constrained")
+    cands = [c for c in cands if c not in ("floor", "copy")]
+    fig = Figure(figsize=(max(7, 3.4 * len(models)), 4.6 + 0.22 * len(runs)), layout="constrained")
     axes = [fig.add_subplot(1, len(models), i + 1) for i in range(len(models))]
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    width = 0.8 / max(len(runs), 1)
+    x = np.arange(len(cands))
     for ax, model in zip(axes, models):
-        series = {}
-        for label, dev, rec in runs:
-            by = {r["candidate"]: r for r in rec["results"] if r["device"] == dev and r["model"] == model}
-            series[label] = [by[c]["speedup_vs_seed_before"] if c in by else None for c in cands]
-        _bars(ax, cands, series)
+        for i, (label, dev, n, rec) in enumerate(runs):
+            by = {
+                r["candidate"]: r
+                for r in rec["results"]
+                if r["device"] == dev and r["threads"] == n and r["model"] == model
+            }
+            v = np.array([by[c]["speedup_vs_seed_before"] if c in by else np.nan for c in cands], dtype=float)
+            ax.bar(x + (i - (len(runs) - 1) / 2) * width, v, width, color=colors[i], label=label)
+            if "floor" in by:
+                ax.axhline(by["floor"]["speedup_vs_seed_before"], color=colors[i], ls="--", lw=1.2)
+            if not by:
+                ax.text(0.5, 0.5 - 0.06 * i, f"run {i + 1}: not measured", transform=ax.transAxes, fontsize=7)
         ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xticks(x, cands)
         ax.set_title(model, fontsize=9)
-        ax.set_xlabel("candidate")
         ax.tick_params(axis="x", labelrotation=45, labelsize=7)
-    axes[0].set_ylabel("speed-up vs seed_before (x, higher is faster)")
-    axes[-1].legend(fontsize=6)
+    axes[0].set_ylabel("speed-up vs seed_before (x, log scale)")
+    handles, _ = axes[0].get_legend_handles_labels()
+    from matplotlib.lines import Line2D
+
+    handles = [h for h in handles if not isinstance(h, Line2D)]
+    handles.append(
+        Line2D([], [], color="black", ls="--", label="floor: one lerp_ over flat buffers (a bound)")
+    )
+    fig.legend(handles=handles, loc="outside lower center", fontsize=7, ncols=1)
+    diffs = settings_differences(records)
+    if diffs:
+        fig.suptitle("NOTE, unlike settings:\n" + "\n".join(diffs), fontsize=8, color="darkred")
     return fig

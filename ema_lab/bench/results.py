@@ -2,8 +2,13 @@
 
 A result is one JSON object (``SCHEMA``, ``SCHEMA_VERSION``) holding the environment it ran in, the
 settings, every device's status (measured, or the "skipped: <reason>" text), one row per
-(device, model, candidate) and the cost model per measured device. Files are named by machine and
-date (``<machine>_<YYYY-MM-DD>.json``) so several machines' results can sit side by side in ``results/``.
+(device, model, candidate, thread count) and the cost model per measured device (measured at the
+first thread count). Version 2 stores ``settings.threads`` as the list of thread counts measured;
+version 1 files (one int) still load: :func:`upgrade` turns them into version 2 in memory.
+
+Each run's files share a stem that is unique per run (:func:`result_stem`): machine, date and time
+of day (UTC, to the second), quick or full, thread counts and measured devices, e.g.
+``linux-amd-epyc-2c_2026-12-03T091512Z_quick_t1-2_cpu``. Older files are named ``<machine>_<date>``.
 """
 
 from __future__ import annotations
@@ -21,13 +26,18 @@ __all__ = [
     "validate",
     "load",
     "load_many",
+    "bench_files",
+    "upgrade",
     "machine_label",
     "result_stem",
+    "run_label",
+    "settings_differences",
     "format_table",
 ]
 
 SCHEMA = "ema_lab.bench"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class ResultError(ValueError):
@@ -47,7 +57,7 @@ _TOP = {
     "results": (list,),
     "cost_model": (dict,),
 }
-_SETTINGS = {"quick": (bool,), "threads": (int,), "rounds": (int,), "models": (list,), "candidates": (list,)}
+_SETTINGS = {"quick": (bool,), "threads": (list,), "rounds": (int,), "models": (list,), "candidates": (list,)}
 _ENV = {"torch": (str,), "python": (str,), "os": (str,), "cpu": (str,), "threads": (int,), "ema_lab": (str,)}
 _ROW = {
     "device": (str,),
@@ -86,17 +96,41 @@ def _check_fields(obj: Any, spec: dict[str, tuple], where: str) -> None:
             raise ResultError(f"{where}.{key}: expected {names}, got {type(value).__name__} {value!r:.40}")
 
 
+def upgrade(record: dict[str, Any]) -> dict[str, Any]:
+    """A version-2 copy of a version-1 record (``settings.threads``: int -> [int]); others as they are."""
+    if not isinstance(record, dict) or record.get("schema_version") != 1:
+        return record
+    settings = record.get("settings")
+    if not isinstance(settings, dict) or not isinstance(settings.get("threads"), int):
+        return record  # let validate() name what is wrong
+    return {
+        **record,
+        "schema_version": 2,
+        "upgraded_from": 1,
+        "settings": {**settings, "threads": [settings["threads"]]},
+    }
+
+
 def validate(record: Any) -> None:
-    """Raise :class:`ResultError` naming the first field of ``record`` that does not match the schema."""
+    """Raise :class:`ResultError` naming the first field of ``record`` that does not match the schema.
+
+    A version-1 record is checked as its :func:`upgrade` to version 2.
+    """
     _check_fields(record, _TOP, "result")
     if record["schema"] != SCHEMA:
         raise ResultError(f"result.schema: expected {SCHEMA!r}, got {record['schema']!r}")
-    if record["schema_version"] != SCHEMA_VERSION:
+    if record["schema_version"] not in READABLE_VERSIONS:
         raise ResultError(
-            f"result.schema_version: this ema_lab reads version {SCHEMA_VERSION}, "
+            f"result.schema_version: this ema_lab reads versions {list(READABLE_VERSIONS)}, "
             f"got {record['schema_version']}"
         )
+    record = upgrade(record)
     _check_fields(record["settings"], _SETTINGS, "result.settings")
+    threads = record["settings"]["threads"]
+    if not threads or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in threads):
+        raise ResultError(f"result.settings.threads: expected a non-empty list of ints >= 1, got {threads!r}")
+    if len(set(threads)) != len(threads):
+        raise ResultError(f"result.settings.threads: a thread count is listed twice: {threads!r}")
     _check_fields(record["environment"], _ENV, "result.environment")
     measured = set()
     for dev, status in record["devices"].items():
@@ -115,6 +149,8 @@ def validate(record: Any) -> None:
         _check_fields(row["stats"], _STATS, f"{where}.stats")
         if row["device"] not in measured:
             raise ResultError(f"{where}.device: {row['device']!r} is not a measured device")
+        if row["threads"] not in threads:
+            raise ResultError(f"{where}.threads: {row['threads']} is not in settings.threads {threads}")
         if row["kind"] not in _KINDS:
             raise ResultError(f"{where}.kind: expected one of {sorted(_KINDS)}, got {row['kind']!r}")
         times = (row["q1_ms"], row["median_ms"], row["q3_ms"])
@@ -137,7 +173,7 @@ def validate(record: Any) -> None:
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    """Read and validate one result file; raise :class:`ResultError` saying what is wrong with it."""
+    """Read and validate one result file (version 1 or 2), return it as version 2; errors name the field."""
     try:
         record = json.loads(Path(path).read_text())
     except OSError as exc:
@@ -148,7 +184,7 @@ def load(path: str | Path) -> dict[str, Any]:
         validate(record)
     except ResultError as exc:
         raise ResultError(f"{str(path)!r} is not a valid ema_lab result: {exc}") from None
-    return record
+    return upgrade(record)
 
 
 def load_many(paths: list[str | Path]) -> tuple[list[tuple[Path, dict[str, Any]]], list[str]]:
@@ -169,12 +205,30 @@ def load_many(paths: list[str | Path]) -> tuple[list[tuple[Path, dict[str, Any]]
                 foreign = False
             if not foreign:
                 raise
-            notes.append(f"skipped {str(path)!r}: not an {SCHEMA} result")
+            notes.append(f'skipped {str(path)!r}: written by another tool (no "schema": "{SCHEMA}")')
     if not records:
         raise ResultError(
             f"no {SCHEMA} result among {[str(p) for p in paths]}" + "".join(f"; {n}" for n in notes)
         )
     return records, notes
+
+
+def bench_files(folder: str | Path) -> list[Path]:
+    """The ``*.json`` files in ``folder`` that declare the bench schema, sorted by name.
+
+    ``results/`` also holds other tools' JSON (``benchmarks/peers.py``, ``benchmarks/trainer.py``);
+    they are left out here by design (their own ``.md`` beside them shows them). A file that claims the
+    bench schema but is broken is still listed, so that :func:`load` reports it.
+    """
+    found = []
+    for path in sorted(Path(folder).glob("*.json")):
+        try:
+            schema = json.loads(path.read_text()).get("schema")
+        except (OSError, ValueError, AttributeError):
+            schema = None
+        if schema == SCHEMA:
+            found.append(path)
+    return found
 
 
 def _slug(text: str) -> str:
@@ -189,38 +243,79 @@ def machine_label(env: dict[str, Any], accelerators: list[str] = ()) -> str:
     return "-".join(filter(None, (_slug(p) for p in parts)))[:80]
 
 
-def result_stem(machine: str, created: str) -> str:
-    """``<machine>_<YYYY-MM-DD>``: the common stem of a run's JSON and PNG files."""
-    return f"{machine}_{created[:10]}"
+def _measured(record: dict[str, Any]) -> list[str]:
+    return [d for d, s in record["devices"].items() if s["status"] == "measured"]
+
+
+def result_stem(record: dict[str, Any]) -> str:
+    """The stem of a run's JSON and PNG files, unique per run and saying what distinguishes it.
+
+    ``<machine>_<YYYY-MM-DD>T<HHMMSS>Z_<quick|full>_t<threads, joined by ->_<measured devices>``.
+    """
+    created = record["created"]  # ISO 8601 in UTC, to the second
+    stamp = created[:10] + "T" + created[11:19].replace(":", "") + "Z"
+    mode = "quick" if record["settings"]["quick"] else "full"
+    threads = "-".join(str(t) for t in upgrade(record)["settings"]["threads"])
+    devices = "+".join(_measured(record)) or "none"
+    return f"{record['machine']}_{stamp}_{mode}_t{threads}_{devices}"
+
+
+def run_label(record: dict[str, Any], device: str, threads: int) -> str:
+    """A legend label for one (run, device, thread count): machine, date and time, settings, torch."""
+    env = record["environment"]
+    mode = "quick" if record["settings"]["quick"] else "full"
+    when = record["created"][:16].replace("T", " ")
+    return f"{record['machine'][:28]} {device} {when} {threads}t {mode} torch {env['torch']}"
+
+
+def settings_differences(records: list[dict[str, Any]]) -> list[str]:
+    """One line per setting that differs between the runs compared (threads, rounds, quick, torch, ...).
+
+    Machines and devices are what a comparison is for, so they are not listed; everything else that
+    changes a timing is.
+    """
+    recs = [upgrade(r) for r in records]
+    checks = {
+        "thread counts": lambda r: "/".join(str(t) for t in r["settings"]["threads"]),
+        "rounds": lambda r: str(r["settings"]["rounds"]),
+        "mode (quick vs full)": lambda r: "quick" if r["settings"]["quick"] else "full",
+        "torch version": lambda r: r["environment"]["torch"],
+        "models": lambda r: ",".join(r["settings"]["models"]),
+        "ema_lab revision": lambda r: r["environment"].get("git_revision") or r["environment"]["ema_lab"],
+    }
+    lines = []
+    for what, get in checks.items():
+        values = list(dict.fromkeys(get(r) for r in recs))
+        if len(values) > 1:
+            lines.append(f"runs differ in {what}: {' vs '.join(values)}")
+    return lines
 
 
 def format_table(record: dict[str, Any]) -> str:
-    """The bench table: one block per device, a row per (model, candidate), speed-up vs seed_before."""
+    """The bench table: a block per (device, thread count), a row per (model, candidate), with speed-ups."""
+    record = upgrade(record)
+    threads = record["settings"]["threads"]
     lines = [
-        f"threads={record['settings']['threads']}  (median [IQR] of {record['settings']['rounds']} rounds)"
+        f"threads={','.join(map(str, threads))}  (median [IQR] of {record['settings']['rounds']} rounds)"
     ]
     for dev, status in record["devices"].items():
         if status["status"] != "measured":
             lines.append(f"\n{dev}: {status['status']}")
             continue
         name = status["environment"].get("device_name", dev)
-        lines.append(f"\n{dev}: {name}")
-        head = f"{'model':<17}{'candidate':<13}{'ops/step':>9}{'kernels':>9}{'median ms':>11}{'IQR ms':>9}"
-        lines.append(head + f"{'speed-up':>10}{'roofline':>10}")
-        for row in record["results"]:
-            if row["device"] != dev:
-                continue
-            k = "-" if row["kernel_launches"] is None else str(row["kernel_launches"])
-            lines.append(
-                f"{row['model']:<17}{row['candidate']:<13}{row['ops_compute']:>9}{k:>9}"
-                f"{row['median_ms']:>11.3f}{row['q3_ms'] - row['q1_ms']:>9.3f}"
-                f"{row['speedup_vs_seed_before']:>9.1f}x{row['roofline_fraction']:>10.2f}"
+        for n in threads:
+            lines.append(f"\n{dev}: {name}, {n} thread(s)")
+            head = (
+                f"{'model':<17}{'candidate':<13}{'ops/step':>9}{'kernels':>9}{'median ms':>11}{'IQR ms':>9}"
             )
+            lines.append(head + f"{'speed-up':>10}{'roofline':>10}")
+            lines += _table_rows([r for r in record["results"] if r["device"] == dev and r["threads"] == n])
         cm = record["cost_model"].get(dev)
         if cm:
             loop, fe = cm["fits"]["loop"], cm["fits"]["foreach"]
             lines.append(
-                f"cost model: {loop['overhead_per_op_us']:.2f} us per dispatched op (per-tensor loop), "
+                f"cost model ({cm.get('threads', threads[0])} thread(s)): "
+                f"{loop['overhead_per_op_us']:.2f} us per dispatched op (per-tensor loop), "
                 f"{fe['overhead_per_op_us']:.2f} us per tensor inside one _foreach_lerp_; "
                 f"copy roofline {cm['copy_bandwidth_gbps'] or float('nan'):.1f} GB/s, roofline fraction "
                 + ", ".join(f"{k} {v:.2f}" for k, v in cm["roofline_fraction"].items() if v is not None)
@@ -231,3 +326,15 @@ def format_table(record: dict[str, Any]) -> str:
         "(2 x float bytes / copy time)"
     )
     return "\n".join(lines)
+
+
+def _table_rows(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for row in rows:
+        k = "-" if row["kernel_launches"] is None else str(row["kernel_launches"])
+        lines.append(
+            f"{row['model']:<17}{row['candidate']:<13}{row['ops_compute']:>9}{k:>9}"
+            f"{row['median_ms']:>11.3f}{row['q3_ms'] - row['q1_ms']:>9.3f}"
+            f"{row['speedup_vs_seed_before']:>9.1f}x{row['roofline_fraction']:>10.2f}"
+        )
+    return lines

@@ -3,13 +3,16 @@
 For each (device, model) it builds one set of candidates and times them interleaved
 (:func:`ema_lab.bench.timing.time_candidates`):
 
-- ``seed_before`` (the baseline) and ``seed_after``: the seed's code, walking ``state_dict()`` per call;
+- ``seed_before`` (the baseline) and ``seed_after``: ultralytics PR #25315's before- and after-code,
+  walking ``state_dict()`` per call;
 - every strategy of :data:`ema_lab.ema.STRATEGIES` through ``ModelEMA(model, strategy=s).update``;
 - ``floor``: one ``lerp_`` over two contiguous buffers holding as many floats as the model (the best
   any EMA update of that model can do), and ``copy``: one ``copy_`` of those bytes (the roofline).
 
 Each candidate's dispatched ops per step are counted (:func:`ema_lab.bench.counting.count_ops`), and on
 CUDA its kernel launches. The decay is the ramp's value after ``RAMP_UPDATES`` steps (about 0.9999).
+With several thread counts (``threads=(1, 2)``) each (device, model) is timed at every count in turn
+(the candidates interleaved within a count); the cost model runs at the first count.
 """
 
 from __future__ import annotations
@@ -31,7 +34,16 @@ from ..lessons.seed import seed_after, seed_before
 from .costmodel import run_cost_model
 from .counting import count_ops, kernel_launches_or_reason, without_views
 from .environment import available_devices, environment
-from .results import SCHEMA, SCHEMA_VERSION, load_many, machine_label, result_stem, validate
+from .results import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    load_many,
+    machine_label,
+    result_stem,
+    run_label,
+    settings_differences,
+    validate,
+)
 from .timing import time_candidates
 
 __all__ = [
@@ -43,6 +55,7 @@ __all__ = [
     "candidate_names",
     "count_candidate_ops",
     "resolve_devices",
+    "thread_counts",
     "run_bench",
     "write_results",
     "compare",
@@ -193,17 +206,31 @@ def _measure_model(
     return rows
 
 
+def thread_counts(threads: int | Sequence[int]) -> list[int]:
+    """``1`` or ``(1, 2)`` as a list of distinct thread counts >= 1; anything else raises ValueError."""
+    counts = [threads] if isinstance(threads, int) else list(threads)
+    if not counts:
+        raise ValueError("--threads needs at least one thread count")
+    for n in counts:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"--threads must be >= 1, got {n}")
+    if len(set(counts)) != len(counts):
+        raise ValueError(f"--threads lists a thread count twice: {counts}")
+    return counts
+
+
 def run_bench(
     device: str = "cpu",
     models: Sequence[str] | None = None,
     strategies: Sequence[str] | None = None,
-    threads: int = 1,
+    threads: int | Sequence[int] = 1,
     quick: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the sweep and return the (validated) result record; see the module docstring for what runs.
 
-    ``models`` defaults to DEFAULT_MODELS, or QUICK_MODELS when ``quick``.
+    ``models`` defaults to DEFAULT_MODELS, or QUICK_MODELS when ``quick``; ``threads`` is one intra-op
+    thread count or several, each measured in this run.
     """
     models = list(models or (QUICK_MODELS if quick else DEFAULT_MODELS))
     for m in models:
@@ -213,8 +240,7 @@ def run_bench(
     for s in strategies or ():
         if s not in known:
             raise ValueError(f"unknown strategy {s!r}; expected one of {known}")
-    if threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
+    counts = thread_counts(threads)
     devices = resolve_devices(device)
     # Every known device appears in the result: measured, absent (with the reason) or not asked for.
     for dev, reason in available_devices().items():
@@ -226,9 +252,10 @@ def run_bench(
     measured = [d for d, reason in devices.items() if reason is None]
     from tqdm import tqdm
 
-    bar = tqdm(total=len(measured) * (len(models) * rounds + cm_rounds), disable=not progress, unit="round")
+    total = len(measured) * (len(models) * len(counts) * rounds + cm_rounds)
+    bar = tqdm(total=total, disable=not progress, unit="round")
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(counts[0])
     try:
         record: dict[str, Any] = {
             "schema": SCHEMA,
@@ -237,7 +264,7 @@ def run_bench(
             "environment": environment("cpu"),
             "settings": {
                 "quick": quick,
-                "threads": threads,
+                "threads": counts,
                 "rounds": rounds,
                 "models": list(models),
                 "candidates": chosen,
@@ -253,13 +280,14 @@ def run_bench(
                 continue
             record["devices"][dev] = {"status": "measured", "environment": environment(dev)}
             for name in models:
-                bar.set_description(f"{dev} {name}")
-                record["results"] += _measure_model(
-                    dev, name, chosen, threads, rounds, quick, lambda _r: bar.update(1)
-                )
+                for n in counts:
+                    bar.set_description(f"{dev} {name} {n} thread(s)")
+                    record["results"] += _measure_model(
+                        dev, name, chosen, n, rounds, quick, lambda _r: bar.update(1)
+                    )
             bar.set_description(f"{dev} cost model")
             cost = run_cost_model(
-                dev, quick=quick, threads=threads, rounds=cm_rounds, on_round=lambda _r: bar.update(1)
+                dev, quick=quick, threads=counts[0], rounds=cm_rounds, on_round=lambda _r: bar.update(1)
             )
             record["cost_model"][dev] = cost.as_dict()
     finally:
@@ -279,50 +307,76 @@ def _jsonable(obj: object) -> object:
 
 
 def write_results(record: dict[str, Any], out: str | Path) -> list[Path]:
-    """Write ``<machine>_<date>.json`` plus a times and a cost-model PNG per measured device into ``out``."""
-    from .plots import plot_cost_model, plot_times
+    """Write ``<stem>.json`` plus PNGs per measured device into ``out``; never replace an existing file.
+
+    The stem (:func:`ema_lab.bench.results.result_stem`) is unique per run. If any file this run
+    would write exists already, nothing is written and ``FileExistsError`` names it.
+    """
+    from .plots import plot_cost_model, plot_threads, plot_times
 
     validate(record)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = result_stem(record["machine"], record["created"])
-    path = out / f"{stem}.json"
-    path.write_text(json.dumps(record, indent=1, allow_nan=False) + "\n")
-    paths = [path]
+    stem = result_stem(record)
+    counts = record["settings"]["threads"]
+    figures: dict[Path, Callable[[], Any]] = {}
     for dev, status in record["devices"].items():
         if status["status"] != "measured":
             continue
-        for kind, fig in (
-            ("times", plot_times(record, dev)),
-            ("costmodel", plot_cost_model(record["cost_model"][dev])),
-        ):
-            png = out / f"{stem}_{dev}_{kind}.png"
-            fig.savefig(png, dpi=110)
-            paths.append(png)
+        for n in counts:
+            suffix = "times" if len(counts) == 1 else f"times_{n}t"
+            figures[out / f"{stem}_{dev}_{suffix}.png"] = lambda dev=dev, n=n: plot_times(record, dev, n)
+        figures[out / f"{stem}_{dev}_costmodel.png"] = lambda dev=dev: plot_cost_model(
+            record["cost_model"][dev]
+        )
+        if len(counts) > 1:
+            figures[out / f"{stem}_{dev}_threads.png"] = lambda dev=dev: plot_threads(record, dev)
+    path = out / f"{stem}.json"
+    for p in (path, *figures):
+        if p.exists():
+            raise FileExistsError(f"{p} exists already; a run never replaces another (move it away first)")
+    out.mkdir(parents=True, exist_ok=True)
+    with path.open("x") as f:  # "x": fail rather than replace, even if another process wrote it meanwhile
+        f.write(json.dumps(record, indent=1, allow_nan=False) + "\n")
+    paths = [path]
+    for png, make in figures.items():
+        make().savefig(png, dpi=110)
+        paths.append(png)
     return paths
 
 
 def compare(files: Sequence[str | Path], out: str | Path) -> tuple[str, Path]:
-    """Load result files (an invalid one raises ResultError), plot them side by side; return table, PNG."""
+    """Load result files (an invalid one raises ResultError), plot them side by side; return table, PNG.
+
+    Each (file, device, thread count) is one labelled run; the table first lists the runs and every
+    setting in which they differ, so that unlike runs are not read as like.
+    """
     from .plots import plot_compare
 
     if not files:
         raise ValueError("compare needs at least one result file")
     loaded, notes = load_many(list(files))
-    lines = [
-        *notes,
-        f"{'file':<48}{'device':<7}{'model':<17}{'candidate':<13}{'median ms':>10}{'speed-up':>10}",
-    ]
+    records = [rec for _, rec in loaded]
+    lines = [*notes, *settings_differences(records)]
+    runs = []
     for f, rec in loaded:
+        for dev, status in rec["devices"].items():
+            if status["status"] == "measured":
+                for n in rec["settings"]["threads"]:
+                    runs.append((f, rec, dev, n))
+                    lines.append(f"run {len(runs)}: {run_label(rec, dev, n)}  ({Path(f).name})")
+    lines.append(f"{'run':<5}{'device':<7}{'model':<17}{'candidate':<13}{'median ms':>10}{'speed-up':>10}")
+    for i, (_f, rec, dev, n) in enumerate(runs, 1):
         for r in rec["results"]:
-            if r["kind"] != "reference":
+            if r["kind"] != "reference" and r["device"] == dev and r["threads"] == n:
                 lines.append(
-                    f"{Path(f).name[:47]:<48}{r['device']:<7}{r['model']:<17}{r['candidate']:<13}"
+                    f"{i:<5}{dev:<7}{r['model']:<17}{r['candidate']:<13}"
                     f"{r['median_ms']:>10.3f}{r['speedup_vs_seed_before']:>9.1f}x"
                 )
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.date.today().isoformat()
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
     png = out / f"compare_{stamp}.png"
-    plot_compare([rec for _, rec in loaded]).savefig(png, dpi=110)
+    if png.exists():
+        raise FileExistsError(f"{png} exists already; compare never replaces a file")
+    out.mkdir(parents=True, exist_ok=True)
+    plot_compare(records).savefig(png, dpi=110)
     return "\n".join(lines), png
