@@ -99,13 +99,17 @@ for name, m in block.named_modules():
     kept = "total_ops" in m._buffers
     print(f"{name or '<root>':<7} {type(m).__name__:<12} rule: {type(m) in rules!s:<5}  kept buffers: {kept}")
 print("leaked keys:", leaked_keys(block))
+conv_macs, bn_macs = 16 * 32 * 32 * 3 * 3 * 3, 4 * 16 * 32 * 32
+print(
+    f"by hand: conv {conv_macs:,} + BatchNorm {bn_macs:,} = {conv_macs + bn_macs:,} MACs; {16 * 27 + 2 * 16} parameters"
+)
 
 # %% [markdown]
 # `conv` and `bn` are clean because thop has rules for them; the block itself (a custom class) and
-# its `SiLU` (no rule in thop 0.1.1) keep the buffers. The MACs check by hand: the convolution
-# produces 16 × 32 × 32 outputs of 3 × 3 × 3 multiply-adds each (442,368), and thop charges the affine
-# BatchNorm 4 per element (65,536): 507,904. Parameters: 16 × 27 conv weights + 2 × 16 BatchNorm
-# affine values = 464 (SiLU has none).
+# its `SiLU` (no rule in thop 0.1.1) keep the buffers. The MACs check by hand (last line): the
+# convolution produces 16 × 32 × 32 outputs of 3 × 3 × 3 multiply-adds each (442,368), and thop charges
+# the affine BatchNorm 4 per element (65,536), 507,904 in all, as thop said. Parameters: 16 × 27 conv
+# weights + 2 × 16 BatchNorm affine values = 464 (SiLU has none).
 #
 # thop has no `try/finally` either. When the profiled forward raises (here: a 1-channel input into a
 # 3-channel convolution), the buffers stay on all four modules, the counting hooks stay registered,
@@ -310,11 +314,13 @@ for g in auto.plan:
     )
 
 # %% [markdown]
-# `"auto"` resolved to `flat`: the EMA's float tensors are flattened into one buffer per
-# (device, EMA dtype, model dtype) group. The float32/float32 pairs form one group; thop's buffers,
-# float32 in the EMA and float64 in the model, form a `cast` group, whose model values are cast to
-# float32 before its one lerp. Compared with the old loop from the same start and the same decay,
-# the result differs only by float32 rounding:
+# `"auto"` resolved to `flat`: the EMA's float tensors live in one flat buffer per
+# (device, EMA dtype, model dtype) group. Here the float32/float32 pairs are all small, so that group is
+# `cat`: one `torch.cat` gathers the model's tensors, one `lerp_` averages them. thop's buffers, float32
+# in the EMA and float64 in the model, form a `cast` group: one `_foreach_copy_` casts the model's values
+# into a float32 scratch buffer, then one `lerp_`. (2 tensors, not 4: the two `Conv`s share one `SiLU`,
+# and each tensor is averaged once.) No per-tensor promoting path runs. Compared with the old loop from
+# the same start and the same decay, the result differs only by float32 rounding:
 
 # %%
 loop = deepcopy(ema)

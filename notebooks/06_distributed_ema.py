@@ -31,7 +31,8 @@
 #
 # **Time** on this machine (2-core AMD EPYC, torch 2.13 CPU, shared with other jobs), measured with
 # `time python3 dev.py notebooks notebooks/06_distributed_ema.py`: 52 s in full mode, 50 s in quick
-# mode (`EMA_LAB_QUICK=1`); both modes run the same processes, most of the time is starting them.
+# mode (`EMA_LAB_QUICK=1`) while other jobs loaded the machine, about 30 s when it was quieter. Both
+# modes run the same processes; most of the time is starting them (each rank imports torch).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -109,8 +110,8 @@ print("shards of the update == update of the whole:", torch.equal(torch.cat(shar
 #
 # ## 3. The training script
 #
-# Here is the whole thing as a script you could launch on GPUs (with the `nccl` backend and a device
-# per rank). The cell writes it to a temporary folder with `%%writefile`. Each rank trains a small MLP
+# Here is the whole thing as one script. On GPUs the same code would use the `nccl` backend, a
+# `"cuda"` device mesh and the model on each rank's GPU; here it runs on the CPU. The cell writes it to a temporary folder with `%%writefile`. Each rank trains a small MLP
 # on its slice of each global batch, first with DDP and `ModelEMA`, then with FSDP2 and
 # `ShardedModelEMA`; `CommDebugMode` counts the collectives issued inside `ema.update()`. Rank 0 then
 # trains the same model in one process, in float64, on the whole batch (the same averaged gradient)
