@@ -186,6 +186,7 @@ def _sleep_rank(rank: int, world: int) -> None:
     time.sleep(60)
 
 
+@needs_distributed
 def test_timeout_raises_and_leaves_no_worker() -> None:
     with pytest.raises(TimeoutError, match="timed out after 0.3 s"):
         dist_demo.launch(_sleep_rank, 2, timeout_s=0.3)
