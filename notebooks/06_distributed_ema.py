@@ -293,9 +293,8 @@ for rows, world in [(64, 3), (5, 4), (3, 4)]:
     print(f"{rows} rows over {world} ranks: torch.chunk -> {sizes}; per rank -> {'/'.join(map(str, padded))}")
 
 # %% [markdown]
-# So 64 rows over 3 ranks are 22/22/20 (not 22/21/21), and "the first ranks hold one row more" is
-# wrong in general: the sizes are `ceil(rows / world)` for the first ranks and whatever is left for the
-# rest.
+# So 64 rows over 3 ranks are 22/22/20, not 22/21/21: the first ranks get `ceil(rows / world)` rows
+# each and the last ones whatever is left, possibly nothing.
 #
 # ## 5. Memory per rank
 #
