@@ -173,8 +173,8 @@ plt.show()
 
 # %% [markdown]
 # Nobody profiled the two middle models, yet each carries 228 stray float64 entries, two for each of
-# its 114 `Conv` modules. Even the model built *before* the profile changed: it holds the same `SiLU`. (ultralytics' bug report counted 152 on a fresh YOLO11n and 410 on
-# a profiled one; the zoo's network has a different module count, same mechanism.)
+# its 114 `Conv` modules. Even the model built *before* the profile changed: it holds the same `SiLU`.
+# A real ultralytics model has its own module count; the mechanism is the same.
 #
 # ## 3. The EMA copy is cast; the model is not
 #
