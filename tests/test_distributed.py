@@ -1,14 +1,20 @@
-"""EMA under torch.distributed: the 2-process DDP/FSDP2 demo end to end, and ShardedModelEMA in-process.
+"""EMA under torch.distributed: DDP and FSDP2 in real gloo processes, and ShardedModelEMA in-process.
 
-The end-to-end test spawns real gloo processes on 127.0.0.1 through the command line. The others
-run FSDP2 over a one-rank gloo group inside pytest (fast, and the only way to reach the error paths
-and a model with BatchNorm buffers, whose DDP/FSDP statistics differ from a single process's).
+The multi-process tests spawn real gloo ranks on 127.0.0.1 (``ema_lab.lessons.distributed.launch``)
+and compare with one process training the same model in float64 on the whole batch. The in-process
+tests run FSDP2 over a one-rank gloo group inside pytest (fast, and the only way to reach the error
+paths and a model with BatchNorm buffers, whose DDP/FSDP statistics differ from a single process's).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,37 +25,183 @@ from ema_lab.bench.counting import count_ops
 from ema_lab.lessons import distributed as dist_demo
 from ema_lab.lessons.models import build
 
+ROOT = Path(__file__).resolve().parents[1]
 MISSING = dist_demo.missing_apis()
 needs_distributed = pytest.mark.skipif(bool(MISSING), reason=f"skipped: torch lacks {', '.join(MISSING)}")
+CFG = dist_demo.Config(world_size=2)
+FULL_BYTES = 19_712 * 4  # tiny_transformer: 19,712 distinct float elements (the tied head once)
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """float32 ranks vs the float64 one-process reference: rounding only."""
+    torch.testing.assert_close(a, {k: v.to(a[k].dtype) for k, v in b.items()}, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> tuple[list[dict], dict, dict, int]:
+    """Two real gloo ranks (DDP then FSDP2) and the float64 one-process reference, run once."""
+    if MISSING:
+        pytest.skip(f"skipped: torch lacks {', '.join(MISSING)}")
+    ranks = dist_demo.launch(dist_demo.rank_run, CFG.world_size, CFG)
+    return (ranks, *dist_demo.reference(CFG))
+
+
+# --- DDP ---------------------------------------------------------------------------------------------------
+
+
+def test_reference_moved_far_from_the_initial_weights(two_ranks) -> None:
+    _, ref, init, full = two_ranks
+    assert dist_demo.max_abs_diff(ref, init) > 0.1  # so matching it is not a trivial match
+    assert full == FULL_BYTES
+
+
+def test_ddp_ema_is_bit_identical_on_every_rank_and_equals_one_process(two_ranks) -> None:
+    ranks, ref, _, _ = two_ranks
+    torch.testing.assert_close(ranks[1]["ddp_state"], ranks[0]["ddp_state"], rtol=0, atol=0)
+    _close(ranks[0]["ddp_state"], ref)
+    assert [r["ddp_bytes"] for r in ranks] == [FULL_BYTES, FULL_BYTES]
+
+
+def test_ddp_rank0_only_ema_lives_on_rank_0_and_equals_the_others(two_ranks) -> None:
+    ranks, _, _, _ = two_ranks
+    torch.testing.assert_close(ranks[0]["rank0_only_state"], ranks[0]["ddp_state"], rtol=0, atol=0)
+    assert ranks[1]["rank0_only_state"] is None
+    assert [r["rank0_only_bytes"] for r in ranks] == [FULL_BYTES, 0]
+
+
+def test_ddp_update_is_local_and_alike_on_every_rank(two_ranks) -> None:
+    ranks, _, _, _ = two_ranks
+    assert all(c == 0 for r in ranks for c in r["ddp_collectives"])  # CommDebugMode around every update
+    ops = [c for r in ranks for c in r["ddp_ops"][1:]]  # the first update also builds the cache
+    assert all(c == ops[0] for c in ops) and not any(k.startswith("c10d") for k in ops[0])
+
+
+# --- FSDP2 -------------------------------------------------------------------------------------------------
+
+
+def test_fsdp_gathered_ema_equals_one_process_and_copy_to_gives_the_same(two_ranks) -> None:
+    ranks, ref, _, _ = two_ranks
+    _close(ranks[0]["fsdp_state"], ref)
+    torch.testing.assert_close(ranks[0]["fsdp_via_model_state"], ranks[0]["fsdp_state"], rtol=0, atol=0)
+    assert ranks[1]["fsdp_state"] == {}  # cpu_offload: the full state_dict lands on rank 0 only
+
+
+def test_fsdp_update_is_one_foreach_lerp_and_no_collective(two_ranks) -> None:
+    ranks, _, _, _ = two_ranks
+    assert all(c == 0 for r in ranks for c in r["fsdp_collectives"])
+    assert all(c == {"aten._foreach_lerp_.Scalar": 1} for r in ranks for c in r["fsdp_ops"][1:])
+    assert [r["fsdp_rebuilds"] for r in ranks] == [1, 1]  # FSDP2 keeps its sharded tensors
+
+
+def test_fsdp_shards_add_up_to_one_full_ema(two_ranks) -> None:
+    ranks, _, _, _ = two_ranks
+    # Every tensor of tiny_transformer has an even first dimension: each rank holds exactly half.
+    assert [r["fsdp_bytes"] for r in ranks] == [FULL_BYTES // 2, FULL_BYTES // 2]
+    assert ranks[0]["fsdp_rows"]["embed.weight"] == ranks[1]["fsdp_rows"]["embed.weight"] == 32
+
+
+def test_model_ema_refuses_an_fsdp2_model(two_ranks) -> None:
+    ranks, _, _, _ = two_ranks
+    msg = ranks[0]["modelema_refused"]
+    assert msg.startswith("TypeError: model is sharded with FSDP2 (fully_shard)") and "ShardedModelEMA" in msg
+    assert all(r["gloo_interface"] == dist_demo.loopback_interface() for r in ranks)
+
+
+# --- uneven shards: 4 ranks, first dimensions 5 and 3 ---------------------------------------------------
+
+UNEVEN_STEPS, UNEVEN_BATCH = 4, 2
+
+
+def _uneven_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _uneven_batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(n, 4, generator=g), torch.randn(n, 3, generator=g)
+
+
+def _train_uneven(model: nn.Module, ema: ModelEMA | ShardedModelEMA, part: slice, n: int, dtype) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(UNEVEN_STEPS):
+        x, y = _uneven_batch(step, n)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[part].to(dtype)), y[part].to(dtype)).backward()
+        opt.step()
+        ema.update(model)
+
+
+def uneven_rank(rank: int, world: int) -> dict[str, object]:
+    """FSDP2 + ShardedModelEMA on the uneven model: each rank's shard rows and the gathered EMA."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _uneven_model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ema = ShardedModelEMA(model, decay=0.9, tau=2)
+    part = slice(rank * UNEVEN_BATCH, (rank + 1) * UNEVEN_BATCH)
+    _train_uneven(model, ema, part, UNEVEN_BATCH * world, torch.float32)
+    rows = {k: tuple(t.shape) for k, t in ema.local_tensors().items()}
+    return {"rows": rows, "full": ema.full_state_dict(cpu_offload=True)}
 
 
 @needs_distributed
-def test_two_process_demo_passes_every_check() -> None:
-    rc, output, summary = dist_demo.run_cli(world_size=2)
-    assert rc == 0, output
-    assert "result: OK" in output
-    assert summary["ok"] and not summary["failures"]
-    assert len(summary["checks"]) == 14 and all(summary["checks"].values())
-    fig = summary["figures"]
-    full = fig["full_ema_bytes_reference"]
-    assert full == 19_712 * 4  # tiny_transformer: 19,712 distinct float elements (the tied head once)
-    ranks = fig["per_rank"]
-    assert [r["ddp_ema_bytes"] for r in ranks] == [full, full]
-    assert [r["ddp_rank0_only_bytes"] for r in ranks] == [full, 0]
-    # Every tensor of tiny_transformer has an even first dimension: each rank holds exactly half.
-    assert [r["fsdp_ema_bytes"] for r in ranks] == [full // 2, full // 2]
-    assert [r["fsdp_cache_builds"] for r in ranks] == [1, 1]  # FSDP2 keeps its sharded tensors
-    assert all(r["gloo_interface"] == dist_demo.loopback_interface() for r in ranks)
-    assert fig["fsdp_modelema_error"].startswith("TypeError: model is sharded with FSDP2 (fully_shard)")
-    assert "ShardedModelEMA" in fig["fsdp_modelema_error"]
+def test_uneven_shards_over_four_ranks_match_a_float64_single_process_ema() -> None:
+    ranks = dist_demo.launch(uneven_rank, 4)
+    rows = [r["rows"] for r in ranks]
+    # FSDP2 shards dim 0 like torch.chunk: ceil(rows / world) per rank, the last ranks get less or nothing.
+    assert [r["0.weight"] for r in rows] == [(2, 4), (2, 4), (1, 4), (0, 4)]
+    assert [r["0.bias"] for r in rows] == [(2,), (2,), (1,), (0,)]
+    assert [r["2.weight"] for r in rows] == [(1, 5), (1, 5), (1, 5), (0, 5)]
+    assert [r["2.bias"] for r in rows] == [(1,), (1,), (1,), (0,)]
+    ref_model = _uneven_model().double()
+    ref = ModelEMA(ref_model, decay=0.9, tau=2)
+    _train_uneven(ref_model, ref, slice(None), UNEVEN_BATCH * 4, torch.float64)
+    want = ref.ema.state_dict()
+    assert max((want[k] - _uneven_model().state_dict()[k].double()).abs().max() for k in want) > 0.01
+    _close(ranks[0]["full"], want)
+    assert all(r["full"] == {} for r in ranks[1:])
 
 
-def test_timeout_reports_failure_and_leaves_no_worker() -> None:
-    cfg = dist_demo.Config(timeout_s=0.3)  # far less than a rank needs to import torch
-    report = dist_demo.run(cfg)
-    assert not report.ok and report.failures == ["timed out after 0.3 s"]
+# --- the command line, failures, skips -------------------------------------------------------------------
+
+
+@needs_distributed
+def test_command_line_runs_two_ranks_and_says_ok() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "ema_lab.lessons.distributed", "--world-size", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "result: OK"
+    assert f"full EMA: {FULL_BYTES:,} bytes" in proc.stdout
+    assert any(line.split()[:3] == ["1", f"{FULL_BYTES:,}", f"{FULL_BYTES // 2:,}"] for line in lines)
+
+
+def _sleep_rank(rank: int, world: int) -> None:
+    time.sleep(60)
+
+
+@needs_distributed
+def test_timeout_raises_and_leaves_no_worker() -> None:
+    with pytest.raises(TimeoutError, match="timed out after 0.3 s"):
+        dist_demo.launch(_sleep_rank, 2, timeout_s=0.3)
     assert multiprocessing.active_children() == []
-    assert "result: FAILED" in dist_demo.format_report(report)
+
+
+def _failing_rank(rank: int, world: int) -> None:
+    raise ValueError(f"rank {rank} fails")
+
+
+@needs_distributed
+def test_a_failing_rank_is_reported_with_its_error() -> None:
+    with pytest.raises(RuntimeError, match=r"(?s)a worker failed: .*ValueError: rank \d fails"):
+        dist_demo.launch(_failing_rank, 2)
+    assert multiprocessing.active_children() == []
 
 
 def test_missing_api_is_a_named_skip(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
@@ -116,7 +268,7 @@ def test_sharded_ema_update_is_one_foreach_call(mesh: object) -> None:
     assert count_ops(ema.update, model) == {"aten._foreach_lerp_.Scalar": 1}
     local = ema.local_tensors()
     assert len(local) == 28 and "head.weight" not in local  # tied to embed.weight: averaged once
-    assert ema.local_bytes() == 19_712 * 4
+    assert ema.local_bytes() == FULL_BYTES
 
 
 def test_sharded_ema_refuses_unsharded_parameters_and_changes_nothing(mesh: object) -> None:
@@ -130,31 +282,6 @@ def test_sharded_ema_refuses_unsharded_parameters_and_changes_nothing(mesh: obje
     assert all(torch.equal(before[k], v) for k, v in ema.local_tensors().items())
     with pytest.raises(ValueError, match="does not hold the EMA's entries"):
         ema.update(dist_demo.shard_model(build("tiny_cnn"), mesh))
-
-
-def test_checks_catch_a_wrong_ema(mesh: object) -> None:
-    """The comparison is not vacuous: a 1e-3 error in one element of either EMA fails exactly its checks."""
-    cfg = dist_demo.Config(world_size=1, steps=3, timing_repeats=1)
-    rank = {"ddp": dist_demo.ddp_demo(cfg, 0), "fsdp": dist_demo.fsdp_demo(cfg, 0), "gloo_interface": None}
-    ref = dist_demo.reference(cfg)
-    clean = dist_demo.Report(cfg, ranks=[rank])
-    dist_demo.summarise(clean, *ref)
-    rank["ddp"]["state"]["embed.weight"][0, 0] += 1e-3
-    rank["fsdp"]["state"]["blocks.layers.1.linear2.bias"][0] += 1e-3
-    bad = dist_demo.Report(cfg, ranks=[rank])
-    dist_demo.summarise(bad, *ref)
-    flipped = {k for k in clean.checks if clean.checks[k] and not bad.checks[k]}
-    assert flipped == {
-        "DDP: EMA equals the single-process reference",
-        "DDP: rank-0-only EMA equals the per-rank EMA",
-        "FSDP2: gathered EMA equals the single-process reference",
-        "FSDP2: copy_to + get_model_state_dict gives the same EMA",
-    }
-    assert not bad.ok and "result: FAILED" in dist_demo.format_report(bad)
-    # One rank holds the whole EMA at world size 1: the only check that fails on the clean run.
-    assert [k for k, v in clean.checks.items() if not v] == [
-        "FSDP2: shards add up to one full EMA, no rank holds it all"
-    ]
 
 
 def test_sharded_ema_checks_its_arguments() -> None:

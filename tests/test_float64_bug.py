@@ -1,24 +1,37 @@
-"""The float64 buffer bug, step by step, against the real installed thop 0.1.1.post2209072238."""
+"""The float64 buffer bug, step by step, against the real installed thop 0.1.1.post2209072238.
+
+Each test does what a section of notebook 03 shows, on the zoo's ``tiny_cnn`` and ``yolo`` (built from
+``ema_lab.lessons.models.Conv``, whose activation is shared at class level), and asserts it.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import io
+from copy import deepcopy
 from importlib import metadata
 
 import pytest
 import torch
 from torch import nn
 
-from ema_lab.lessons import float64_bug as bug
-from ema_lab.lessons.models import Conv, yolo
-from ema_lab.lessons.profiling import import_thop, remove_thop_buffers
+from ema_lab import ModelEMA, foreach_update, gated_update
+from ema_lab.lessons.float64_bug import leaked_keys, shared_act_leak, train_step
+from ema_lab.lessons.models import Conv, tiny_cnn, yolo
+from ema_lab.lessons.profiling import fingerprint, import_thop, profile_flops, remove_thop_buffers
+from ema_lab.lessons.seed import seed_after, seed_before
+from ema_lab.pairs import ModulePairs
 
 THOP_PIN = "0.1.1.post2209072238"
+D = 0.9  # far from 1: one step and two steps differ clearly
+BLOCK_INPUT = (1, 3, 32, 32)
 
 
 def _thop_bufs(module: nn.Module) -> list[str]:
     return [n for n in ("total_ops", "total_params") if n in module._buffers]
+
+
+def _thop_rules() -> set[type]:
+    thop = import_thop()
+    return set(thop.profile.__globals__["register_hooks"])
 
 
 @pytest.fixture(autouse=True)
@@ -32,152 +45,249 @@ def _shared_act_stays_clean():
         remove_thop_buffers(Conv.default_act)
 
 
-@pytest.fixture(scope="module")
-def run():
-    """run_all() once for the module (about 8 s): every step test reads its result and the printed text."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        results = bug.run_all()
-    return results, out.getvalue()
+def _leaky_setup() -> tuple[nn.Module, nn.Module]:
+    """Inside a leak: a seeded tiny_cnn, its EMA cast with .float() (as a validator does), one train step."""
+    torch.manual_seed(0)
+    model = tiny_cnn()
+    ema = deepcopy(model).eval()
+    for p in ema.parameters():
+        p.requires_grad_(False)
+    ema.float()
+    train_step(model)
+    return model, ema
+
+
+def _float_keys(module: nn.Module) -> list[str]:
+    return [k for k, v in module.state_dict().items() if v.dtype.is_floating_point]
 
 
 def test_the_installed_thop_is_the_leaky_release():
     from packaging.version import Version
 
     assert Version(metadata.version("thop")) == Version(THOP_PIN), (
-        "these tests reproduce the leak of PyPI thop "
-        + THOP_PIN
-        + "; another thop (or ultralytics-thop) is installed"
+        f"these tests reproduce the leak of PyPI thop {THOP_PIN}; "
+        "another thop (or ultralytics-thop) is installed"
     )
 
 
-def test_run_all_prints_six_steps_and_cleans_up(run):
-    results, text = run
-    assert len(results) == 6
-    assert [line for line in text.splitlines() if line.startswith("== step")] == [
-        f"== step {i}: {title}" for i, (title, _) in enumerate(bug.STEPS, 1)
-    ]
-    assert "expected dtype float for `end` but got dtype double" in text
-    assert not _thop_bufs(Conv.default_act)
+# --- 1. in-place thop.profile ------------------------------------------------------------------------
 
 
-def test_step1_in_place_profile_leaves_float64_buffers_on_modules_without_a_rule(run):
-    s1 = run[0][0]
-    out = 16 * 32 * 32
-    assert s1.macs == out * 3 * 3 * 3 + 4 * out  # conv MACs + affine BatchNorm, SiLU counts 0
-    assert s1.params == 16 * 27 + 2 * 16
-    assert s1.added.added == (
-        ("total_ops", "float64", (1,)),
-        ("total_params", "float64", (1,)),
-        ("act.total_ops", "float64", (1,)),
-        ("act.total_params", "float64", (1,)),
-    )
-    assert not (s1.added.removed or s1.added.dtype_changed or s1.added.value_changed)
-    assert s1.kept_on == (("", "Conv"), ("act", "SiLU"))
-    assert s1.cleaned == (("conv", "Conv2d"), ("bn", "BatchNorm2d"))
-    # No try/finally in thop: a failing forward leaves buffers on all four modules, hooks, eval mode.
-    assert s1.failed_error.startswith("RuntimeError: Given groups=1, weight of size [16, 3, 3, 3]")
-    assert {k for k, _, _ in s1.failed_added.added} == {
-        f"{p}{n}" for p in ("", "conv.", "bn.", "act.") for n in ("total_ops", "total_params")
-    }
-    assert s1.failed_hooks_left == 4  # op counter + parameter counter on conv and on bn
-    assert s1.failed_training == (True, False)
+def test_in_place_profile_leaves_float64_buffers_on_modules_without_a_rule():
+    thop, rules = import_thop(), _thop_rules()
+    block = Conv(3, 16, 3)
+    before = set(block.state_dict())
+    try:
+        macs, params = thop.profile(block, inputs=(torch.randn(BLOCK_INPUT),), verbose=False)
+        out = 16 * 32 * 32
+        assert macs == out * 3 * 3 * 3 + 4 * out  # conv MACs + affine BatchNorm; SiLU counts 0
+        assert params == 16 * 27 + 2 * 16
+        sd = block.state_dict()
+        assert [k for k in sd if k not in before] == leaked_keys(block)
+        assert leaked_keys(block) == ["total_ops", "total_params", "act.total_ops", "act.total_params"]
+        assert all(sd[k].dtype == torch.float64 and sd[k].shape == (1,) for k in leaked_keys(block))
+        kept = [(p, type(m).__name__) for p, m in block.named_modules() if "total_ops" in m._buffers]
+        assert kept == [("", "Conv"), ("act", "SiLU")]
+        assert [(p, type(m).__name__) for p, m in block.named_modules() if type(m) in rules] == [
+            ("conv", "Conv2d"),
+            ("bn", "BatchNorm2d"),
+        ]
+    finally:
+        remove_thop_buffers(Conv.default_act)
 
 
-def test_step2_shared_activation_carries_the_leak_into_new_models(run):
-    s2 = run[0][1]
-    assert s2.clean_entries == 708  # models.yolo's documented size
-    assert s2.conv_refs == sum(isinstance(m, Conv) for m in yolo().modules())
-    assert s2.fresh_stray == 2 * s2.conv_refs
-    assert s2.fresh_entries == s2.clean_entries + s2.fresh_stray
-    assert all(dt == "float64" for _, dt in s2.fresh_example)
-    # Profiled in place: two keys per module reference thop has no rule for (custom blocks, ModuleList,
-    # the root, every reference to the shared SiLU); Conv2d/BatchNorm2d/Sequential/Upsample are cleaned.
-    rules = set(importlib_rules())
-    no_rule = sum(type(m) not in rules for _, m in yolo().named_modules(remove_duplicate=False))
-    assert s2.profiled_stray == 2 * no_rule
-    assert s2.profiled_entries == s2.clean_entries + s2.profiled_stray
+def test_a_failing_forward_leaves_buffers_hooks_and_eval_mode():
+    thop = import_thop()
+    block = Conv(3, 16, 3).train()
+    try:
+        with pytest.raises(RuntimeError, match=r"^Given groups=1, weight of size \[16, 3, 3, 3\]"):
+            thop.profile(block, inputs=(torch.randn(1, 1, 32, 32),), verbose=False)  # 1 channel, not 3
+        assert set(leaked_keys(block)) == {
+            f"{p}{n}" for p in ("", "conv.", "bn.", "act.") for n in ("total_ops", "total_params")
+        }
+        assert sum(len(m._forward_hooks) for m in block.modules()) == 4  # ops + params on conv and bn
+        assert not block.training
+    finally:
+        remove_thop_buffers(Conv.default_act)
 
 
-def importlib_rules() -> list[type]:
-    import importlib
-
-    import_thop()
-    return list(importlib.import_module("thop.profile").register_hooks)
+# --- 2. the class-level activation ------------------------------------------------------------------
 
 
-def test_step3_cast_ema_disagrees_exactly_on_the_stray_keys(run):
-    s3 = run[0][2]
-    assert s3.float_pairs == 27 + 10  # tiny_cnn's 27 float tensors + 2 stray keys on each of 5 Conv
-    assert len(s3.mismatched_after_float) == 10
-    assert all(k.endswith((".act.total_ops", ".act.total_params")) for k, _, _ in s3.mismatched_after_float)
-    assert {(e, m) for _, e, m in s3.mismatched_after_float} == {("float32", "float64")}
-    assert s3.mismatched_after_half == s3.float_pairs
+def test_shared_activation_carries_the_leak_into_every_model_holding_it():
+    thop = import_thop()
+    clean = yolo()
+    assert len(clean.state_dict()) == 708 and leaked_keys(clean) == []  # models.yolo's documented size
+    conv_refs = sum(isinstance(m, Conv) for m in clean.modules())
+    with shared_act_leak():
+        fresh = yolo()
+        stray = leaked_keys(fresh)
+        assert len(stray) == 2 * conv_refs == 228
+        assert all(fresh.state_dict()[k].dtype == torch.float64 for k in stray)
+        assert len(fresh.state_dict()) == 708 + 228
+        assert len(leaked_keys(clean)) == 228  # built before the leak, but holds the same SiLU
+        profiled = yolo()
+        thop.profile(profiled, inputs=(torch.randn(1, 3, 64, 64),), verbose=False)
+        # Two keys per module reference thop has no rule for (custom blocks, ModuleList, the root, every
+        # reference to the shared SiLU); Conv2d/BatchNorm2d/Sequential/Upsample are cleaned.
+        rules = _thop_rules()
+        no_rule = sum(type(m) not in rules for _, m in yolo().named_modules(remove_duplicate=False))
+        assert len(leaked_keys(profiled)) == 2 * no_rule == 572
+    assert leaked_keys(fresh) == [] and leaked_keys(clean) == []  # the leak left with the shared SiLU
 
 
-def test_step4_foreach_raises_after_a_partial_update_and_the_naive_fallback_decays_twice(run):
-    s4 = run[0][3]
-    assert s4.error == "RuntimeError: expected dtype float for `end` but got dtype double"
-    assert (s4.bad_index, s4.bad_key) == (5, "0.act.total_ops")
-    # Not atomic: exactly the pairs before the bad one were updated.
-    assert s4.updated_before_failure == (
-        "0.conv.weight",
-        "0.bn.weight",
-        "0.bn.bias",
-        "0.bn.running_mean",
-        "0.bn.running_var",
-    )
-    d = bug.DECAY
-    assert s4.model_value != s4.ema0
-    assert s4.after_failed_call == pytest.approx(s4.one_step, rel=1e-6)
-    assert s4.after_naive_fallback == pytest.approx(d * d * s4.ema0 + (1 - d * d) * s4.model_value, rel=1e-6)
-    assert s4.effective_model_weight == pytest.approx(1 - d * d, rel=1e-3)
-    assert s4.model_weight == pytest.approx(1 - d)
-    # Per pair: 1 - d^2 before the bad pair, 1 - d after it (the loop alone), no gap on the thop buffers.
-    for i, (key, w) in enumerate(s4.weights):
-        if key.endswith(("total_ops", "total_params")):
-            assert w is None, key
-        else:
-            assert w == pytest.approx(1 - d * d if i < s4.bad_index else 1 - d, abs=2e-3), key
-    assert s4.ema_lab_error == (
-        "ValueError: entry 5 ('0.act.total_ops'): EMA shape (1,), torch.float32, cpu "
-        "does not match model shape (1,), torch.float64, cpu"
-    )
-    assert s4.ema_lab_unchanged
+# --- 3. the cast EMA copy ---------------------------------------------------------------------------
 
 
-def test_step5_loop_promotes_and_the_fixes_agree_with_it(run):
-    s5 = run[0][4]
-    assert s5.loop_error is None and s5.loop_dtypes_kept
-    assert 0 < s5.decay < 1e-3  # ModelEMA's first ramped decay: 0.9999 * (1 - exp(-1 / 2000))
-    assert s5.gated_max_diff <= 1e-6 and s5.model_ema_max_diff <= 1e-6  # lerp vs mul/add rounding only
-    assert s5.model_ema_foreach_error.startswith("ValueError: entry 5 ('0.act.total_ops')")
+def test_cast_ema_disagrees_exactly_on_the_stray_keys():
+    with shared_act_leak():
+        model, ema = _leaky_setup()
+        esd, msd = ema.state_dict(), model.state_dict()
+        floats = _float_keys(ema)
+        bad = [(k, esd[k].dtype, msd[k].dtype) for k in floats if esd[k].dtype != msd[k].dtype]
+        assert len(floats) == 27 + 10  # tiny_cnn's 27 float tensors + 2 stray keys on each of 5 Conv
+        assert len(bad) == 10
+        assert all(k.endswith((".act.total_ops", ".act.total_params")) for k, _, _ in bad)
+        assert {(e, m) for _, e, m in bad} == {(torch.float32, torch.float64)}
+        half = deepcopy(model).half().state_dict()
+        assert sum(half[k].dtype != msd[k].dtype for k in floats) == len(floats)
 
 
-def test_step6_profiling_a_deep_copy_leaves_nothing(run):
-    s6 = run[0][5]
-    assert s6.block_changes == () and s6.shared_act_keys == () and s6.new_model_stray == 0
-    assert s6.seed_after_error is None
-    assert s6.gflops == run[0][0].macs / 1e9 * 2 and s6.params == run[0][0].params
-    assert s6.thop_version == THOP_PIN
-    assert "ultralytics-thop >= 2.0.21" in s6.fact and ">= 2.1 keeps plain ints" in s6.fact
+# --- 4. _foreach_lerp_ fails part-way ----------------------------------------------------------------
 
 
-def test_a_failing_step_body_still_removes_the_shared_leak():
-    with pytest.raises(KeyError), bug.shared_act_leak():
+def test_foreach_lerp_raises_after_a_partial_update_and_a_loop_fallback_decays_twice():
+    with shared_act_leak():
+        model, ema = _leaky_setup()
+        esd, msd = ema.state_dict(), model.state_dict()
+        floats = _float_keys(ema)
+        bad_index = next(i for i, k in enumerate(floats) if esd[k].dtype != msd[k].dtype)
+        assert (bad_index, floats[bad_index]) == (5, "0.act.total_ops")
+        before = {k: v.clone() for k, v in esd.items()}
+
+        with pytest.raises(RuntimeError) as e:
+            seed_after(ema, model, D)  # the PR's after-code: one _foreach_lerp_
+        assert str(e.value) == "expected dtype float for `end` but got dtype double"
+        updated = [k for k in floats if not torch.equal(esd[k], before[k])]
+        assert updated == [
+            "0.conv.weight",
+            "0.bn.weight",
+            "0.bn.bias",
+            "0.bn.running_mean",
+            "0.bn.running_var",
+        ]
+        for k in updated:  # exactly one correct step on each, nothing on the rest
+            torch.testing.assert_close(esd[k], before[k].lerp(msd[k], 1 - D))
+        assert all(torch.equal(esd[k], before[k]) for k in floats[bad_index:])
+
+        seed_before(ema, model, D)  # a hypothetical `except RuntimeError:` fallback to the loop
+        for i, k in enumerate(floats):
+            if k.endswith(("total_ops", "total_params")):
+                assert torch.equal(msd[k].float(), before[k]), k  # no gap: nothing to average
+                continue
+            w = 1 - D * D if i < bad_index else 1 - D  # decayed twice before the bad pair, once after
+            expected = before[k].double().lerp(msd[k].double(), w).float()
+            torch.testing.assert_close(esd[k], expected, rtol=1e-5, atol=1e-6, msg=k)
+            gap = (msd[k].double() - before[k].double()).flatten()
+            j = int(gap.abs().argmax())  # the weight actually applied, where it is best resolved
+            applied = (esd[k].double().flatten()[j] - before[k].double().flatten()[j]) / gap[j]
+            assert applied.item() == pytest.approx(w, abs=2e-3), k
+
+
+def test_foreach_update_refuses_before_touching_anything():
+    with shared_act_leak():
+        model, ema = _leaky_setup()
+        esd, msd = ema.state_dict(), model.state_dict()
+        floats = _float_keys(ema)
+        before = fingerprint(ema)
+        with pytest.raises(ValueError) as e:
+            foreach_update([esd[k] for k in floats], [msd[k] for k in floats], D, floats)
+        assert str(e.value) == (
+            "entry 5 ('0.act.total_ops'): EMA shape (1,), torch.float32, cpu "
+            "does not match model shape (1,), torch.float64, cpu"
+        )
+        assert before.changes(fingerprint(ema)) == []
+
+
+# --- 5. the loop promotes; ema_lab handles the mixed pairs -------------------------------------------
+
+
+def test_loop_promotes_and_ema_lab_agrees_with_it():
+    with shared_act_leak():
+        model, ema = _leaky_setup()
+        auto = ModelEMA(model)  # strategy="auto"
+        auto.ema.float()
+        auto.ema.load_state_dict(ema.state_dict())
+        d = auto.decay(auto.updates + 1)
+        assert 0 < d < 1e-3  # ModelEMA's first ramped decay: 0.9999 * (1 - exp(-1 / 2000))
+
+        loop, gated = deepcopy(ema), deepcopy(ema)
+        dtypes = {k: v.dtype for k, v in loop.state_dict().items()}
+        seed_before(loop, model, d)  # the PR's before-code: no error
+        assert {k: v.dtype for k, v in loop.state_dict().items()} == dtypes  # in-place ops cast back
+
+        pairs = ModulePairs.collect(gated, model)  # each tensor once: the shared SiLU's buffers too
+        gated_update(pairs.ema, pairs.model, d, pairs.names)
+        auto.update(model)
+        # Notebook 03 says what "auto" runs: flat, with the mismatched pairs in a cast group.
+        assert auto.resolved_strategy == "flat"
+        assert auto.modes == ["cat+foreach", "cast"]  # float32 pairs (small ones by cat), then the cast group
+        cast = auto.plan[1]
+        assert (cast.ema_dtype, cast.model_dtype, cast.tensors) == (
+            torch.float32,
+            torch.float64,
+            2,
+        )  # the shared SiLU: 10 keys, 2 tensors
+        assert sum(g.tensors for g in auto.plan) == len(pairs.names) == 27 + 2
+        want = {k: v for k, v in loop.state_dict().items() if v.is_floating_point()}
+        for got in (gated.state_dict(), auto.ema.state_dict()):  # lerp vs mul/add: float32 rounding only
+            torch.testing.assert_close({k: got[k] for k in want}, want, rtol=1e-6, atol=1e-6)
+        # ema_lab also copies the integer num_batches_tracked, which the loop leaves alone.
+        assert (
+            auto.ema.state_dict()["0.bn.num_batches_tracked"]
+            == model.state_dict()["0.bn.num_batches_tracked"]
+        )
+
+        strict = ModelEMA(model, strategy="foreach")
+        strict.ema.float()
+        with pytest.raises(ValueError, match=r"^entry 5 \('0\.act\.total_ops'\)"):
+            strict.update(model)
+
+
+# --- 6. the deep-copy fix -----------------------------------------------------------------------------
+
+
+def test_profiling_a_deep_copy_leaves_nothing_and_the_foreach_update_runs():
+    thop = import_thop()
+    block = Conv(3, 16, 3)
+    fp, act_fp = fingerprint(block), fingerprint(Conv.default_act)
+    x = torch.randn(BLOCK_INPUT)
+    macs, params = thop.profile(deepcopy(block), inputs=(x,), verbose=False)  # the PR's fix
+    gflops, n_params = profile_flops(block, x)
+    assert fp.changes(fingerprint(block)) == [] and act_fp.changes(fingerprint(Conv.default_act)) == []
+    assert dict(Conv.default_act.state_dict()) == {}
+    assert gflops == macs / 1e9 * 2 and n_params == params == 16 * 27 + 2 * 16
+    model = tiny_cnn()
+    assert leaked_keys(model) == []
+    ema = deepcopy(model).eval().float()
+    train_step(model)
+    seed_after(ema, model, D)  # no float64 pair left: the one _foreach_lerp_ runs
+
+
+# --- the helper's own contract ----------------------------------------------------------------------
+
+
+def test_a_failing_body_still_removes_the_shared_leak():
+    with pytest.raises(KeyError), shared_act_leak():
         assert _thop_bufs(Conv.default_act) == ["total_ops", "total_params"]
         raise KeyError("fails mid-step")
     assert not _thop_bufs(Conv.default_act)
 
 
-def test_steps_refuse_to_run_on_an_already_leaked_class():
+def test_shared_act_leak_refuses_an_already_leaked_class():
     Conv.default_act.register_buffer("total_ops", torch.zeros(1, dtype=torch.float64))
     try:
-        with pytest.raises(RuntimeError, match="already carries thop buffers"):
-            bug.step1_profile_in_place()
-        with pytest.raises(RuntimeError, match="already carries thop buffers"):
-            bug.step6_deepcopy_fix()
-        with pytest.raises(RuntimeError, match="already carries thop buffers"), bug.shared_act_leak():
+        with pytest.raises(RuntimeError, match="already carries thop buffers"), shared_act_leak():
             pass
         assert _thop_bufs(Conv.default_act) == ["total_ops"]  # someone else's leak is not touched
     finally:
