@@ -7,7 +7,17 @@ import math
 import pytest
 import torch
 
-from ema_lab.bench.costmodel import BYTES_PER_ELEMENT, FIXED_ELEMENTS, FIXED_TENSORS, fit_cost, sweep_plan
+from ema_lab.bench.costmodel import (
+    BYTES_PER_ELEMENT,
+    FIXED_ELEMENTS,
+    FIXED_TENSORS,
+    CostFit,
+    CostModel,
+    fit_cost,
+    last_level_cache_bytes,
+    regime,
+    sweep_plan,
+)
 from ema_lab.bench.timing import quantiles, synchronize, time_candidates
 
 
@@ -64,4 +74,57 @@ def test_sweep_plan_varies_count_at_fixed_size_and_size_at_fixed_count():
         sizes = [(n, e) for s, n, e in plan if s == "size"]
         assert {e for _, e in counts} == {FIXED_ELEMENTS} and len(counts) >= 4
         assert {n for n, _ in sizes} == {FIXED_TENSORS} and len(sizes) >= 2
-    assert BYTES_PER_ELEMENT == {"loop": 7, "foreach": 3, "floor": 3, "copy": 2}
+    # a copy also reads its destination (write-allocate): 3 accesses per element, like a lerp
+    assert BYTES_PER_ELEMENT == {"loop": 7, "foreach": 3, "floor": 3, "copy": 3}
+
+
+def test_full_sweep_reaches_four_times_the_last_level_cache_and_quick_stays_small():
+    llc = 32 << 20
+    full = max(e for s, _, e in sweep_plan(False, llc) if s == "size")
+    assert 4 * full >= 4 * llc and 4 * full < 8 * llc  # float32 bytes per side: 4x LLC, not more
+    assert max(e for _, _, e in sweep_plan(True, llc)) * 4 * 2 <= llc  # quick: inside the cache
+    assert len(sweep_plan(True, llc)) == 6
+
+
+def test_regimes_split_at_half_and_twice_the_cache():
+    llc = 32 << 20
+    assert [regime(ws, llc) for ws in (16 << 20, 17 << 20, 63 << 20, 64 << 20)] == [
+        "cache",
+        "transition",
+        "transition",
+        "dram",
+    ]
+
+
+def test_last_level_cache_is_the_highest_data_level_in_sysfs(tmp_path):
+    for i, (level, kind, size) in enumerate(
+        [(1, "Data", "32K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"), (3, "Unified", "32768K")]
+    ):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    size, source = last_level_cache_bytes(tmp_path)
+    assert size == 32 << 20 and "(L3)" in source
+
+
+def test_two_regime_fit_recovers_each_bandwidth_and_the_floor_fraction_stays_at_most_one():
+    units = [1, 1, 1, 1, 1, 1]
+    nbytes = [1e5, 1e6, 1e7, 1e8, 2e8, 4e8]
+    far = [False, False, False, True, True, True]
+    seconds = [1e-6 + b / (30e9 if f else 90e9) for b, f in zip(nbytes, far)]
+    fit = fit_cost(units, nbytes, seconds, "floor", "call", beyond_llc=far)
+    assert math.isclose(fit.bandwidth_gbps, 90.0, rel_tol=1e-6)
+    assert math.isclose(fit.dram_bandwidth_gbps, 30.0, rel_tol=1e-6)
+    assert math.isclose(fit.seconds(1, 4e8, beyond_llc=True), seconds[-1], rel_tol=1e-9)
+    # the loop moves 7 accesses per element: at the same GB/s it is 3/7 as fast per element as the floor
+    loop = CostFit("loop", "op", 3.0, 90.0, 1.0, 6, 30.0)
+    foreach = CostFit("foreach", "tensor", 1.0, 90.0, 1.0, 6, 30.0)
+    copy = CostFit("copy", "call", 1.0, 120.0, 1.0, 6, 31.0)
+    cm = CostModel("cpu", 1, {"loop": loop, "foreach": foreach, "floor": fit, "copy": copy})
+    assert cm.floor_fraction == pytest.approx({"loop": 3 / 7, "foreach": 1.0})
+    assert cm.floor_fraction_dram == pytest.approx({"loop": 3 / 7, "foreach": 1.0})
+    assert "copy" not in cm.roofline_fraction and cm.as_dict()["fits"]["floor"][
+        "dram_bandwidth_gbps"
+    ] == pytest.approx(30.0)
