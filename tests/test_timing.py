@@ -128,3 +128,35 @@ def test_two_regime_fit_recovers_each_bandwidth_and_the_floor_fraction_stays_at_
     assert "copy" not in cm.roofline_fraction and cm.as_dict()["fits"]["floor"][
         "dram_bandwidth_gbps"
     ] == pytest.approx(30.0)
+
+
+def test_regime_plot_draws_both_panels_and_the_cache_marks():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from ema_lab.bench.costmodel import plot_cost_regimes
+
+    fits = {
+        k: {"overhead_per_op_us": 1.0, "bandwidth_gbps": 90.0, "dram_bandwidth_gbps": 30.0}
+        for k in BYTES_PER_ELEMENT
+    }
+    pts = []
+    for strategy in BYTES_PER_ELEMENT:
+        for sweep, n, e in sweep_plan(False, 32 << 20):
+            pts.append(
+                {
+                    "sweep": sweep,
+                    "strategy": strategy,
+                    "tensors": n,
+                    "elements": e,
+                    "units": n,
+                    "bytes": 12 * e,
+                }
+                | {"working_set_bytes": 8 * e, "median_s": 1e-3}
+            )
+    cost = {"points": pts, "fits": fits, "fixed_elements": FIXED_ELEMENTS, "fixed_tensors": FIXED_TENSORS}
+    fig = plot_cost_regimes(cost | {"llc_bytes": 32 << 20})
+    left, right = fig.axes
+    assert left.get_xscale() == "log" and right.get_xlabel().startswith("working set")
+    assert "last-level cache 32 MiB" in [line.get_label() for line in right.get_lines()]
+    assert {t.get_text() for t in right.texts} == {"floor fit, cache: 90 GB/s", "floor fit, DRAM: 30 GB/s"}

@@ -30,6 +30,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,6 +45,9 @@ __all__ = [
     "fit_cost",
     "last_level_cache_bytes",
     "run_cost_model",
+    "plot_cost_regimes",
+    "working_set_bytes",
+    "regime",
     "sweep_plan",
     "BYTES_PER_ELEMENT",
     "FIXED_ELEMENTS",
@@ -365,3 +369,110 @@ def run_cost_model(
             beyond_llc=[p["regime"] == "dram" for p in pts],
         )
     return CostModel(device, threads, fits, points, llc_bytes, source)
+
+
+def plot_cost_regimes(cost: dict[str, Any]) -> Any:
+    """Left: time vs tensor count (launch-bound); right: GB/s vs working set with the cache and DRAM regimes.
+
+    ``cost`` is :meth:`CostModel.as_dict` (or a result file's ``cost_model[device]``).
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    pts, fits = cost["points"], cost["fits"]
+    for strategy in ("loop", "foreach"):
+        fit = fits[strategy]
+        sel = sorted(
+            (p for p in pts if p["sweep"] == "count" and p["strategy"] == strategy),
+            key=lambda p: p["tensors"],
+        )
+        x = [p["tensors"] for p in sel]
+        line = left.plot(x, [1e3 * p["median_s"] for p in sel], "o", label=f"{strategy}: measured")[0]
+        bw = fit["bandwidth_gbps"]
+        model = [
+            1e3 * (fit["overhead_per_op_us"] * 1e-6 * p["units"] + (p["bytes"] / (bw * 1e9) if bw else 0.0))
+            for p in sel
+        ]
+        left.plot(x, model, "-", color=line.get_color(), alpha=0.6, label=f"{strategy}: fit")
+    left.set_xscale("log")
+    left.set_yscale("log")
+    left.set_xlabel(f"tensors holding {cost['fixed_elements']:,} float32 elements in all")
+    left.set_ylabel("update time (ms, median)")
+    left.set_title(
+        f"launch-bound: {fits['loop']['overhead_per_op_us']:.2f} us per dispatched op (loop)", fontsize=9
+    )
+    left.legend(fontsize=7)
+    llc = cost.get("llc_bytes") or DEFAULT_LLC_BYTES
+    for strategy, style in (("loop", "o-"), ("foreach", "s-"), ("floor", "D-"), ("copy", "^:")):
+        sel = [
+            p
+            for p in pts
+            if p["strategy"] == strategy and (p["sweep"] != "count" or p["tensors"] == cost["fixed_tensors"])
+        ]
+        sel.sort(key=lambda p: p["elements"])
+        right.plot(
+            [p["working_set_bytes"] / 2**20 for p in sel],
+            [p["bytes"] / p["median_s"] / 1e9 for p in sel],
+            style,
+            label=f"{strategy} ({BYTES_PER_ELEMENT[strategy]} accesses per element)",
+        )
+    right.axvspan(llc / 2 / 2**20, 2 * llc / 2**20, color="grey", alpha=0.15, label="transition (not fitted)")
+    right.axvline(llc / 2**20, color="grey", ls=":", label=f"last-level cache {llc / 2**20:.0f} MiB")
+    right.set_xscale("log")
+    floor = fits["floor"]
+    for key, name in (("bandwidth_gbps", "cache"), ("dram_bandwidth_gbps", "DRAM")):
+        if floor.get(key):
+            right.axhline(floor[key], color="k", lw=0.8, ls="--" if name == "DRAM" else "-")
+            right.annotate(
+                f"floor fit, {name}: {floor[key]:.0f} GB/s",
+                xy=(0.01, floor[key]),
+                xycoords=("axes fraction", "data"),
+                xytext=(0, 3),
+                textcoords="offset points",
+                fontsize=7,
+            )
+    right.set_xscale("log")
+    right.set_xlabel("working set: EMA + model (MiB, float32)")
+    right.set_ylabel("counted bytes / time (GB/s)")
+    right.set_title("bandwidth-bound: cache, then DRAM beyond the last-level cache", fontsize=9)
+    right.legend(fontsize=7)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ema_lab.bench.costmodel [--quick] [--out FILE]``: run the sweep, print the fits."""
+    import argparse
+    import datetime as _dt
+    import json
+
+    from .environment import environment
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--quick", action="store_true", help="the small sweep (inside the cache)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="write the cost model and the environment as JSON here")
+    args = parser.parse_args(argv)
+    cost = run_cost_model("cpu", quick=args.quick, threads=args.threads)
+    print(f"last-level cache: {cost.llc_bytes} bytes, from {cost.llc_source}")
+    for name, f in cost.fits.items():
+        dram = "-" if f.dram_bandwidth_gbps is None else f"{f.dram_bandwidth_gbps:.1f}"
+        print(
+            f"{name:<8} {f.overhead_per_op_us:6.2f} us per {f.unit:<34} cache {f.bandwidth_gbps:6.1f} GB/s, "
+            f"DRAM {dram} GB/s (R^2 {f.r2:.2f})"
+        )
+    if args.out:
+        now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        record = {
+            "created": now,
+            "environment": environment("cpu"),
+            "quick": args.quick,
+            "cost_model": cost.as_dict(),
+        }
+        args.out.write_text(json.dumps(record, indent=1, default=float) + "\n")
+        print("wrote", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
