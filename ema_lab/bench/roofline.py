@@ -48,7 +48,7 @@ class FloorPoint:
 
 
 def floor_points(record: dict[str, Any], device: str = "cpu") -> list[FloorPoint]:
-    """Turn the rows of a bench record (:func:`ema_lab.bench.run_bench`) into points against its floor row."""
+    """Turn the update rows of a bench record (:func:`ema_lab.bench.run_bench`) into points vs its floor."""
     rows = [r for r in record["results"] if r["device"] == device]
     floor = {r["model"]: r for r in rows if r["candidate"] == "floor"}
     missing = sorted({r["model"] for r in rows} - set(floor))
@@ -63,7 +63,7 @@ def floor_points(record: dict[str, Any], device: str = "cpu") -> list[FloorPoint
             floor[r["model"]]["median_ms"],
         )
         for r in rows
-        if r["candidate"] != "floor"
+        if r["candidate"] not in ("floor", "copy")  # copy_ is another single-kernel reference, not an update
     ]
 
 
