@@ -160,3 +160,18 @@ def test_regime_plot_draws_both_panels_and_the_cache_marks():
     assert left.get_xscale() == "log" and right.get_xlabel().startswith("working set")
     assert "last-level cache 32 MiB" in [line.get_label() for line in right.get_lines()]
     assert {t.get_text() for t in right.texts} == {"floor fit, cache: 90 GB/s", "floor fit, DRAM: 30 GB/s"}
+
+
+def test_costmodel_main_writes_the_quick_sweep_with_the_cache_size_and_the_load(tmp_path, capsys):
+    import json
+
+    from ema_lab.bench.costmodel import main
+
+    out = tmp_path / "cm.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    cm = record["cost_model"]
+    assert record["quick"] is True and set(cm["fits"]) == {"loop", "foreach", "floor", "copy"}
+    assert {p["regime"] for p in cm["points"]} <= {"cache", "transition"}  # quick stays out of DRAM
+    assert cm["llc_bytes"] == last_level_cache_bytes()[0] and "load_average_1_5_15min" in record
+    assert "last-level cache" in capsys.readouterr().out

@@ -463,9 +463,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.out:
         now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        # The load average says how busy the machine was (other jobs share its cores and caches).
+        load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
         record = {
             "created": now,
             "environment": environment("cpu"),
+            "load_average_1_5_15min": load,
             "quick": args.quick,
             "cost_model": cost.as_dict(),
         }
