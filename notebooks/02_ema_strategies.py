@@ -20,11 +20,12 @@
 #    `_foreach_lerp_` and the gated version all match a float64 reference to float32 rounding.
 # 2. Most of the PR's after-code time is walking `state_dict()` twice; collecting the tensor lists
 #    once removes it, but a cached list goes stale silently after `model.double()` or `.half()`.
-# 3. `ema_lab.ModelEMA` keeps the cache and checks it on every update; the check costs a measured
-#    fraction of a millisecond on a YOLO-sized model (section 6 prints how much).
+# 3. `ema_lab.ModelEMA` keeps the cache and checks it on every update; the check is not free, and
+#    section 6 measures what it costs on a YOLO-sized model.
 #
-# **Time:** about TIME_QUICK in quick mode (`EMA_LAB_QUICK=1`) and TIME_FULL in full mode on the
-# 2-core CI machine (measured with `time python3 dev.py notebooks notebooks/02_ema_strategies.py`).
+# **Time:** about 40 s in quick mode (`EMA_LAB_QUICK=1`) and 40 s in full mode on the
+# 2-core CI machine while other jobs kept its load average near 4 (measured with
+# `time python3 dev.py notebooks notebooks/02_ema_strategies.py`).
 #
 # An exponential moving average (EMA) of a model's weights is a second copy of the model that
 # trails the trained one: after every optimizer step it moves a small fraction of the way towards

@@ -20,11 +20,12 @@
 #    walking `state_dict()`, and one dispatched `lerp_` per tensor inside `_foreach_lerp_`.
 # 2. Cached lists remove the walk; flat buffers remove the per-tensor work, down to one `lerp_` per
 #    (device, dtype) group, whose time is set by memory bandwidth (cache or DRAM).
-# 3. In a whole training step on this CPU the EMA is a small share (section 4 measures it); keep
+# 3. In a whole CPU training step at batch 16 the EMA is a small share (section 4 measures it); keep
 #    the EMA of a bf16 model in fp32, and pass a tensor decay to stay sync- and recompile-free.
 #
-# **Time:** about TIME_QUICK in quick mode (`EMA_LAB_QUICK=1`) and TIME_FULL in full mode on the
-# 2-core CI machine (measured with `time python3 dev.py notebooks notebooks/05_beyond_foreach.py`).
+# **Time:** about 30 s in quick mode (`EMA_LAB_QUICK=1`) and 2 minutes in full mode on the
+# 2-core CI machine while other jobs kept its load average near 4 (measured with
+# `time python3 dev.py notebooks notebooks/05_beyond_foreach.py`).
 #
 # After PR #25315 an EMA update is one `torch._foreach_lerp_` call. On a model with hundreds of
 # small tensors most of its time is still overhead, not arithmetic: walking `state_dict()`, and on
@@ -170,12 +171,15 @@ for name in bench_models:
     )
 
 # %% [markdown]
-# The printed lines are this run's results. Models whose tensors are large (`resnet50`, `gpt2`, in
-# DRAM) sit on the floor with every cached strategy: there is little overhead left to remove. On the
-# tensor-heavy models (`yolo`, `tiny_tensors`) only `flat_model`, which makes the whole update one
-# `lerp_`, comes close; the cached foreach (`gated`) and the default (`auto`, the flat EMA without
-# touching the model) still pay per-tensor work: the `_foreach_lerp_` over the large tensors and the
-# per-slot staleness check of the model's tensors (section 5).
+# The printed lines are this run's results. What to look for: on the tensor-heavy models (`yolo`,
+# `tiny_tensors`) the PR's code runs at a few percent of the floor's speed and each step raises the
+# fraction, most of all the flat strategies, which remove the per-tensor work; the cached foreach
+# (`gated`) and the default (`auto`, the flat EMA without touching the model) still pay the
+# `_foreach_lerp_` over the large tensors and the per-slot staleness check of the model's tensors
+# (section 5). On `resnet50` and `gpt2`, whose tensors are large and live in DRAM, every candidate
+# after the PR's before-code is within a small factor of the floor: there is little overhead left
+# to remove. On this 2-core machine other jobs compete for the cores and for memory bandwidth, so
+# even a one-kernel update (`flat_model`) can read well below 1.0 in one run and near it in the next.
 #
 # ## 4. The EMA in a whole training step
 #
@@ -497,7 +501,8 @@ except TypeError as err:
 #   lists removes those, but a cache that is not checked goes stale silently.
 # - A flat EMA buffer makes the check O(1) (a reference count per buffer) and lets tiny tensors be
 #   gathered with one `cat`; flattening the model too (opt-in, reversible, optimizer-transparent)
-#   makes the whole update one `lerp_` per (device, dtype) group, at the floor's speed in section 3.
+#   makes the whole update one `lerp_` per (device, dtype) group, the floor's op (section 3 prints
+#   how close each strategy comes).
 # - The floor itself runs at cache bandwidth while EMA and model fit in the last-level cache and at
 #   DRAM bandwidth beyond; a time-vs-bytes plot shows which candidates stream and which pay overhead.
 # - In a whole CPU training step the EMA's share is printed in section 4; ultralytics found the

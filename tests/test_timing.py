@@ -11,7 +11,6 @@ from ema_lab.bench.costmodel import (
     BYTES_PER_ELEMENT,
     FIXED_ELEMENTS,
     FIXED_TENSORS,
-    CostFit,
     CostModel,
     fit_cost,
     last_level_cache_bytes,
@@ -109,7 +108,7 @@ def test_last_level_cache_is_the_highest_data_level_in_sysfs(tmp_path):
     assert size == 32 << 20 and "(L3)" in source
 
 
-def test_two_regime_fit_recovers_each_bandwidth_and_the_floor_fraction_stays_at_most_one():
+def test_two_regime_fit_recovers_each_bandwidth_and_fractions_are_time_ratios_to_the_floor():
     units = [1, 1, 1, 1, 1, 1]
     nbytes = [1e5, 1e6, 1e7, 1e8, 2e8, 4e8]
     far = [False, False, False, True, True, True]
@@ -118,16 +117,22 @@ def test_two_regime_fit_recovers_each_bandwidth_and_the_floor_fraction_stays_at_
     assert math.isclose(fit.bandwidth_gbps, 90.0, rel_tol=1e-6)
     assert math.isclose(fit.dram_bandwidth_gbps, 30.0, rel_tol=1e-6)
     assert math.isclose(fit.seconds(1, 4e8, beyond_llc=True), seconds[-1], rel_tol=1e-9)
-    # the loop moves 7 accesses per element: at the same GB/s it is 3/7 as fast per element as the floor
-    loop = CostFit("loop", "op", 3.0, 90.0, 1.0, 6, 30.0)
-    foreach = CostFit("foreach", "tensor", 1.0, 90.0, 1.0, 6, 30.0)
-    copy = CostFit("copy", "call", 1.0, 120.0, 1.0, 6, 31.0)
-    cm = CostModel("cpu", 1, {"loop": loop, "foreach": foreach, "floor": fit, "copy": copy})
-    assert cm.floor_fraction == pytest.approx({"loop": 3 / 7, "foreach": 1.0})
-    assert cm.floor_fraction_dram == pytest.approx({"loop": 3 / 7, "foreach": 1.0})
+    # fractions are time ratios to the floor at the largest size of each regime
+    fits = {k: fit for k in ("loop", "foreach", "floor", "copy")}
+    pts = []
+    for e, where in ((1 << 10, "cache"), (1 << 20, "cache"), (1 << 25, "dram")):
+        for strategy, n, t in (("loop", 64, 7.0), ("foreach", 64, 3.5), ("floor", 1, 3.0), ("copy", 1, 3.0)):
+            pts.append(
+                {"strategy": strategy, "tensors": n, "elements": e, "regime": where, "median_s": t * e}
+            )
+    cm = CostModel("cpu", 1, fits, pts)
+    assert cm.floor_fraction == pytest.approx({"loop": 3 / 7, "foreach": 3 / 3.5})
+    assert cm.floor_fraction_dram == pytest.approx({"loop": 3 / 7, "foreach": 3 / 3.5})
     assert "copy" not in cm.roofline_fraction and cm.as_dict()["fits"]["floor"][
         "dram_bandwidth_gbps"
     ] == pytest.approx(30.0)
+    quick = CostModel("cpu", 1, fits, [p for p in pts if p["regime"] == "cache"])
+    assert quick.floor_fraction_dram == {"loop": None, "foreach": None}
 
 
 def test_regime_plot_draws_both_panels_and_the_cache_marks():

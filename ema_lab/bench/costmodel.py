@@ -20,8 +20,9 @@ half the LLC, *DRAM* from twice the LLC on; points in between are measured and p
 fitted (part of them hits the cache). Each fit is a non-negative least-squares fit without
 intercept, weighted by 1/time so small and large points count alike. ``floor`` is one ``lerp_``
 over two contiguous buffers: the best an EMA update of that many elements can do, and the reference
-of :attr:`CostModel.floor_fraction` (the same op over the same bytes, so byte-counting conventions
-cancel and the fraction stays <= 1 up to noise).
+of :attr:`CostModel.floor_fraction`: floor time over a strategy's time on the same elements, measured
+interleaved (the same op over the same bytes, so no byte-counting convention enters; 1.0 means as fast
+as the floor, and values a little above 1 are timing noise).
 """
 
 from __future__ import annotations
@@ -181,32 +182,25 @@ class CostModel:
         """Fitted bandwidth of one ``copy_`` kernel in the cache regime (write-allocate read counted)."""
         return self.fits["copy"].bandwidth_gbps
 
-    def _fraction(self, dram: bool) -> dict[str, float | None]:
-        floor = self.fits["floor"]
-        out: dict[str, float | None] = {}
-        for k in ("loop", "foreach"):
-            f = self.fits[k]
-            bw, ref = (
-                (f.dram_bandwidth_gbps, floor.dram_bandwidth_gbps)
-                if dram
-                else (f.bandwidth_gbps, floor.bandwidth_gbps)
-            )
-            if bw is None or ref is None or np.isinf(ref):
-                out[k] = None
-                continue
-            # seconds per element of the floor over seconds per element of the strategy
-            out[k] = (BYTES_PER_ELEMENT["floor"] / ref) / (BYTES_PER_ELEMENT[k] / bw)
-        return out
+    def _fraction(self, where: str) -> dict[str, float | None]:
+        # Time ratio at the largest size of the regime (64 tensors, bytes dominate): interleaved
+        # measurements of the same elements, no byte-counting convention and no fitted term involved.
+        sized = [p for p in self.points if p["tensors"] in (FIXED_TENSORS, 1) and p.get("regime") == where]
+        if not sized:
+            return {"loop": None, "foreach": None}
+        largest = max(int(p["elements"]) for p in sized)  # type: ignore[call-overload]
+        at = {p["strategy"]: float(p["median_s"]) for p in sized if p["elements"] == largest}  # type: ignore[arg-type]
+        return {k: (at["floor"] / at[k] if k in at and "floor" in at else None) for k in ("loop", "foreach")}
 
     @property
     def floor_fraction(self) -> dict[str, float | None]:
-        """Per-element speed of each strategy's bytes term over the floor's (one ``lerp_``), cache regime."""
-        return self._fraction(dram=False)
+        """Floor time over each strategy's time at the largest cache-regime size (1.0: as fast)."""
+        return self._fraction("cache")
 
     @property
     def floor_fraction_dram(self) -> dict[str, float | None]:
-        """The same beyond the last-level cache (None where the sweep did not go there)."""
-        return self._fraction(dram=True)
+        """The same at the largest size beyond the last-level cache (None if the sweep did not go there)."""
+        return self._fraction("dram")
 
     @property
     def roofline_fraction(self) -> dict[str, float | None]:
