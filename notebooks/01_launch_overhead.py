@@ -335,8 +335,9 @@ plot_cost_regimes(cost.as_dict())
 # dispatched op. One `_foreach_lerp_` grows far more slowly. Right: achieved bandwidth (counted bytes
 # over time) against the working set. Small working sets are dominated by the fixed cost per call;
 # then the single kernels run at cache speed; once EMA and model no longer fit in the LLC every
-# kernel drops to the DRAM bandwidth, and there a `copy_` takes about as long as a `lerp_` (the last
-# printed line), because both move three streams. The cache and DRAM lines are the floor's two fitted
+# kernel drops to the DRAM bandwidth, and there a `copy_` takes no less time than a `lerp_` (the last
+# printed line): it writes one stream and reads one, but the CPU also reads each destination line
+# before writing it, so both move three streams. The cache and DRAM lines are the floor's two fitted
 # bandwidths.
 #
 # ## 6. Why the before-code on a detector is launch-bound
@@ -367,9 +368,10 @@ print(
 # The per-op term dominates: the detector's tensors are small (about 4,400 elements on average), so
 # each op finishes its bytes long before the next one can be dispatched. The cost model leaves out
 # the Python work of walking `state_dict()` twice per update, so the last line adds the walks as
-# measured; what is left between the two printed times is the Python loop itself plus timing noise
-# (IQRs of 10-50 % are normal on this shared machine). The walks are what the after-code kept and
-# what notebooks 02 and 05 remove.
+# measured and sets the sum next to the measured before-code. How close they come is this run's
+# check of the model; they differ by the timing noise of this shared machine (see the IQRs in
+# section 0) and because the fit comes from synthetic tensors, not the detector's. The walks are what
+# the after-code kept and what notebooks 02 and 05 remove.
 #
 # ### One source for the quoted figures
 #

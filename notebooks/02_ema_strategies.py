@@ -23,7 +23,7 @@
 # 3. `ema_lab.ModelEMA` keeps the cache and checks it on every update; the check is not free, and
 #    section 6 measures what it costs on a YOLO-sized model.
 #
-# **Time:** about 40 s in quick mode (`EMA_LAB_QUICK=1`) and 40 s in full mode on the
+# **Time:** about 40 s in quick mode (`EMA_LAB_QUICK=1`) and 40-50 s in full mode on the
 # 2-core CI machine while other jobs kept its load average near 4 (measured with
 # `time python3 dev.py notebooks notebooks/02_ema_strategies.py`).
 #
