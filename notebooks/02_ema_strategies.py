@@ -15,6 +15,18 @@
 # %% [markdown]
 # # 02 · EMA update strategies: one step three ways, and a cache that goes stale
 #
+# **Take-aways**
+# 1. The EMA step is `lerp(e, θ, 1 - d)` per float tensor with a ramped decay; a per-tensor loop, one
+#    `_foreach_lerp_` and the gated version all match a float64 reference to float32 rounding.
+# 2. Most of the PR's after-code time is walking `state_dict()` twice; collecting the tensor lists
+#    once removes it, but a cached list goes stale silently after `model.double()` or `.half()`.
+# 3. `ema_lab.ModelEMA` keeps the cache and checks it on every update; the check is not free, and
+#    section 6 measures what it costs on a YOLO-sized model.
+#
+# **Time:** about 40 s in quick mode (`EMA_LAB_QUICK=1`) and 40-50 s in full mode on the
+# 2-core CI machine while other jobs kept its load average near 4 (measured with
+# `time python3 dev.py notebooks notebooks/02_ema_strategies.py`).
+#
 # An exponential moving average (EMA) of a model's weights is a second copy of the model that
 # trails the trained one: after every optimizer step it moves a small fraction of the way towards
 # the new weights. ultralytics PR #25315 changed *how* that step is applied (one batched
@@ -100,8 +112,8 @@ plt.show()
 #
 # | strategy | what it does | ops per float tensor |
 # |---|---|---|
-# | `loop_update` | the code before PR #25315: `v *= d; v += (1 - d) * m` | 3 (`mul_`, `mul`, `add_`) plus a temporary |
-# | `foreach_update` | the code after it: one `torch._foreach_lerp_(ema, model, 1 - d)` | one call for *all* tensors |
+# | `loop_update` | the arithmetic before PR #25315: `v *= d; v += (1 - d) * m` | 3 (`mul_`, `mul`, `add_`) plus a temporary |
+# | `foreach_update` | the arithmetic after it: one `torch._foreach_lerp_(ema, model, 1 - d)` | one call for *all* tensors |
 # | `gated_update` | the after-code behind its version/device gate, one foreach call per (device, dtype) group, per-tensor `mul_/add_` for pairs whose dtypes differ | one call per group |
 #
 # All three validate the whole input before touching anything, so bad input raises a `ValueError`
@@ -132,7 +144,8 @@ for name, err in strategy_errors(yolo, steps=10, decay=0.999).items():
 # `ema_lab.bench.counting.count_ops` runs a function under a `TorchDispatchMode` and counts every ATen op
 # that reaches the dispatcher. "Computing" ops leave out views such as `aten.detach`, which move no
 # data but still cost a trip through the dispatcher. The counts are deterministic, so they are
-# checked on every test run.
+# checked on every test run. `seed_before` and `seed_after` are the PR's before- and after-code
+# verbatim (`ema_lab.lessons.seed`), which walk `state_dict()` on every call.
 
 # %%
 from copy import deepcopy
@@ -191,10 +204,11 @@ ax.grid(axis="x", alpha=0.3)
 plt.show()
 
 # %% [markdown]
-# The two seed versions pay for walking `state_dict()` on every update; the foreach call itself is a
-# small part of the seed's "after" time. The cached versions skip the walk. `ModelEMA` is a little
-# slower than `CachedListEMA`: that difference is its validity check (and the counter copy), the
-# price of not silently freezing as shown in section 6.
+# The PR's before- and after-code pay for walking `state_dict()` on every update; the foreach call
+# itself is a small part of the after-code's time. The cached versions skip the walk. `ModelEMA` is
+# slower than `CachedListEMA`: the difference is its validity check and the copy of the integer
+# counters, the price of not silently freezing as shown in section 6, which also measures that
+# price.
 #
 # ## 5. The gate: may this torch, on this device, use `_foreach_lerp_`?
 #
@@ -248,13 +262,13 @@ for device, reason in available_devices().items():
 
 # %%
 model = models.build("tiny_cnn")
-cached = model.state_dict()["0.conv.weight"]  # what a cached list holds
+held = model.state_dict()["0.conv.weight"]  # what a cached list holds
 param = model[0].conv.weight
-print("cached tensor aliases the parameter:", cached.data_ptr() == param.data_ptr())
+print("cached tensor aliases the parameter:", held.data_ptr() == param.data_ptr())
 model.double()
 print("after model.double(): same Parameter object:", param is model[0].conv.weight)
-print("                      cached tensor aliases it:", cached.data_ptr() == param.data_ptr())
-print("                      parameter dtype:", param.dtype, "| cached tensor dtype:", cached.dtype)
+print("                      cached tensor aliases it:", held.data_ptr() == param.data_ptr())
+print("                      parameter dtype:", param.dtype, "| cached tensor dtype:", held.dtype)
 
 # %% [markdown]
 # So after the conversion the cached update averages dead tensors. `ema_lab.lessons.staleness.follows_after`
@@ -280,7 +294,7 @@ for conversion in CONVERSIONS:
 # `ema_lab.pairs.ModulePairs.is_current`: the `data_ptr()` of every parameter and buffer slot of both
 # modules must still be the cached one, the model must be the same object, and no module may have
 # registered a new parameter, buffer or submodule since (torch's global registration hooks bump a
-# counter). Reading a few hundred pointers costs microseconds; a stale cache is rebuilt and re-validated:
+# counter). A stale cache is rebuilt and re-validated:
 
 # %%
 from ema_lab.pairs import ModulePairs
@@ -293,6 +307,48 @@ ema.ema.half()
 print("after ema.ema.half(), current:", pairs.is_current(model))
 ema.update(model)  # rebuilds its own pairs: the fp16 EMA is updated through the mixed-dtype path
 print("EMA dtype after the update:", next(ema.ema.parameters()).dtype, "| updates:", ema.updates)
+
+# %% [markdown]
+# What does the check cost? `ModelEMA.prepared_step` is the cached update step alone: calling it
+# with a decay runs the arithmetic without the validity check, the copy of the integer counters and
+# the decay ramp. Timing it against the whole `ModelEMA.update` on the YOLO-sized model, for the
+# `gated` strategy used above and for the default (`auto`, which resolves to the flat strategy of
+# notebook 05), with `CachedListEMA` (no check at all) as the reference:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+parts = {}
+for strategy in ("gated", "auto"):
+    e = ModelEMA(yolo, strategy=strategy)
+    e.update(yolo)  # builds the cached step
+    parts[f"{strategy}: ModelEMA.update"] = lambda e=e: e.update(yolo)
+    parts[f"{strategy}: prepared step alone"] = lambda e=e: e.prepared_step(0.999)
+parts["CachedListEMA.update"] = lambda: cached_yolo.update(yolo)
+parts["the decay ramp, ModelEMA.decay(n)"] = lambda: e.decay(1000)
+cached_yolo = CachedListEMA(yolo)
+cached_yolo.update(yolo)
+check = time_candidates(parts, rounds=5 if quick_mode() else 15, threads=1)
+for name, r in check.items():
+    print(f"{name:<36} {r.median_s * 1e3:7.3f} ms (IQR {r.iqr_s * 1e3:.3f} ms)")
+for strategy in ("gated", "auto"):
+    whole, alone = (
+        check[f"{strategy}: ModelEMA.update"].median_s,
+        check[f"{strategy}: prepared step alone"].median_s,
+    )
+    print(
+        f"{strategy}: check + counter copy + ramp = {1e3 * (whole - alone):.3f} ms "
+        f"({(whole - alone) / whole:.0%} of its update)"
+    )
+
+# %% [markdown]
+# The difference between the whole update and the prepared step is what `ModelEMA` spends beyond the
+# arithmetic: the validity check, the counter copy and computing the decay (the ramp alone is
+# printed too, and is negligible). For `gated` the check reads a `data_ptr()` for each of the
+# model's and the EMA's parameter and buffer slots: over a thousand Python calls on this model, a
+# cost of the order of a millisecond rather than microseconds. The default keeps the EMA in flat
+# buffers, checked by one reference count per buffer (notebook 05, section 5), but still reads the
+# `data_ptr()` of every model slot, and copies the counters with one `cat`. The printed differences
+# are this run's; on this shared 2-core machine they vary by 10-50 % from run to run.
 
 # %% [markdown]
 # ## 7. `ModelEMA` as a drop-in in a real training run
@@ -354,14 +410,71 @@ for e, raw, avg in zip(epochs, run.raw_loss, run.ema_loss):
 # 4. Time section 4 again with `threads=2`. On a 2-core machine with something else running, what
 #    happens to the IQR?
 #
+# ## Solutions
+#
+# **1.** `tau` only changes the ramp: with `tau=5` the decay is within 1 % of 0.99 after 25 updates,
+# so the EMA smooths from the first epochs on; with `tau=500` it stays close to the raw model for
+# most of the 300 updates (d(300) = 0.99 × (1 - e^-0.6) ≈ 0.45), so the two curves stay together
+# longer:
+
+# %%
+for tau in (5, 50, 500):
+    r = train_with_ema(seed=0, tau=tau)
+    print(f"tau {tau:>3}: EMA below raw in the last epoch: {r.ema_loss[-1] < r.raw_loss[-1]}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for tau in (5, 50, 500):
+    r = train_with_ema(seed=0, tau=tau)
+    print(f"tau {tau:>3}: EMA eval loss per epoch", " ".join(f"{x:.3f}" for x in r.ema_loss))
+
+# %% [markdown]
+# **2.** Yes: `ModelEMA` notices the new memory, rebuilds its pairs and follows (the EMA stays fp32 and
+# lerps towards the bf16 weights through the mixed-dtype path); `CachedListEMA` freezes again:
+
+# %%
+CONVERSIONS["model.bfloat16()"] = lambda model, ema: model.bfloat16()
+for cls in (CachedListEMA, ModelEMA):
+    r = follows_after(cls, "model.bfloat16()")
+    print(f"{r.ema_class:<14} EMA moved: {r.ema_moved!s:<5} follows model: {r.follows!s:<5} gap {r.gap:.2f}")
+del CONVERSIONS["model.bfloat16()"]
+
+# %% [markdown]
+# **3.** On `tiny_tensors` every entry is a float tensor, so the before-code dispatches 3 computing ops
+# per tensor (6000) and `ModelEMA` one op: a bigger ratio than on the yolo-like model:
+
+# %%
+tiny = models.build("tiny_tensors")
+tiny_ema, tiny_checked = deepcopy(tiny), ModelEMA(tiny, strategy="gated")
+tiny_checked.update(tiny)
+for name, fn in (
+    ("seed_before", lambda: seed_before(tiny_ema, tiny, 0.999)),
+    ("ModelEMA.update", lambda: tiny_checked.update(tiny)),
+):
+    print(f"{name:<16} {sum(without_views(count_ops(fn)).values()):>5} computing ops")
+
+# %% [markdown]
+# **4.** On a 2-core machine shared with other jobs, a second intra-op thread competes with them:
+# medians rarely improve for these small ops and the IQR usually grows. This run:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+two = time_candidates(candidates, rounds=5, threads=2)
+for name, r in two.items():
+    print(
+        f"{name:<21} 2 threads: {r.median_s * 1e3:7.2f} ms (IQR {r.iqr_s * 1e3:.2f} ms) | 1 thread IQR {times[name].iqr_s * 1e3:.2f} ms"
+    )
+
+#
 # ## Summary
 #
 # - The EMA step is `e = lerp(e, θ, 1 - d)` per float tensor, with a decay that ramps up as
 #   `decay * (1 - exp(-n / tau))`.
 # - `loop`, `foreach` and `gated` all match a float64 reference to float32 rounding; foreach replaces
 #   ~1800 dispatched computing ops by one on the yolo-like model.
-# - The remaining cost of the seed's foreach update is walking `state_dict()` twice; caching the lists
+# - The remaining cost of the PR's after-code is walking `state_dict()` twice; caching the lists
 #   removes it, but a cache must notice when tensors get new memory, or the EMA silently freezes.
+# - `ModelEMA`'s check is not free: section 6 measures it next to the update step alone.
 # - The gate allows `_foreach_lerp_` from torch 2.0, on MPS from 2.4, never on NPU.
 # - `ModelEMA` is a drop-in: two lines in the training loop, and its weights evaluate better than the
 #   raw ones on a noisy run.

@@ -1,4 +1,4 @@
-"""Roofline points from a bench record: bytes moved over time, against the copy of the same bytes."""
+"""Bench rows against their floor row: time ratios, three-stream GB/s, and the time-vs-bytes plot."""
 
 from __future__ import annotations
 
@@ -8,20 +8,39 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 
-from ema_lab.bench.roofline import format_roofline, plot_roofline, roofline_points  # noqa: E402
+from ema_lab.bench.roofline import floor_points, format_floor, plot_time_vs_bytes  # noqa: E402
 
 
-def _row(candidate: str, ms: float) -> dict:
-    stats = {"float_bytes": 10**9}
-    return {"device": "cpu", "model": "m", "candidate": candidate, "median_ms": ms, "stats": stats}
+def _row(candidate: str, ms: float, model: str = "m", nbytes: int = 10**9) -> dict:
+    stats = {"float_bytes": nbytes}
+    return {"device": "cpu", "model": model, "candidate": candidate, "median_ms": ms, "stats": stats}
 
 
-def test_gbps_counts_three_transfers_for_an_update_and_two_for_the_copy():
-    record = {"results": [_row("copy", 200.0), _row("flat", 300.0), _row("gated", 3000.0)]}
-    points = {p.candidate: p for p in roofline_points(record)}
-    assert set(points) == {"flat", "gated"}
-    assert points["flat"].gbps == pytest.approx(10.0) and points["flat"].copy_gbps == pytest.approx(10.0)
-    assert points["flat"].fraction == pytest.approx(1.0) and points["gated"].fraction == pytest.approx(0.1)
-    assert "100%" in format_roofline(list(points.values()))
-    fig = plot_roofline(list(points.values()))
-    assert fig.axes[0].get_xlabel().startswith("achieved bandwidth (GB/s")
+def test_points_are_time_ratios_to_the_floor_and_count_three_streams():
+    record = {
+        "results": [_row("floor", 300.0), _row("copy", 280.0), _row("flat", 300.0), _row("gated", 3000.0)]
+    }
+    points = {p.candidate: p for p in floor_points(record)}
+    assert set(points) == {"flat", "gated"}  # the references (floor, copy) are not updates
+    assert points["flat"].gbps == pytest.approx(10.0) and points["flat"].of_floor == pytest.approx(1.0)
+    assert points["gated"].of_floor == pytest.approx(0.1)
+    assert "floor/time" in format_floor(list(points.values())) and "0.10" in format_floor([points["gated"]])
+
+
+def test_a_model_without_a_floor_row_is_named():
+    with pytest.raises(ValueError, match=r"no 'floor' row for model\(s\) \['x'\]"):
+        floor_points({"results": [_row("flat", 1.0, model="x")]})
+
+
+def test_plot_is_log_log_time_vs_bytes_with_the_regime_lines():
+    rows = [_row("floor", 0.5, "small", 10**6), _row("flat", 2.0, "small", 10**6)]
+    rows += [_row("floor", 30.0, "big", 4 * 10**8), _row("flat", 31.0, "big", 4 * 10**8)]
+    fits = {"floor": {"overhead_per_op_us": 2.0, "bandwidth_gbps": 90.0, "dram_bandwidth_gbps": 30.0}}
+    fig = plot_time_vs_bytes(floor_points({"results": rows}), {"fits": fits, "llc_bytes": 32 << 20})
+    ax = fig.axes[0]
+    assert (ax.get_xscale(), ax.get_yscale()) == ("log", "log")
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert "floor fit, cache: 90 GB/s" in labels and "floor fit, DRAM: 30 GB/s" in labels
+    assert any(label.startswith("EMA + model = last-level cache (32 MiB)") for label in labels)
+    fig = plot_time_vs_bytes(floor_points({"results": rows}))  # no cost model: the measured floor joined
+    assert "floor (measured)" in [line.get_label() for line in fig.axes[0].get_lines()]

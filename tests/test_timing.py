@@ -7,7 +7,16 @@ import math
 import pytest
 import torch
 
-from ema_lab.bench.costmodel import BYTES_PER_ELEMENT, FIXED_ELEMENTS, FIXED_TENSORS, fit_cost, sweep_plan
+from ema_lab.bench.costmodel import (
+    BYTES_PER_ELEMENT,
+    FIXED_ELEMENTS,
+    FIXED_TENSORS,
+    CostModel,
+    fit_cost,
+    last_level_cache_bytes,
+    regime,
+    sweep_plan,
+)
 from ema_lab.bench.timing import quantiles, synchronize, time_candidates
 
 
@@ -64,4 +73,110 @@ def test_sweep_plan_varies_count_at_fixed_size_and_size_at_fixed_count():
         sizes = [(n, e) for s, n, e in plan if s == "size"]
         assert {e for _, e in counts} == {FIXED_ELEMENTS} and len(counts) >= 4
         assert {n for n, _ in sizes} == {FIXED_TENSORS} and len(sizes) >= 2
-    assert BYTES_PER_ELEMENT == {"loop": 7, "foreach": 3, "floor": 3, "copy": 2}
+    # a copy also reads its destination (write-allocate): 3 accesses per element, like a lerp
+    assert BYTES_PER_ELEMENT == {"loop": 7, "foreach": 3, "floor": 3, "copy": 3}
+
+
+def test_full_sweep_reaches_four_times_the_last_level_cache_and_quick_stays_small():
+    llc = 32 << 20
+    full = max(e for s, _, e in sweep_plan(False, llc) if s == "size")
+    assert 4 * full >= 4 * llc and 4 * full < 8 * llc  # float32 bytes per side: 4x LLC, not more
+    assert max(e for _, _, e in sweep_plan(True, llc)) * 4 * 2 <= llc  # quick: inside the cache
+    assert len(sweep_plan(True, llc)) == 6
+
+
+def test_regimes_split_at_half_and_twice_the_cache():
+    llc = 32 << 20
+    assert [regime(ws, llc) for ws in (16 << 20, 17 << 20, 63 << 20, 64 << 20)] == [
+        "cache",
+        "transition",
+        "transition",
+        "dram",
+    ]
+
+
+def test_last_level_cache_is_the_highest_data_level_in_sysfs(tmp_path):
+    for i, (level, kind, size) in enumerate(
+        [(1, "Data", "32K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"), (3, "Unified", "32768K")]
+    ):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    size, source = last_level_cache_bytes(tmp_path)
+    assert size == 32 << 20 and "(L3)" in source
+
+
+def test_two_regime_fit_recovers_each_bandwidth_and_fractions_are_time_ratios_to_the_floor():
+    units = [1, 1, 1, 1, 1, 1]
+    nbytes = [1e5, 1e6, 1e7, 1e8, 2e8, 4e8]
+    far = [False, False, False, True, True, True]
+    seconds = [1e-6 + b / (30e9 if f else 90e9) for b, f in zip(nbytes, far)]
+    fit = fit_cost(units, nbytes, seconds, "floor", "call", beyond_llc=far)
+    assert math.isclose(fit.bandwidth_gbps, 90.0, rel_tol=1e-6)
+    assert math.isclose(fit.dram_bandwidth_gbps, 30.0, rel_tol=1e-6)
+    assert math.isclose(fit.seconds(1, 4e8, beyond_llc=True), seconds[-1], rel_tol=1e-9)
+    # fractions are time ratios to the floor at the largest size of each regime
+    fits = {k: fit for k in ("loop", "foreach", "floor", "copy")}
+    pts = []
+    for e, where in ((1 << 10, "cache"), (1 << 20, "cache"), (1 << 25, "dram")):
+        for strategy, n, t in (("loop", 64, 7.0), ("foreach", 64, 3.5), ("floor", 1, 3.0), ("copy", 1, 3.0)):
+            pts.append(
+                {"strategy": strategy, "tensors": n, "elements": e, "regime": where, "median_s": t * e}
+            )
+    cm = CostModel("cpu", 1, fits, pts)
+    assert cm.floor_fraction == pytest.approx({"loop": 3 / 7, "foreach": 3 / 3.5})
+    assert cm.floor_fraction_dram == pytest.approx({"loop": 3 / 7, "foreach": 3 / 3.5})
+    assert "copy" not in cm.roofline_fraction and cm.as_dict()["fits"]["floor"][
+        "dram_bandwidth_gbps"
+    ] == pytest.approx(30.0)
+    quick = CostModel("cpu", 1, fits, [p for p in pts if p["regime"] == "cache"])
+    assert quick.floor_fraction_dram == {"loop": None, "foreach": None}
+
+
+def test_regime_plot_draws_both_panels_and_the_cache_marks():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from ema_lab.bench.costmodel import plot_cost_regimes
+
+    fits = {
+        k: {"overhead_per_op_us": 1.0, "bandwidth_gbps": 90.0, "dram_bandwidth_gbps": 30.0}
+        for k in BYTES_PER_ELEMENT
+    }
+    pts = []
+    for strategy in BYTES_PER_ELEMENT:
+        for sweep, n, e in sweep_plan(False, 32 << 20):
+            pts.append(
+                {
+                    "sweep": sweep,
+                    "strategy": strategy,
+                    "tensors": n,
+                    "elements": e,
+                    "units": n,
+                    "bytes": 12 * e,
+                }
+                | {"working_set_bytes": 8 * e, "median_s": 1e-3}
+            )
+    cost = {"points": pts, "fits": fits, "fixed_elements": FIXED_ELEMENTS, "fixed_tensors": FIXED_TENSORS}
+    fig = plot_cost_regimes(cost | {"llc_bytes": 32 << 20})
+    left, right = fig.axes
+    assert left.get_xscale() == "log" and right.get_xlabel().startswith("working set")
+    assert "last-level cache 32 MiB" in [line.get_label() for line in right.get_lines()]
+    assert {t.get_text() for t in right.texts} == {"floor fit, cache: 90 GB/s", "floor fit, DRAM: 30 GB/s"}
+
+
+def test_costmodel_main_writes_the_quick_sweep_with_the_cache_size_and_the_load(tmp_path, capsys):
+    import json
+
+    from ema_lab.bench.costmodel import main
+
+    out = tmp_path / "cm.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    cm = record["cost_model"]
+    assert record["quick"] is True and set(cm["fits"]) == {"loop", "foreach", "floor", "copy"}
+    assert {p["regime"] for p in cm["points"]} <= {"cache", "transition"}  # quick stays out of DRAM
+    assert cm["llc_bytes"] == last_level_cache_bytes()[0] and "load_average_1_5_15min" in record
+    assert "last-level cache" in capsys.readouterr().out

@@ -2,26 +2,36 @@
 
 Two sweeps over synthetic (EMA, model) float32 tensor lists on one device:
 
-- *count sweep*: the same total number of elements split into 1 .. 1024 tensors (time grows with
-  the number of dispatched ops: launch-bound);
-- *size sweep*: a fixed number of tensors holding more and more elements (time grows with bytes:
-  bandwidth-bound).
+- *count sweep*: the same total number of elements (1 Mi, 4 MiB per side) split into 1 .. 1024
+  tensors (time grows with the number of dispatched ops: launch-bound);
+- *size sweep*: 64 tensors holding more and more elements (time grows with bytes: bandwidth-bound).
+  In full mode it goes on until each side holds at least 4x the last-level cache (LLC, read from the
+  OS by :func:`last_level_cache_bytes`), so both memory regimes are measured.
 
 For the per-tensor ``loop`` (``v *= d; v += (1 - d) * m.detach()``) ``ops`` is every op it dispatches
 (counted with :func:`ema_lab.bench.counting.count_ops`, views included: each one is a trip through
-the dispatcher) and ``bytes`` its memory traffic (7 element-sized reads/writes per element). For
-one ``_foreach_lerp_`` the unit is a tensor inside the call (3 per element: read EMA and model, write EMA).
-Each fit is a least-squares fit without intercept, weighted by 1/time so small and large points
-count alike. The roofline is a single-kernel ``copy_`` of the same sizes, fitted the same way: its
-bandwidth is what this device gives one streaming kernel, and ``roofline_fraction`` is a strategy's
-fitted bandwidth over it. ``floor`` is one ``lerp_`` over two contiguous buffers: the best an EMA update
-of that many elements can do. Sizes up to 16 Mi elements (64 MiB) span cache and DRAM, as models do.
+the dispatcher) and ``bytes`` its memory traffic (7 element-sized accesses per element). For one
+``_foreach_lerp_`` the unit is a tensor inside the call (3 accesses per element: read EMA and model,
+write EMA). A CPU store to memory that is not in cache first reads the line (write-allocate), so a
+``copy_`` moves 3 accesses per element too, the same as a ``lerp_``; both are counted that way.
+
+The bytes term has one bandwidth per regime: *cache* while the working set (EMA + model) is at most
+half the LLC, *DRAM* from twice the LLC on; points in between are measured and plotted but not
+fitted (part of them hits the cache). Each fit is a non-negative least-squares fit without
+intercept, weighted by 1/time so small and large points count alike. ``floor`` is one ``lerp_``
+over two contiguous buffers: the best an EMA update of that many elements can do, and the reference
+of :attr:`CostModel.floor_fraction`: floor time over a strategy's time on the same elements, measured
+interleaved (the same op over the same bytes, so no byte-counting convention enters; 1.0 means as fast
+as the floor, and values a little above 1 are timing noise).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,105 +44,226 @@ __all__ = [
     "CostFit",
     "CostModel",
     "fit_cost",
+    "last_level_cache_bytes",
     "run_cost_model",
+    "plot_cost_regimes",
+    "working_set_bytes",
+    "regime",
     "sweep_plan",
     "BYTES_PER_ELEMENT",
     "FIXED_ELEMENTS",
     "FIXED_TENSORS",
 ]
 
-#: element-sized memory accesses per element: mul_ (r+w), mul (r+w), add_ (2r+w); lerp (2r+w); copy (r+w)
-BYTES_PER_ELEMENT = {"loop": 7, "foreach": 3, "floor": 3, "copy": 2}
+#: element-sized memory accesses per element: mul_ (r+w), mul (r+w), add_ (2r+w); lerp (2r+w);
+#: copy (r + the destination's write-allocate read + w)
+BYTES_PER_ELEMENT = {"loop": 7, "foreach": 3, "floor": 3, "copy": 3}
 FIXED_ELEMENTS = 1 << 20  # count sweep: 1M float32 elements (4 MiB per side)
 FIXED_TENSORS = 64  # size sweep
+LLC_MULTIPLE = 4  # full mode sweeps until one side holds this many times the last-level cache
+DEFAULT_LLC_BYTES = 32 << 20  # assumed when the OS does not say (a common server L3 slice)
+
+
+def _parse_size(text: str) -> int:
+    """``"32768K"`` / ``"1M"`` / ``"512"`` (sysfs cache sizes) in bytes."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * scale
+
+
+def last_level_cache_bytes(
+    sysfs: Path | str = "/sys/devices/system/cpu/cpu0/cache",
+) -> tuple[int | None, str]:
+    """The size of the largest data cache level of CPU 0 in bytes, and where it was read (None if unknown)."""
+    best: tuple[int, int] | None = None  # (level, bytes)
+    for index in sorted(Path(sysfs).glob("index*")):
+        try:
+            kind = (index / "type").read_text().strip()
+            level = int((index / "level").read_text())
+            size = _parse_size((index / "size").read_text())
+        except (OSError, ValueError):
+            continue
+        if kind in ("Unified", "Data") and size > 0 and (best is None or level > best[0]):
+            best = (level, size)
+    if best is not None:
+        return best[1], f"{sysfs}/index*/size (L{best[0]})"
+    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        try:
+            size = os.sysconf(name)
+        except (ValueError, OSError):
+            continue
+        if size and size > 0:
+            return int(size), f"os.sysconf({name!r})"
+    return None, "unknown (no sysfs cache entries, no sysconf value)"
 
 
 @dataclass(frozen=True)
 class CostFit:
-    """A fitted ``time = overhead * units + bytes / bandwidth`` for one strategy on one device."""
+    """A fitted ``time = overhead * units + bytes / bandwidth`` for one strategy, one bandwidth per regime."""
 
     strategy: str
     unit: str  # what one "op" is for this strategy
     overhead_per_op_us: float
-    bandwidth_gbps: float  # 1e9 bytes per second; inf when the fit found no bandwidth term
+    bandwidth_gbps: float  # 1e9 bytes/s while the working set fits in the LLC; inf when no bytes term fits
     r2: float
     points: int
+    dram_bandwidth_gbps: float | None = None  # beyond the LLC; None when no point of the sweep is there
+
+    def seconds(self, units: float, nbytes: float, beyond_llc: bool = False) -> float:
+        """The fitted time of one update of ``units`` ops moving ``nbytes`` bytes."""
+        bw = self.dram_bandwidth_gbps if beyond_llc else self.bandwidth_gbps
+        if bw is None:
+            raise ValueError(f"{self.strategy}: no point beyond the last-level cache was measured")
+        return self.overhead_per_op_us * 1e-6 * units + (0.0 if np.isinf(bw) else nbytes / (bw * 1e9))
+
+
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: drop the most negative column and refit until none is."""
+    active = [j for j in range(x.shape[1]) if np.any(x[:, j])]
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if np.all(sol >= 0):
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef
 
 
 def fit_cost(
-    units: list[float], nbytes: list[float], seconds: list[float], strategy: str, unit: str
+    units: list[float],
+    nbytes: list[float],
+    seconds: list[float],
+    strategy: str,
+    unit: str,
+    beyond_llc: list[bool] | None = None,
 ) -> CostFit:
-    """Least-squares fit (no intercept, relative error) of ``seconds = a * units + nbytes / bw``."""
+    """Non-negative least squares (no intercept, relative error) of ``seconds = a * units + nbytes / bw``.
+
+    With ``beyond_llc`` (one flag per point) the bytes of points beyond the last-level cache get their
+    own bandwidth (``dram_bandwidth_gbps``).
+    """
     if not (len(units) == len(nbytes) == len(seconds)) or len(units) < 2:
         raise ValueError(f"need >= 2 points of equal length, got {len(units)}, {len(nbytes)}, {len(seconds)}")
-    x = np.column_stack([units, nbytes]).astype(float)
+    far = np.zeros(len(units), dtype=bool) if beyond_llc is None else np.asarray(beyond_llc, dtype=bool)
+    if far.shape != (len(units),):
+        raise ValueError(f"beyond_llc: expected {len(units)} flags, got {far.shape[0]}")
+    b = np.asarray(nbytes, dtype=float)
+    x = np.column_stack([units, np.where(far, 0.0, b), np.where(far, b, 0.0)]).astype(float)
     y = np.asarray(seconds, dtype=float)
     w = 1.0 / y  # relative error: a 10 us point weighs as much as a 10 ms point
-    coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
-    if coef[0] < 0 or coef[1] < 0:
-        # A negative coefficient is meaningless: keep the one term that fits, refit it alone.
-        col = 0 if coef[1] < 0 else 1
-        single, *_ = np.linalg.lstsq((x[:, col] * w)[:, None], y * w, rcond=None)
-        coef = np.zeros(2)
-        coef[col] = max(single[0], 0.0)
+    coef = _nonneg_lstsq(x * w[:, None], y * w)
     pred = x @ coef
     ss_res = float(np.sum(((y - pred) * w) ** 2))
     ss_tot = float(np.sum(((y - np.average(y, weights=w**2)) * w) ** 2)) or 1.0
-    bw = float(1.0 / coef[1] / 1e9) if coef[1] > 0 else float("inf")
-    return CostFit(strategy, unit, float(coef[0]) * 1e6, bw, float(1.0 - ss_res / ss_tot), len(units))
+
+    def gbps(c: float) -> float:
+        return float(1.0 / c / 1e9) if c > 0 else float("inf")
+
+    dram = gbps(coef[2]) if far.any() else None
+    return CostFit(
+        strategy, unit, float(coef[0]) * 1e6, gbps(coef[1]), float(1.0 - ss_res / ss_tot), len(units), dram
+    )
 
 
 @dataclass
 class CostModel:
-    """The sweep's points, the fits, and the copy roofline on one device."""
+    """The sweep's points, the fits, and the last-level cache size that splits the two regimes."""
 
     device: str
     threads: int
     fits: dict[str, CostFit]  # "loop", "foreach", and the single-kernel references "floor" and "copy"
     points: list[dict[str, object]] = field(default_factory=list)
+    llc_bytes: int | None = None
+    llc_source: str = ""
 
     @property
     def copy_bandwidth_gbps(self) -> float:
-        """The roofline: fitted bandwidth of one ``copy_`` kernel over the same sizes."""
+        """Fitted bandwidth of one ``copy_`` kernel in the cache regime (write-allocate read counted)."""
         return self.fits["copy"].bandwidth_gbps
 
+    def _fraction(self, where: str) -> dict[str, float | None]:
+        # Time ratio at the largest size of the regime (64 tensors, bytes dominate): interleaved
+        # measurements of the same elements, no byte-counting convention and no fitted term involved.
+        sized = [p for p in self.points if p["tensors"] in (FIXED_TENSORS, 1) and p.get("regime") == where]
+        if not sized:
+            return {"loop": None, "foreach": None}
+        largest = max(int(p["elements"]) for p in sized)  # type: ignore[call-overload]
+        at = {p["strategy"]: float(p["median_s"]) for p in sized if p["elements"] == largest}  # type: ignore[arg-type]
+        return {k: (at["floor"] / at[k] if k in at and "floor" in at else None) for k in ("loop", "foreach")}
+
     @property
-    def roofline_fraction(self) -> dict[str, float]:
-        """Fitted bandwidth of each strategy over the single-kernel copy's (1.0 = as fast as a copy)."""
-        return {k: f.bandwidth_gbps / self.copy_bandwidth_gbps for k, f in self.fits.items() if k != "copy"}
+    def floor_fraction(self) -> dict[str, float | None]:
+        """Floor time over each strategy's time at the largest cache-regime size (1.0: as fast)."""
+        return self._fraction("cache")
+
+    @property
+    def floor_fraction_dram(self) -> dict[str, float | None]:
+        """The same at the largest size beyond the last-level cache (None if the sweep did not go there)."""
+        return self._fraction("dram")
+
+    @property
+    def roofline_fraction(self) -> dict[str, float | None]:
+        """Kept for result files: the same as :attr:`floor_fraction` (the floor is the reference)."""
+        return self.floor_fraction
 
     def as_dict(self) -> dict[str, object]:
         """A JSON-friendly dict (infinite bandwidths become None)."""
 
-        def finite(v: float) -> float | None:
-            return v if np.isfinite(v) else None
+        def finite(v: float | None) -> float | None:
+            return v if v is not None and np.isfinite(v) else None
 
         fits = {}
         for k, f in self.fits.items():
             d = asdict(f)
             d["bandwidth_gbps"] = finite(f.bandwidth_gbps)
+            d["dram_bandwidth_gbps"] = finite(f.dram_bandwidth_gbps)
             fits[k] = d
         return {
             "device": self.device,
             "threads": self.threads,
             "fixed_elements": FIXED_ELEMENTS,
             "fixed_tensors": FIXED_TENSORS,
+            "llc_bytes": self.llc_bytes,
+            "llc_source": self.llc_source,
             "fits": fits,
             "copy_bandwidth_gbps": finite(self.copy_bandwidth_gbps),
-            "roofline_fraction": {k: finite(v) for k, v in self.roofline_fraction.items()},
+            "floor_fraction": self.floor_fraction,
+            "floor_fraction_dram": self.floor_fraction_dram,
+            "roofline_fraction": self.roofline_fraction,
             "points": self.points,
         }
 
 
-def sweep_plan(quick: bool = False) -> list[tuple[str, int, int]]:
-    """The (sweep, tensors, total elements) points: counts at fixed size, sizes at fixed count."""
+def sweep_plan(quick: bool = False, llc_bytes: int | None = None) -> list[tuple[str, int, int]]:
+    """The (sweep, tensors, total elements) points: counts at fixed size, sizes at fixed count.
+
+    Full mode doubles the size past 4 Mi elements until one side (float32) holds ``LLC_MULTIPLE`` x
+    ``llc_bytes`` (``DEFAULT_LLC_BYTES`` when None); quick mode stays at two sizes inside the cache.
+    """
     counts = (1, 16, 64, 1024) if quick else (1, 4, 16, 64, 256, 1024)
-    sizes = (1 << 16, 1 << 22) if quick else (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+    if quick:
+        sizes: list[int] = [1 << 16, 1 << 22]
+    else:
+        sizes = [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22]
+        target = LLC_MULTIPLE * (llc_bytes or DEFAULT_LLC_BYTES) // 4
+        while sizes[-1] < target:
+            sizes.append(sizes[-1] * 2)
     plan = [("count", n, FIXED_ELEMENTS) for n in counts]
-    plan += [
-        ("size", FIXED_TENSORS, e) for e in sizes if (FIXED_TENSORS, e) != (FIXED_TENSORS, FIXED_ELEMENTS)
-    ]
+    plan += [("size", FIXED_TENSORS, e) for e in sizes if e != FIXED_ELEMENTS]
     return plan
+
+
+def working_set_bytes(elements: int) -> int:
+    """Bytes of EMA plus model (float32) that one update streams through."""
+    return 2 * 4 * elements
+
+
+def regime(working_set: int, llc_bytes: int) -> str:
+    """``"cache"`` up to half the LLC, ``"dram"`` from twice it, ``"transition"`` in between (not fitted)."""
+    if working_set <= llc_bytes // 2:
+        return "cache"
+    return "dram" if working_set >= 2 * llc_bytes else "transition"
 
 
 def _split(total: int, n: int, device: str) -> list[torch.Tensor]:
@@ -148,13 +279,25 @@ def run_cost_model(
     threads: int = 1,
     rounds: int | None = None,
     on_round: Callable[[int], None] | None = None,
+    llc_bytes: int | None = None,
 ) -> CostModel:
-    """Run both sweeps on ``device``, interleaved in one timing session, and fit the cost model."""
+    """Run both sweeps on ``device``, interleaved in one timing session, and fit the cost model.
+
+    ``llc_bytes`` defaults to :func:`last_level_cache_bytes` on CPU; on an accelerator pass its own
+    cache size (or leave it None: every point then counts as the cache regime unless beyond the default).
+    """
     decay = 0.9999
     rounds = rounds or (3 if quick else 9)
+    source = "given"
+    if llc_bytes is None and device == "cpu":
+        llc_bytes, source = last_level_cache_bytes()
+    elif llc_bytes is None:
+        source = f"unknown for {device}"
+    plan = sweep_plan(quick, llc_bytes)
+    split = llc_bytes or DEFAULT_LLC_BYTES
     candidates: dict[str, Callable[[], object]] = {}
     meta: dict[str, dict[str, object]] = {}
-    for sweep, n, total in sweep_plan(quick):
+    for sweep, n, total in plan:
         ema, model = _split(total, n, device), _split(total, n, device)
         for strategy in ("loop", "foreach"):
             step = prepare(strategy, ema, model)
@@ -165,7 +308,7 @@ def run_cost_model(
             meta[key] = {"sweep": sweep, "strategy": strategy, "tensors": n, "elements": total, "ops": ops}
             meta[key]["units"] = units
     # The single-kernel references at every total size of the sweep, so they are fitted alike.
-    for total in sorted({total for _, _, total in sweep_plan(quick)}):
+    for total in sorted({total for _, _, total in plan}):
         a, b = torch.rand(total, device=device), torch.rand(total, device=device)
         refs = {"copy": lambda a=a, b=b: a.copy_(b), "floor": lambda a=a, b=b: a.lerp_(b, 1 - decay)}
         for k, fn in refs.items():
@@ -189,8 +332,19 @@ def run_cost_model(
     points = []
     for k, m in meta.items():
         t = timed[k]
-        nbytes = BYTES_PER_ELEMENT[str(m["strategy"])] * int(m["elements"]) * 4
-        points.append({**m, "bytes": nbytes, "median_s": t.median_s, "q1_s": t.q1_s, "q3_s": t.q3_s})
+        elements = int(m["elements"])  # type: ignore[call-overload]
+        nbytes = BYTES_PER_ELEMENT[str(m["strategy"])] * elements * 4
+        points.append(
+            {
+                **m,
+                "bytes": nbytes,
+                "working_set_bytes": working_set_bytes(elements),
+                "regime": regime(working_set_bytes(elements), split),
+                "median_s": t.median_s,
+                "q1_s": t.q1_s,
+                "q3_s": t.q3_s,
+            }
+        )
     fits = {}
     units = {
         "loop": "dispatched op",
@@ -199,12 +353,123 @@ def run_cost_model(
         "copy": "call",
     }
     for strategy, unit in units.items():
-        pts = [p for p in points if p["strategy"] == strategy]
+        pts = [p for p in points if p["strategy"] == strategy and p["regime"] != "transition"]
         fits[strategy] = fit_cost(
-            [float(p["units"]) for p in pts],
-            [float(p["bytes"]) for p in pts],
-            [float(p["median_s"]) for p in pts],
+            [float(p["units"]) for p in pts],  # type: ignore[arg-type]
+            [float(p["bytes"]) for p in pts],  # type: ignore[arg-type]
+            [float(p["median_s"]) for p in pts],  # type: ignore[arg-type]
             strategy,
             unit,
+            beyond_llc=[p["regime"] == "dram" for p in pts],
         )
-    return CostModel(device, threads, fits, points)
+    return CostModel(device, threads, fits, points, llc_bytes, source)
+
+
+def plot_cost_regimes(cost: dict[str, Any]) -> Any:
+    """Left: time vs tensor count (launch-bound); right: GB/s vs working set with the cache and DRAM regimes.
+
+    ``cost`` is :meth:`CostModel.as_dict` (or a result file's ``cost_model[device]``).
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    pts, fits = cost["points"], cost["fits"]
+    for strategy in ("loop", "foreach"):
+        fit = fits[strategy]
+        sel = sorted(
+            (p for p in pts if p["sweep"] == "count" and p["strategy"] == strategy),
+            key=lambda p: p["tensors"],
+        )
+        x = [p["tensors"] for p in sel]
+        line = left.plot(x, [1e3 * p["median_s"] for p in sel], "o", label=f"{strategy}: measured")[0]
+        bw = fit["bandwidth_gbps"]
+        model = [
+            1e3 * (fit["overhead_per_op_us"] * 1e-6 * p["units"] + (p["bytes"] / (bw * 1e9) if bw else 0.0))
+            for p in sel
+        ]
+        left.plot(x, model, "-", color=line.get_color(), alpha=0.6, label=f"{strategy}: fit")
+    left.set_xscale("log")
+    left.set_yscale("log")
+    left.set_xlabel(f"tensors holding {cost['fixed_elements']:,} float32 elements in all")
+    left.set_ylabel("update time (ms, median)")
+    left.set_title(
+        f"launch-bound: {fits['loop']['overhead_per_op_us']:.2f} us per dispatched op (loop)", fontsize=9
+    )
+    left.legend(fontsize=7)
+    llc = cost.get("llc_bytes") or DEFAULT_LLC_BYTES
+    for strategy, style in (("loop", "o-"), ("foreach", "s-"), ("floor", "D-"), ("copy", "^:")):
+        sel = [
+            p
+            for p in pts
+            if p["strategy"] == strategy and (p["sweep"] != "count" or p["tensors"] == cost["fixed_tensors"])
+        ]
+        sel.sort(key=lambda p: p["elements"])
+        right.plot(
+            [p["working_set_bytes"] / 2**20 for p in sel],
+            [p["bytes"] / p["median_s"] / 1e9 for p in sel],
+            style,
+            label=f"{strategy} ({BYTES_PER_ELEMENT[strategy]} accesses per element)",
+        )
+    right.axvspan(llc / 2 / 2**20, 2 * llc / 2**20, color="grey", alpha=0.15, label="transition (not fitted)")
+    right.axvline(llc / 2**20, color="grey", ls=":", label=f"last-level cache {llc / 2**20:.0f} MiB")
+    right.set_xscale("log")
+    floor = fits["floor"]
+    for key, name in (("bandwidth_gbps", "cache"), ("dram_bandwidth_gbps", "DRAM")):
+        if floor.get(key):
+            right.axhline(floor[key], color="k", lw=0.8, ls="--" if name == "DRAM" else "-")
+            right.annotate(
+                f"floor fit, {name}: {floor[key]:.0f} GB/s",
+                xy=(0.01, floor[key]),
+                xycoords=("axes fraction", "data"),
+                xytext=(0, 3),
+                textcoords="offset points",
+                fontsize=7,
+            )
+    right.set_xscale("log")
+    right.set_xlabel("working set: EMA + model (MiB, float32)")
+    right.set_ylabel("counted bytes / time (GB/s)")
+    right.set_title("bandwidth-bound: cache, then DRAM beyond the last-level cache", fontsize=9)
+    right.legend(fontsize=7)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ema_lab.bench.costmodel [--quick] [--out FILE]``: run the sweep, print the fits."""
+    import argparse
+    import datetime as _dt
+    import json
+
+    from .environment import environment
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--quick", action="store_true", help="the small sweep (inside the cache)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="write the cost model and the environment as JSON here")
+    args = parser.parse_args(argv)
+    cost = run_cost_model("cpu", quick=args.quick, threads=args.threads)
+    print(f"last-level cache: {cost.llc_bytes} bytes, from {cost.llc_source}")
+    for name, f in cost.fits.items():
+        dram = "-" if f.dram_bandwidth_gbps is None else f"{f.dram_bandwidth_gbps:.1f}"
+        print(
+            f"{name:<8} {f.overhead_per_op_us:6.2f} us per {f.unit:<34} cache {f.bandwidth_gbps:6.1f} GB/s, "
+            f"DRAM {dram} GB/s (R^2 {f.r2:.2f})"
+        )
+    if args.out:
+        now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        # The load average says how busy the machine was (other jobs share its cores and caches).
+        load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+        record = {
+            "created": now,
+            "environment": environment("cpu"),
+            "load_average_1_5_15min": load,
+            "quick": args.quick,
+            "cost_model": cost.as_dict(),
+        }
+        args.out.write_text(json.dumps(record, indent=1, default=float) + "\n")
+        print("wrote", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

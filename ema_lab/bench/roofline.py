@@ -1,15 +1,14 @@
-"""Achieved memory bandwidth of each EMA update against a single-kernel copy of the same bytes.
+"""Each EMA update against the floor: one ``lerp_`` over two contiguous buffers of the same elements.
 
-An EMA update of ``B`` float bytes reads the EMA and the model and writes the EMA: ``3 B`` bytes
-of useful traffic. One ``copy_`` of ``B`` bytes moves ``2 B`` in one kernel; its GB/s is the
-roofline this machine reaches with a single large kernel. A strategy at the roofline spends its
-time moving bytes; one far below it spends it on per-tensor overhead.
+An EMA update of ``B`` float bytes reads the EMA and the model and writes the EMA: ``3 B`` bytes of
+traffic (the EMA's cache lines are already read, so its write needs no extra write-allocate read).
+The floor does exactly that in one kernel, so ``floor time / strategy time`` needs no byte model at
+all and cannot exceed 1 except by noise: 1.0 means "as fast as one kernel over the same bytes".
 
-The byte counts are :data:`ema_lab.bench.costmodel.BYTES_PER_ELEMENT`, shared with the cost model. They
-count what a kernel asks for, not what the memory system moves: on a CPU with write-allocate
-caches a copy also reads its destination, so a lerp can show a fraction above 1 there (about 1.5
-when it runs as fast as the copy). The ratio that needs no byte model is ``floor`` time over a
-strategy's time: the bench table lists the floor beside every strategy.
+:func:`plot_time_vs_bytes` draws every candidate as time against bytes on log-log axes, with the
+floor's fitted cost from the same record's cost model (:mod:`ema_lab.bench.costmodel`): one line per
+memory regime (cache, DRAM beyond the last-level cache) and the last-level cache size marked, so a
+reader sees which models are launch-bound (far above the line) and which stream memory (on it).
 """
 
 from __future__ import annotations
@@ -17,79 +16,142 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .costmodel import BYTES_PER_ELEMENT
+from .costmodel import BYTES_PER_ELEMENT, DEFAULT_LLC_BYTES
 
-__all__ = ["RooflinePoint", "roofline_points", "format_roofline", "plot_roofline"]
+__all__ = ["FloorPoint", "floor_points", "format_floor", "plot_time_vs_bytes"]
 
 
 @dataclass(frozen=True)
-class RooflinePoint:
-    """One candidate on one model: achieved GB/s and the copy's GB/s on the same bytes."""
+class FloorPoint:
+    """One candidate on one model: its median time, the bytes it must move and the floor's time."""
 
     model: str
     candidate: str
     median_ms: float
-    gbps: float
-    copy_gbps: float
+    float_bytes: int  # bytes of the model's floating-point tensors (one side)
+    floor_ms: float
 
     @property
-    def fraction(self) -> float:
-        """Achieved bandwidth as a fraction of the single-kernel copy."""
-        return self.gbps / self.copy_gbps
+    def traffic_bytes(self) -> int:
+        """Bytes an update must move: read EMA and model, write EMA."""
+        return BYTES_PER_ELEMENT["floor"] * self.float_bytes
+
+    @property
+    def gbps(self) -> float:
+        """Achieved bandwidth in 1e9 bytes per second, counting the update's three streams."""
+        return self.traffic_bytes / (self.median_ms * 1e-3) / 1e9
+
+    @property
+    def of_floor(self) -> float:
+        """Floor time over this candidate's time: 1.0 is as fast as one ``lerp_`` over the same bytes."""
+        return self.floor_ms / self.median_ms
 
 
-def roofline_points(record: dict[str, Any], device: str = "cpu") -> list[RooflinePoint]:
-    """Turn the rows of a bench record (:func:`ema_lab.bench.run_bench`) into roofline points."""
+def floor_points(record: dict[str, Any], device: str = "cpu") -> list[FloorPoint]:
+    """Turn the update rows of a bench record (:func:`ema_lab.bench.run_bench`) into points vs its floor."""
     rows = [r for r in record["results"] if r["device"] == device]
-    copy = {r["model"]: r for r in rows if r["candidate"] == "copy"}
-    out = []
-    for r in rows:
-        if r["candidate"] == "copy":
-            continue
-        nbytes = r["stats"]["float_bytes"]
-        c = copy[r["model"]]
-        out.append(
-            RooflinePoint(
-                model=r["model"],
-                candidate=r["candidate"],
-                median_ms=r["median_ms"],
-                gbps=BYTES_PER_ELEMENT["floor"] * nbytes / (r["median_ms"] * 1e-3) / 1e9,
-                copy_gbps=BYTES_PER_ELEMENT["copy"] * nbytes / (c["median_ms"] * 1e-3) / 1e9,
-            )
+    floor = {r["model"]: r for r in rows if r["candidate"] == "floor"}
+    missing = sorted({r["model"] for r in rows} - set(floor))
+    if missing:
+        raise ValueError(f"no 'floor' row for model(s) {missing} on {device}: run the bench with the floor")
+    return [
+        FloorPoint(
+            r["model"],
+            r["candidate"],
+            r["median_ms"],
+            r["stats"]["float_bytes"],
+            floor[r["model"]]["median_ms"],
         )
-    return out
+        for r in rows
+        if r["candidate"] not in ("floor", "copy")  # copy_ is another single-kernel reference, not an update
+    ]
 
 
-def format_roofline(points: list[RooflinePoint]) -> str:
-    """A text table: model, candidate, median ms, GB/s, fraction of the copy's GB/s."""
-    lines = [f"{'model':<13} {'candidate':<12} {'median ms':>10} {'GB/s':>7} {'of copy':>8}"]
+def format_floor(points: list[FloorPoint]) -> str:
+    """A text table: model, candidate, median ms, GB/s (three streams), time of the floor over its time."""
+    lines = [f"{'model':<13} {'candidate':<12} {'median ms':>10} {'GB/s':>7} {'floor/time':>10}"]
     for p in points:
         lines.append(
-            f"{p.model:<13} {p.candidate:<12} {p.median_ms:>10.3f} {p.gbps:>7.2f} {p.fraction:>7.0%}"
+            f"{p.model:<13} {p.candidate:<12} {p.median_ms:>10.3f} {p.gbps:>7.2f} {p.of_floor:>10.2f}"
         )
     return "\n".join(lines)
 
 
-def plot_roofline(points: list[RooflinePoint]) -> Any:
-    """One panel per model: achieved GB/s per candidate (log scale) with the copy's GB/s as a line."""
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+def plot_time_vs_bytes(points: list[FloorPoint], cost_model: dict[str, Any] | None = None) -> Any:
+    """Log-log time per update against bytes moved, one marker per candidate and model, with the floor.
 
-    names = list(dict.fromkeys(p.model for p in points))
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 4.2), squeeze=False)
-    for ax, name in zip(axes[0], names):
-        pts = [p for p in points if p.model == name]
-        ax.barh([p.candidate for p in pts], [p.gbps for p in pts], color="tab:blue")
-        ax.axvline(pts[0].copy_gbps, color="tab:red", ls="--", label=f"copy_ {pts[0].copy_gbps:.1f} GB/s")
-        ax.set_xscale("log")
-        ax.set_xlim(min(p.gbps for p in pts) / 2, 2 * max(max(p.gbps for p in pts), pts[0].copy_gbps))
-        ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("achieved bandwidth (GB/s, 3 x float bytes / time)")
-        ax.set_title(name)
-        ax.invert_yaxis()
-        ax.legend(loc="lower right", fontsize=8)
-    axes[0][0].set_ylabel("candidate")
-    fig.suptitle("EMA update vs the single-kernel copy roofline (1 thread)")
+    ``cost_model`` is a record's ``cost_model[device]`` (:meth:`CostModel.as_dict`); its floor fit draws
+    the floor line per regime and its ``llc_bytes`` the last-level cache. Without it the measured floor
+    points of the models are joined instead.
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, cand in enumerate(dict.fromkeys(p.candidate for p in points)):
+        pts = sorted((p for p in points if p.candidate == cand), key=lambda p: p.traffic_bytes)
+        ax.plot(
+            [p.traffic_bytes / 2**20 for p in pts],
+            [p.median_ms for p in pts],
+            marker="os^vD<>ph*"[i % 10],
+            ls="",
+            label=cand,
+        )
+    by_model = {p.model: p for p in points}
+    for name, p in by_model.items():
+        ax.annotate(
+            name,
+            (p.traffic_bytes / 2**20, p.floor_ms),
+            textcoords="offset points",
+            xytext=(4, -12),
+            fontsize=8,
+        )
+    lo = min(p.traffic_bytes for p in points) / 2
+    hi = max(p.traffic_bytes for p in points) * 2
+    fit = (cost_model or {}).get("fits", {}).get("floor")
+    llc = (cost_model or {}).get("llc_bytes") or DEFAULT_LLC_BYTES
+    # The update's working set is EMA + model = 2/3 of its traffic; the regimes split on it.
+    llc_traffic = 1.5 * llc
+    if fit and fit.get("bandwidth_gbps"):
+        over = fit["overhead_per_op_us"] * 1e-3
+        x = np.geomspace(lo, min(hi, llc_traffic / 2), 50)
+        ax.plot(
+            x / 2**20,
+            over + x / (fit["bandwidth_gbps"] * 1e6),
+            "k-",
+            lw=1.2,
+            label=f"floor fit, cache: {fit['bandwidth_gbps']:.0f} GB/s",
+        )
+        if fit.get("dram_bandwidth_gbps") and hi > 2 * llc_traffic:
+            x = np.geomspace(2 * llc_traffic, hi, 50)
+            ax.plot(
+                x / 2**20,
+                over + x / (fit["dram_bandwidth_gbps"] * 1e6),
+                "k--",
+                lw=1.2,
+                label=f"floor fit, DRAM: {fit['dram_bandwidth_gbps']:.0f} GB/s",
+            )
+    else:
+        floors = sorted(by_model.values(), key=lambda p: p.traffic_bytes)
+        ax.plot(
+            [p.traffic_bytes / 2**20 for p in floors],
+            [p.floor_ms for p in floors],
+            "k-",
+            label="floor (measured)",
+        )
+    known = cost_model is not None and cost_model.get("llc_bytes")
+    ax.axvline(
+        llc_traffic / 2**20,
+        color="grey",
+        ls=":",
+        label=f"EMA + model = last-level cache ({llc / 2**20:.0f} MiB{'' if known else ', assumed'})",
+    )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes an update moves (MiB: read EMA + read model + write EMA)")
+    ax.set_ylabel("time per update (ms, median)")
+    ax.set_title("EMA update time vs bytes moved; on the floor line = streaming as fast as one lerp_")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     return fig
