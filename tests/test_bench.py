@@ -12,18 +12,21 @@ import pytest
 from ema_lab.__main__ import main
 from ema_lab.bench import sweep
 from ema_lab.bench.environment import available_devices
-from ema_lab.bench.plots import plot_compare
+from ema_lab.bench.plots import plot_compare, plot_cost_model
 from ema_lab.bench.results import (
     SCHEMA_VERSION,
     ResultError,
     bench_files,
+    cost_model_line,
+    format_table,
     load,
     load_many,
     result_stem,
     settings_differences,
+    upgrade,
     validate,
 )
-from ema_lab.bench.sweep import BASELINE, REFERENCES, candidate_names, write_results
+from ema_lab.bench.sweep import BASELINE, REFERENCES, candidate_names, floor_fraction, write_results
 from ema_lab.ema import STRATEGIES
 from ema_lab.lessons import models
 
@@ -62,7 +65,7 @@ def test_quick_bench_writes_valid_json_and_pngs(quick_run, capsys):
     assert rc == 0
     (path,) = out.glob("*.json")
     record = load(path)  # validates
-    assert record["schema_version"] == SCHEMA_VERSION == 2
+    assert record["schema_version"] == SCHEMA_VERSION == 3
     created = record["created"]
     stamp = f"{created[:10]}T{created[11:19].replace(':', '')}Z"
     assert path.name == f"{record['machine']}_{stamp}_quick_t1-2_cpu.json" == f"{result_stem(record)}.json"
@@ -106,7 +109,7 @@ def test_skipped_devices_are_reported_in_the_table(quick_run, tmp_path, capsys):
     for dev in missing:
         assert f"{dev}: skipped: " in table
     record = load(next(tmp_path.glob("*.json")))
-    assert {r["candidate"] for r in record["results"]} == {BASELINE, "foreach", "copy"}
+    assert {r["candidate"] for r in record["results"]} == {BASELINE, "foreach", "floor", "copy"}
 
 
 def test_compare_plots_result_files_and_skips_other_tools_json(quick_run, tmp_path, capsys):
@@ -123,16 +126,102 @@ def test_compare_plots_result_files_and_skips_other_tools_json(quick_run, tmp_pa
 
 
 def test_committed_results_load_and_stay_intact():
-    """The committed version-1 file loads as version 2 (threads [1]) and is not rewritten by loading."""
+    """The committed version-1 file loads as version 3 (threads [1]) and is not rewritten by loading."""
     before = hashlib.sha256(COMMITTED.read_bytes()).hexdigest()
     record = load(COMMITTED)
-    assert record["schema_version"] == 2 and record["upgraded_from"] == 1
+    assert record["schema_version"] == 3 and record["upgraded_from"] == 1
     assert record["settings"]["threads"] == [1]
     validate(json.loads(COMMITTED.read_text()))  # the raw version-1 record is valid as it stands
     assert len(plot_compare([record]).axes) == 4  # yolo, resnet50, gpt2, tiny_tensors
     assert hashlib.sha256(COMMITTED.read_bytes()).hexdigest() == before
     records, notes = load_many(bench_files(RESULTS))
     assert any(p == COMMITTED for p, _ in records) and notes == []
+
+
+def _expected_floor_fraction(row: dict, rows: list[dict]) -> float | None:
+    """The floor row's median over ``row``'s on the same device, model and thread count (None for copy)."""
+    same = [
+        r
+        for r in rows
+        if r["candidate"] == "floor"
+        and (r["device"], r["model"], r["threads"]) == (row["device"], row["model"], row["threads"])
+    ]
+    return None if row["candidate"] == "copy" or not same else same[0]["median_ms"] / row["median_ms"]
+
+
+def test_floor_fraction_is_the_floor_time_over_the_row_time():
+    assert floor_fraction("flat", 0.3, 0.6) == 0.5 and floor_fraction("floor", 0.3, 0.3) == 1.0
+    assert floor_fraction("copy", 0.3, 0.25) is None  # a copy is not an EMA update
+    assert floor_fraction("flat", None, 0.6) is None  # no floor run
+    # an older (version-2) record: each row's fraction comes from the file's own floor row
+    row = {"device": "cpu", "model": "m", "threads": 1, "median_ms": 4.0, "roofline_fraction": 1.3}
+    old = {
+        "schema_version": 2,
+        "settings": {"threads": [1]},
+        "results": [
+            row | {"candidate": "floor", "median_ms": 1.0},
+            row | {"candidate": "flat"},
+            row | {"candidate": "copy"},
+            row | {"candidate": "flat", "model": "no floor"},
+        ],
+    }
+    new = upgrade(old)
+    assert new["schema_version"] == 3 and new["upgraded_from"] == 2
+    assert [r["floor_fraction"] for r in new["results"]] == [1.0, 0.25, None, None]
+    assert [r["roofline_fraction"] for r in new["results"]] == [1.3] * 4  # carried as stored
+
+
+def test_quick_bench_rows_hold_the_floor_fraction(quick_run):
+    _, out = quick_run
+    rows = _record(out)["results"]
+    for row in rows:
+        expected = _expected_floor_fraction(row, rows)  # the file stores ms: equal up to rounding
+        assert row["floor_fraction"] == (None if expected is None else pytest.approx(expected, rel=1e-12))
+        assert "roofline_fraction" not in row
+    assert {r["floor_fraction"] for r in rows if r["candidate"] == "floor"} == {1.0}
+
+
+def test_committed_results_print_floor_fractions_never_the_word_roofline():
+    for path in bench_files(RESULTS):
+        record = load(path)
+        table = format_table(record)
+        assert "roofline" not in table.lower(), path.name
+        for row in record["results"]:
+            assert row["floor_fraction"] == _expected_floor_fraction(row, record["results"])
+    record = load(COMMITTED)
+    table = format_table(record).splitlines()
+    head = next(i for i, line in enumerate(table) if line.startswith("model"))
+    assert table[head].split()[-2:] == ["floor", "frac"]
+    printed = {}
+    for line in table[head + 1 : head + 1 + len(record["results"])]:
+        model, cand, *_, frac = line.split()
+        printed[model, cand] = frac
+    assert len(printed) == 40  # 4 models x 10 candidates, each row printed once
+    for (model, cand), frac in printed.items():
+        if cand == "copy":
+            assert frac == "-"
+        else:
+            assert float(frac) <= 1.05, (model, cand, frac)
+    line = cost_model_line(record["cost_model"]["cpu"], 1)
+    assert "one bandwidth fitted on sizes up to 16 MiB per side (an older result file" in line
+
+
+def test_cost_model_plot_uses_two_regimes_and_stops_old_fits_at_their_sizes(quick_run):
+    _, out = quick_run
+    new = _record(out)["cost_model"]["cpu"]
+    assert "dram_bandwidth_gbps" in new["fits"][
+        "floor"
+    ] and "GB/s in cache, no size beyond the last-level cache" in cost_model_line(new, 1)
+    right = plot_cost_model(new).axes[1]
+    assert right.get_xlabel().startswith("working set")  # costmodel.plot_cost_regimes
+    old = load(COMMITTED)["cost_model"]["cpu"]
+    right = plot_cost_model(old).axes[1]
+    assert "older result file" in right.get_title() and "16 MiB" in right.get_title()
+    largest = max(p["elements"] for p in old["points"]) * 4 / 2**20
+    fits = [line for line in right.get_lines() if line.get_label().endswith(": fit")]
+    assert len(fits) == 2
+    for line in fits:
+        assert max(line.get_xdata()) <= largest
 
 
 def _later(record: dict, seconds: int) -> dict:
@@ -236,6 +325,8 @@ def test_validate_names_the_bad_field(quick_run):
         (lambda r: r["settings"].update(threads=[1, 1]), "a thread count is listed twice"),
         (lambda r: r["settings"].update(threads=[]), "non-empty list of ints"),
         (lambda r: r["results"][0].update(threads=8), r"results\[0\].threads: 8 is not in settings.threads"),
+        (lambda r: r["results"][0].pop("floor_fraction"), r"results\[0\]: missing field 'floor_fraction'"),
+        (lambda r: r["cost_model"]["cpu"]["fits"]["floor"].pop("dram_bandwidth_gbps"), "dram_bandwidth_gbps"),
     ]
     for breaks, message in cases:
         bad = copy.deepcopy(good)

@@ -47,6 +47,7 @@ __all__ = [
     "last_level_cache_bytes",
     "run_cost_model",
     "plot_cost_regimes",
+    "plot_count_panel",
     "working_set_bytes",
     "regime",
     "sweep_plan",
@@ -202,11 +203,6 @@ class CostModel:
         """The same at the largest size beyond the last-level cache (None if the sweep did not go there)."""
         return self._fraction("dram")
 
-    @property
-    def roofline_fraction(self) -> dict[str, float | None]:
-        """Kept for result files: the same as :attr:`floor_fraction` (the floor is the reference)."""
-        return self.floor_fraction
-
     def as_dict(self) -> dict[str, object]:
         """A JSON-friendly dict (infinite bandwidths become None)."""
 
@@ -230,7 +226,6 @@ class CostModel:
             "copy_bandwidth_gbps": finite(self.copy_bandwidth_gbps),
             "floor_fraction": self.floor_fraction,
             "floor_fraction_dram": self.floor_fraction_dram,
-            "roofline_fraction": self.roofline_fraction,
             "points": self.points,
         }
 
@@ -365,6 +360,37 @@ def run_cost_model(
     return CostModel(device, threads, fits, points, llc_bytes, source)
 
 
+def plot_count_panel(ax: Any, cost: dict[str, Any]) -> None:
+    """Draw the count sweep on ``ax``: time vs tensor count at a fixed total size, measured and fitted.
+
+    All its points hold ``fixed_elements`` elements, inside the cache, so the fit's cache bandwidth
+    (the only one an older result file has) applies to each of them.
+    """
+    pts, fits = cost["points"], cost["fits"]
+    for strategy in ("loop", "foreach"):
+        fit = fits[strategy]
+        sel = sorted(
+            (p for p in pts if p["sweep"] == "count" and p["strategy"] == strategy),
+            key=lambda p: p["tensors"],
+        )
+        x = [p["tensors"] for p in sel]
+        line = ax.plot(x, [1e3 * p["median_s"] for p in sel], "o", label=f"{strategy}: measured")[0]
+        bw = fit["bandwidth_gbps"]
+        model = [
+            1e3 * (fit["overhead_per_op_us"] * 1e-6 * p["units"] + (p["bytes"] / (bw * 1e9) if bw else 0.0))
+            for p in sel
+        ]
+        ax.plot(x, model, "-", color=line.get_color(), alpha=0.6, label=f"{strategy}: fit")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"tensors holding {cost['fixed_elements']:,} float32 elements in all")
+    ax.set_ylabel("update time (ms, median)")
+    ax.set_title(
+        f"launch-bound: {fits['loop']['overhead_per_op_us']:.2f} us per dispatched op (loop)", fontsize=9
+    )
+    ax.legend(fontsize=7)
+
+
 def plot_cost_regimes(cost: dict[str, Any]) -> Any:
     """Left: time vs tensor count (launch-bound); right: GB/s vs working set with the cache and DRAM regimes.
 
@@ -374,29 +400,8 @@ def plot_cost_regimes(cost: dict[str, Any]) -> Any:
 
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    plot_count_panel(left, cost)
     pts, fits = cost["points"], cost["fits"]
-    for strategy in ("loop", "foreach"):
-        fit = fits[strategy]
-        sel = sorted(
-            (p for p in pts if p["sweep"] == "count" and p["strategy"] == strategy),
-            key=lambda p: p["tensors"],
-        )
-        x = [p["tensors"] for p in sel]
-        line = left.plot(x, [1e3 * p["median_s"] for p in sel], "o", label=f"{strategy}: measured")[0]
-        bw = fit["bandwidth_gbps"]
-        model = [
-            1e3 * (fit["overhead_per_op_us"] * 1e-6 * p["units"] + (p["bytes"] / (bw * 1e9) if bw else 0.0))
-            for p in sel
-        ]
-        left.plot(x, model, "-", color=line.get_color(), alpha=0.6, label=f"{strategy}: fit")
-    left.set_xscale("log")
-    left.set_yscale("log")
-    left.set_xlabel(f"tensors holding {cost['fixed_elements']:,} float32 elements in all")
-    left.set_ylabel("update time (ms, median)")
-    left.set_title(
-        f"launch-bound: {fits['loop']['overhead_per_op_us']:.2f} us per dispatched op (loop)", fontsize=9
-    )
-    left.legend(fontsize=7)
     llc = cost.get("llc_bytes") or DEFAULT_LLC_BYTES
     for strategy, style in (("loop", "o-"), ("foreach", "s-"), ("floor", "D-"), ("copy", "^:")):
         sel = [

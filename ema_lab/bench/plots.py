@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from .costmodel import plot_cost_regimes, plot_count_panel
 from .results import run_label, settings_differences, upgrade
 
 __all__ = ["plot_times", "plot_threads", "plot_cost_model", "plot_compare"]
@@ -105,50 +106,50 @@ def plot_threads(record: dict[str, Any], device: str) -> Figure:
 
 
 def plot_cost_model(cost: dict[str, Any]) -> Figure:
-    """Update time vs tensor count at fixed total size, and vs total size at fixed count, with the fits."""
-    fig = Figure(figsize=(10, 4), layout="constrained")
+    """The cost model of one device: launch-bound (time vs tensor count) and bandwidth-bound panels.
+
+    A version-3 cost model (it has ``llc_bytes``) is drawn by
+    :func:`ema_lab.bench.costmodel.plot_cost_regimes`: achieved bandwidth per working set, with the
+    floor's cache and DRAM fits. An older one has a single bandwidth fitted on its sweep's sizes; its
+    size panel draws each fit only over the sizes it was fitted on, since beyond them (past the
+    last-level cache) that bandwidth no longer holds.
+    """
+    if "llc_bytes" in cost:
+        return plot_cost_regimes(cost)
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
     left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    plot_count_panel(left, cost)
     pts = cost["points"]
     for strategy in ("loop", "foreach"):
         fit = cost["fits"][strategy]
         bw = fit["bandwidth_gbps"]
-        inv_bw = 0.0 if not bw else 1.0 / (bw * 1e9)
-
-        def model(p: dict, fit: dict = fit, inv_bw: float = inv_bw) -> float:
-            return 1e3 * (fit["overhead_per_op_us"] * 1e-6 * p["units"] + p["bytes"] * inv_bw)
-
-        count_pts = [p for p in pts if p["sweep"] == "count" and p["strategy"] == strategy]
-        # The size line: every point with the fixed tensor count, from either sweep.
-        size_pts = [p for p in pts if p["tensors"] == cost["fixed_tensors"] and p["strategy"] == strategy]
-        for ax, sel, xkey, scale in (
-            (left, count_pts, "tensors", 1),
-            (right, size_pts, "elements", 4 / 2**20),
-        ):
-            sel = sorted(sel, key=lambda p: p[xkey])
-            x = [p[xkey] * scale for p in sel]
-            line = ax.plot(x, [1e3 * p["median_s"] for p in sel], "o", label=f"{strategy}: measured")[0]
-            ax.plot(
-                x, [model(p) for p in sel], "-", color=line.get_color(), alpha=0.6, label=f"{strategy}: fit"
-            )
+        sel = sorted(
+            (p for p in pts if p["tensors"] == cost["fixed_tensors"] and p["strategy"] == strategy),
+            key=lambda p: p["elements"],
+        )
+        x = [p["elements"] * 4 / 2**20 for p in sel]
+        line = right.plot(x, [1e3 * p["median_s"] for p in sel], "o", label=f"{strategy}: measured")[0]
+        fitted = [
+            1e3 * (fit["overhead_per_op_us"] * 1e-6 * p["units"] + (p["bytes"] / (bw * 1e9) if bw else 0.0))
+            for p in sel
+        ]
+        right.plot(x, fitted, "-", color=line.get_color(), alpha=0.6, label=f"{strategy}: fit")
     for ref, style in (("floor", "s--"), ("copy", "^:")):
         sel = sorted((p for p in pts if p["strategy"] == ref), key=lambda p: p["elements"])
         label = f"{ref}: one {'lerp_' if ref == 'floor' else 'copy_'} over 1 buffer"
         right.plot(
             [p["elements"] * 4 / 2**20 for p in sel], [1e3 * p["median_s"] for p in sel], style, label=label
         )
-    for ax, xlabel in (
-        (left, f"tensors holding {cost['fixed_elements']:,} float32 elements in all"),
-        (right, f"total size of {cost['fixed_tensors']} EMA tensors (MiB, float32)"),
-    ):
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("update time per step (ms)")
-        ax.legend(fontsize=7)
-    loop = cost["fits"]["loop"]
-    left.set_title(f"launch-bound: {loop['overhead_per_op_us']:.2f} us per dispatched op (loop)", fontsize=9)
+    right.set_xscale("log")
+    right.set_yscale("log")
+    right.set_xlabel(f"total size of {cost['fixed_tensors']} EMA tensors (MiB per side, float32)")
+    right.set_ylabel("update time (ms, median)")
+    right.legend(fontsize=7)
+    largest = max((p["elements"] * 4 for p in pts), default=0)
     right.set_title(
-        f"bandwidth-bound (copy roofline {cost['copy_bandwidth_gbps'] or 0:.0f} GB/s)", fontsize=9
+        f"older result file: one bandwidth per strategy, fitted on sizes up to {largest / 2**20:.0f} MiB\n"
+        "per side (no cache/DRAM split; the fit lines end where the fitted sizes do)",
+        fontsize=8,
     )
     return fig
 

@@ -4,7 +4,14 @@ A result is one JSON object (``SCHEMA``, ``SCHEMA_VERSION``) holding the environ
 settings, every device's status (measured, or the "skipped: <reason>" text), one row per
 (device, model, candidate, thread count) and the cost model per measured device (measured at the
 first thread count). Version 2 stores ``settings.threads`` as the list of thread counts measured;
-version 1 files (one int) still load: :func:`upgrade` turns them into version 2 in memory.
+version 3 gives every row its ``floor_fraction`` (the ``floor`` row's median time over the row's, on
+the same device, model and thread count; None for ``copy``, which is not an EMA update, and where no
+floor was run) and the cost model its two fitted bandwidths (cache and DRAM, ``dram_bandwidth_gbps``)
+and ``floor_fraction``. Older files still load: :func:`upgrade` turns them into version 3 in memory,
+computing each row's ``floor_fraction`` from the file's own ``floor`` rows. Their rows also carry
+the old ``roofline_fraction`` (update bytes per second over a ``copy_``'s, which ignored the copy's
+write-allocate read and so went above 1), kept as stored but never printed, and their cost model
+keeps its single bandwidth, fitted on that sweep's sizes only (the 2026-12-02 file: up to 16 MiB per side).
 
 Each run's files share a stem that is unique per run (:func:`result_stem`): machine, date and time
 of day (UTC, to the second), quick or full, thread counts and measured devices, e.g.
@@ -33,11 +40,12 @@ __all__ = [
     "run_label",
     "settings_differences",
     "format_table",
+    "cost_model_line",
 ]
 
 SCHEMA = "ema_lab.bench"
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 class ResultError(ValueError):
@@ -77,8 +85,13 @@ _ROW = {
     "number": (int,),
     "threads": (int,),
     "speedup_vs_seed_before": _NUM,
-    "roofline_fraction": _NUM,
+    "floor_fraction": (*_NUM, type(None)),
 }
+_ROW_BEFORE_V3 = {**{k: v for k, v in _ROW.items() if k != "floor_fraction"}, "roofline_fraction": _NUM}
+_COST = {"fits": (dict,), "points": (list,), "floor_fraction": (dict,), "llc_bytes": (int, type(None))}
+_COST_BEFORE_V3 = {"fits": (dict,), "points": (list,), "roofline_fraction": (dict,)}
+_FIT = {"overhead_per_op_us": _NUM, "bandwidth_gbps": (*_NUM, type(None)), "unit": (str,)}
+_FIT_V3 = {**_FIT, "dram_bandwidth_gbps": (*_NUM, type(None))}
 _STATS = {"entries": (int,), "float_tensors": (int,), "float_elements": (int,), "float_bytes": (int,)}
 _KINDS = {"baseline", "strategy", "reference"}
 
@@ -96,25 +109,56 @@ def _check_fields(obj: Any, spec: dict[str, tuple], where: str) -> None:
             raise ResultError(f"{where}.{key}: expected {names}, got {type(value).__name__} {value!r:.40}")
 
 
+def _with_floor_fractions(rows: list[Any]) -> list[Any]:
+    """Rows of an older file with ``floor_fraction`` from its own ``floor`` rows (None where it has none)."""
+    floor = {}
+    for r in rows:
+        if isinstance(r, dict) and r.get("candidate") == "floor" and isinstance(r.get("median_ms"), _NUM):
+            floor[r.get("device"), r.get("model"), r.get("threads")] = r["median_ms"]
+    out = []
+    for r in rows:
+        if not isinstance(r, dict) or "floor_fraction" in r:
+            out.append(r)
+            continue
+        f = floor.get((r.get("device"), r.get("model"), r.get("threads")))
+        t = r.get("median_ms")
+        ok = f is not None and r.get("candidate") != "copy" and isinstance(t, _NUM) and t > 0
+        out.append({**r, "floor_fraction": f / t if ok else None})
+    return out
+
+
 def upgrade(record: dict[str, Any]) -> dict[str, Any]:
-    """A version-2 copy of a version-1 record (``settings.threads``: int -> [int]); others as they are."""
-    if not isinstance(record, dict) or record.get("schema_version") != 1:
+    """A version-3 copy of a version-1 or -2 record; a version-3 record (or anything else) as it is.
+
+    Version 1 -> 2: ``settings.threads`` int -> [int]. Version 2 -> 3: each row gets ``floor_fraction``
+    from the file's own ``floor`` rows (None where there is none, and for ``copy``); ``roofline_fraction``
+    stays as stored, the cost model stays as it was fitted (one bandwidth). ``upgraded_from`` says
+    which version the file holds.
+    """
+    if not isinstance(record, dict) or record.get("schema_version") not in (1, 2):
         return record
     settings = record.get("settings")
-    if not isinstance(settings, dict) or not isinstance(settings.get("threads"), int):
-        return record  # let validate() name what is wrong
+    if record["schema_version"] == 1:
+        if not isinstance(settings, dict) or not isinstance(settings.get("threads"), int):
+            return record  # let validate() name what is wrong
+        settings = {**settings, "threads": [settings["threads"]]}
+    rows = record.get("results")
+    if not isinstance(rows, list):
+        return record
     return {
         **record,
-        "schema_version": 2,
-        "upgraded_from": 1,
-        "settings": {**settings, "threads": [settings["threads"]]},
+        "schema_version": 3,
+        "upgraded_from": record.get("upgraded_from", record["schema_version"]),
+        "settings": settings,
+        "results": _with_floor_fractions(rows),
     }
 
 
 def validate(record: Any) -> None:
     """Raise :class:`ResultError` naming the first field of ``record`` that does not match the schema.
 
-    A version-1 record is checked as its :func:`upgrade` to version 2.
+    An older record is checked as its :func:`upgrade` to version 3, its rows and cost model against
+    the fields of the version it was written in.
     """
     _check_fields(record, _TOP, "result")
     if record["schema"] != SCHEMA:
@@ -124,6 +168,10 @@ def validate(record: Any) -> None:
             f"result.schema_version: this ema_lab reads versions {list(READABLE_VERSIONS)}, "
             f"got {record['schema_version']}"
         )
+    version = record["schema_version"]
+    if version < 3 and isinstance(record["results"], list):
+        for i, row in enumerate(record["results"]):
+            _check_fields(row, _ROW_BEFORE_V3, f"result.results[{i}]")
     record = upgrade(record)
     _check_fields(record["settings"], _SETTINGS, "result.settings")
     threads = record["settings"]["threads"]
@@ -161,19 +209,13 @@ def validate(record: Any) -> None:
     for dev, cm in record["cost_model"].items():
         if dev not in measured:
             raise ResultError(f"result.cost_model.{dev}: {dev!r} is not a measured device")
-        _check_fields(
-            cm, {"fits": (dict,), "points": (list,), "roofline_fraction": (dict,)}, f"result.cost_model.{dev}"
-        )
+        _check_fields(cm, _COST if version >= 3 else _COST_BEFORE_V3, f"result.cost_model.{dev}")
         for name, fit in cm["fits"].items():
-            _check_fields(
-                fit,
-                {"overhead_per_op_us": _NUM, "bandwidth_gbps": (*_NUM, type(None)), "unit": (str,)},
-                f"result.cost_model.{dev}.fits.{name}",
-            )
+            _check_fields(fit, _FIT_V3 if version >= 3 else _FIT, f"result.cost_model.{dev}.fits.{name}")
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    """Read and validate one result file (version 1 or 2), return it as version 2; errors name the field."""
+    """Read and validate one result file (version 1, 2 or 3), return it as version 3; errors name fields."""
     try:
         record = json.loads(Path(path).read_text())
     except OSError as exc:
@@ -291,6 +333,47 @@ def settings_differences(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.0f} MiB"
+
+
+def cost_model_line(cm: dict[str, Any], threads: int) -> str:
+    """One line of the cost model: per-op overheads and the floor's bandwidth(s), labelled by fit kind.
+
+    A version-3 cost model has a cache and a DRAM bandwidth (``dram_bandwidth_gbps``, None when the
+    sweep stayed in the cache); an older one has a single bandwidth, fitted on its sweep's sizes only.
+    """
+    loop, fe, floor = cm["fits"]["loop"], cm["fits"]["foreach"], cm["fits"].get("floor", {})
+    head = (
+        f"cost model ({cm.get('threads', threads)} thread(s)): "
+        f"{loop['overhead_per_op_us']:.2f} us per dispatched op (per-tensor loop), "
+        f"{fe['overhead_per_op_us']:.2f} us per tensor inside one _foreach_lerp_; "
+    )
+
+    def gbps(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f} GB/s"
+
+    if "dram_bandwidth_gbps" in floor:
+        llc = "size unknown" if cm.get("llc_bytes") is None else _mib(cm["llc_bytes"])
+        dram = floor["dram_bandwidth_gbps"]
+        text = f"floor (one lerp_) {gbps(floor['bandwidth_gbps'])} in cache, " + (
+            f"{gbps(dram)} beyond the last-level cache ({llc})"
+            if dram is not None
+            else f"no size beyond the last-level cache ({llc}) measured"
+        )
+        for label, key in (("largest size in cache", "floor_fraction"), ("beyond it", "floor_fraction_dram")):
+            fr = {k: v for k, v in (cm.get(key) or {}).items() if v is not None}
+            if fr:
+                text += f"; floor fraction {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in fr.items())
+        return head + text
+    sizes = [p["elements"] for p in cm.get("points", []) if p.get("strategy") == "floor"]
+    upto = f" up to {_mib(4 * max(sizes))} per side" if sizes else ""
+    return head + (
+        f"floor (one lerp_) {gbps(floor.get('bandwidth_gbps'))}: one bandwidth fitted on sizes{upto} "
+        "(an older result file, no cache/DRAM split)"
+    )
+
+
 def format_table(record: dict[str, Any]) -> str:
     """The bench table: a block per (device, thread count), a row per (model, candidate), with speed-ups."""
     record = upgrade(record)
@@ -308,22 +391,17 @@ def format_table(record: dict[str, Any]) -> str:
             head = (
                 f"{'model':<17}{'candidate':<13}{'ops/step':>9}{'kernels':>9}{'median ms':>11}{'IQR ms':>9}"
             )
-            lines.append(head + f"{'speed-up':>10}{'roofline':>10}")
+            lines.append(head + f"{'speed-up':>10}{'floor frac':>12}")
             lines += _table_rows([r for r in record["results"] if r["device"] == dev and r["threads"] == n])
         cm = record["cost_model"].get(dev)
         if cm:
-            loop, fe = cm["fits"]["loop"], cm["fits"]["foreach"]
-            lines.append(
-                f"cost model ({cm.get('threads', threads[0])} thread(s)): "
-                f"{loop['overhead_per_op_us']:.2f} us per dispatched op (per-tensor loop), "
-                f"{fe['overhead_per_op_us']:.2f} us per tensor inside one _foreach_lerp_; "
-                f"copy roofline {cm['copy_bandwidth_gbps'] or float('nan'):.1f} GB/s, roofline fraction "
-                + ", ".join(f"{k} {v:.2f}" for k, v in cm["roofline_fraction"].items() if v is not None)
-            )
+            lines.append(cost_model_line(cm, threads[0]))
     lines.append(
         "ops/step: dispatched non-view ATen ops per update (count_ops); kernels: CUDA kernels "
-        "(torch.profiler), '-' where not available; roofline: (3 x float bytes / time) / "
-        "(2 x float bytes / copy time)"
+        "(torch.profiler), '-' where not available; floor frac: time of the floor (one lerp_ over two "
+        "flat buffers of the model's floats, the fastest an update can be) over the row's time, same model "
+        "and thread count: 1.00 is as fast, a little above 1 is noise; '-' for copy (not an EMA update) "
+        "and where no floor was run"
     )
     return "\n".join(lines)
 
@@ -332,9 +410,10 @@ def _table_rows(rows: list[dict[str, Any]]) -> list[str]:
     lines = []
     for row in rows:
         k = "-" if row["kernel_launches"] is None else str(row["kernel_launches"])
+        f = "-" if row["floor_fraction"] is None else f"{row['floor_fraction']:.3f}"
         lines.append(
             f"{row['model']:<17}{row['candidate']:<13}{row['ops_compute']:>9}{k:>9}"
             f"{row['median_ms']:>11.3f}{row['q3_ms'] - row['q1_ms']:>9.3f}"
-            f"{row['speedup_vs_seed_before']:>9.1f}x{row['roofline_fraction']:>10.2f}"
+            f"{row['speedup_vs_seed_before']:>9.1f}x{f:>12}"
         )
     return lines

@@ -7,7 +7,10 @@ For each (device, model) it builds one set of candidates and times them interlea
   walking ``state_dict()`` per call;
 - every strategy of :data:`ema_lab.ema.STRATEGIES` through ``ModelEMA(model, strategy=s).update``;
 - ``floor``: one ``lerp_`` over two contiguous buffers holding as many floats as the model (the best
-  any EMA update of that model can do), and ``copy``: one ``copy_`` of those bytes (the roofline).
+  any EMA update of that model can do; every row's ``floor_fraction`` is the floor's median time over
+  the row's, on the same device, model and thread count), and ``copy``: one ``copy_`` of those bytes,
+  a reference of what copying them costs (on a CPU the copy's store also reads its destination,
+  write-allocate, so it is no cheaper yardstick than the floor and gets no fraction).
 
 Each candidate's dispatched ops per step are counted (:func:`ema_lab.bench.counting.count_ops`), and on
 CUDA its kernel launches. The decay is the ramp's value after ``RAMP_UPDATES`` steps (about 0.9999).
@@ -59,6 +62,7 @@ __all__ = [
     "run_bench",
     "write_results",
     "compare",
+    "floor_fraction",
 ]
 
 DEFAULT_MODELS = ("yolo", "resnet50", "gpt2", "tiny_tensors")
@@ -155,6 +159,17 @@ def _kind(name: str) -> str:
     return "baseline" if name == BASELINE else "reference" if name in REFERENCES else "strategy"
 
 
+def floor_fraction(candidate: str, floor_s: float | None, median_s: float) -> float | None:
+    """The floor's median time over ``candidate``'s (1.0: as fast); None for ``copy`` or without a floor.
+
+    ``copy`` is not an EMA update (it does not read two inputs), so a fraction of the floor says
+    nothing about it; its row keeps only its time.
+    """
+    if floor_s is None or candidate == "copy":
+        return None
+    return floor_s / median_s
+
+
 def _measure_model(
     device: str, name: str, names: Sequence[str], threads: int, rounds: int, quick: bool, tick: Callable
 ) -> list[dict[str, Any]]:
@@ -169,10 +184,10 @@ def _measure_model(
     timed = time_candidates(
         fns, device, rounds=rounds, target_s=0.005 if quick else 0.02, threads=threads, on_round=tick
     )
-    base, copy = timed[BASELINE].median_s, timed["copy"].median_s
+    base = timed[BASELINE].median_s
+    floor = timed["floor"].median_s if "floor" in timed else None
     rows = []
     for k, t in timed.items():
-        useful = 2 if k == "copy" else 3  # element-sized transfers per element: copy r+w, EMA update 2r+w
         k_launch = kernels[k]
         rows.append(
             {
@@ -198,7 +213,7 @@ def _measure_model(
                 "number": t.number,
                 "threads": t.threads,
                 "speedup_vs_seed_before": base / t.median_s,
-                "roofline_fraction": (useful / 2) * copy / t.median_s,
+                "floor_fraction": floor_fraction(k, floor, t.median_s),
             }
         )
     del model, fns
@@ -245,8 +260,9 @@ def run_bench(
     # Every known device appears in the result: measured, absent (with the reason) or not asked for.
     for dev, reason in available_devices().items():
         devices.setdefault(dev, reason or f"skipped: not requested (--device {device})")
-    # The baseline (for speed-ups) and the copy (for the roofline) are always measured.
-    chosen = [c for c in known if c in {BASELINE, "copy", *(strategies or known)}]
+    # The baseline (for speed-ups) and the references (the floor for each row's floor fraction, the
+    # copy for what moving the same bytes costs) are always measured.
+    chosen = [c for c in known if c in {BASELINE, *REFERENCES, *(strategies or known)}]
     rounds = 3 if quick else 15
     cm_rounds = 3 if quick else 9
     measured = [d for d, reason in devices.items() if reason is None]
