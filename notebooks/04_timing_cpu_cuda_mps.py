@@ -24,9 +24,10 @@
 #   and under-predicts its after-code on the YOLO-sized net (section 4 shows both, side by side).
 #
 # **Time to run** on the 2-core machine the committed outputs come from, measured with `time python3
-# dev.py notebooks notebooks/04_timing_cpu_cuda_mps.py`: about 16 s with `EMA_LAB_QUICK=1`, and 50 s
-# to about 2 minutes in full mode (three full runs took 78, 50 and 124 s: the machine is shared with
-# other jobs). The committed outputs are from a full-mode run.
+# dev.py notebooks notebooks/04_timing_cpu_cuda_mps.py`: about 16 s with `EMA_LAB_QUICK=1`, and 1 to
+# 4 minutes in full mode, whose cost model sweeps up to 4x the last-level cache (three full runs took
+# 97, 241 and 68 s, at a load average of about 3 on 2 cores: the machine is shared with other jobs). The
+# committed outputs are from a full-mode run.
 #
 # A speed-up is only as good as its timing. GPUs run asynchronously, the first call of anything is
 # slow, other processes steal cores, and thread counts change results. This notebook runs ema_lab's
@@ -37,7 +38,7 @@
 # - why a GPU timing needs a synchronisation, and what you measure without one;
 # - why warm-up matters (caches, lazy initialisation) and how `ema_lab.bench.timing` handles it;
 # - how to run the benchmark (`python -m ema_lab bench`) and read its table: median, IQR, speed-up
-#   against the PR's before-code, roofline fraction, and how the times change with the thread count;
+#   against the PR's before-code, floor fraction, and how the times change with the thread count;
 # - how far the per-op cost model's prediction is from the measurement, and why;
 # - what the multi-tensor CUDA kernel behind `_foreach_lerp_` packs into one launch (from PyTorch's
 #   source, no GPU needed);
@@ -46,6 +47,7 @@
 # %%
 # NBVAL_IGNORE_OUTPUT
 # %matplotlib inline
+import json
 import math
 from functools import partial
 from pathlib import Path
@@ -133,7 +135,9 @@ for device, reason in available_devices().items():
 # after-code (`seed_after`), three `ModelEMA` strategies (`loop`, `foreach`, `gated`) and two
 # reference points that are not EMA strategies: `floor`, one `lerp_` over two contiguous buffers (a
 # bound: the fastest any update of these tensors can be), and `copy`, one `copy_` of the same bytes
-# (always run; it is the roofline). Each thread count is measured in turn, with the candidates
+# (what moving them costs; on a CPU a copy's store first reads its destination into the cache, a
+# *write-allocate* read, so a copy is no cheaper yardstick than the floor). Both references are
+# always run. Each thread count is measured in turn, with the candidates
 # interleaved within it. Devices that are missing are listed as skipped with the reason, never as zero.
 
 # %%
@@ -159,9 +163,10 @@ print("thread counts:", record["settings"]["threads"])
 # %% [markdown]
 # So each table above has seven rows per model. Read a row as: the candidate's dispatched compute ops
 # per update, its CUDA kernel launches (`-` where the device cannot count them), the median time per
-# update and its IQR, the speed-up against `seed_before` (the PR's before-code), and the roofline
-# fraction: the EMA update's minimal traffic (read EMA and model, write EMA) per second, over what one
-# `copy_` kernel of the same tensors achieves. The figures: update times at one thread, the thread
+# update and its IQR, the speed-up against `seed_before` (the PR's before-code), and the floor
+# fraction: the floor's median time over the row's, on the same model and thread count. 1.00 means
+# as fast as one `lerp_` over the same bytes; a value a little above 1 is timing noise; `copy` gets
+# `-`, since a copy is not an EMA update. The figures: update times at one thread, the thread
 # scaling (time against thread count, per model), and the per-op cost model of each device.
 
 # %%
@@ -212,9 +217,11 @@ def predict_ms(row: dict) -> tuple[float, float]:
     return 1e-3 * per_op, 1e-6 * nbytes  # us -> ms; bytes / (GB/s) = ns -> ms
 
 
+largest = max(p["elements"] for p in reference["cost_model"]["cpu"]["points"])
 print(
     f"cost model: {loop_fit['overhead_per_op_us']:.2f} us per op in the loop, "
-    f"{foreach_fit['overhead_per_op_us']:.2f} us per tensor inside _foreach_lerp_"
+    f"{foreach_fit['overhead_per_op_us']:.2f} us per tensor inside _foreach_lerp_; "
+    f"one bandwidth per strategy, fitted on sizes up to {4 * largest / 2**20:.0f} MiB per side"
 )
 print(
     f"{'model':<14}{'code':<12}{'ops':>6}{'per-op ms':>11}{'bytes ms':>10}{'predicted':>11}{'measured':>10}"
@@ -236,9 +243,10 @@ for row in reference["results"]:
 # low: besides its ops, each PR update walks `state_dict()` twice, and on a net with hundreds of
 # nested modules that Python walk (visiting every module, building two ordered dicts of 708 entries)
 # costs milliseconds that no per-op or per-byte term sees. For the large models (resnet50, gpt2) the
-# bytes part dominates, and the measurement is 1.8 to 2.9 times the prediction: the model's single
-# bandwidth was fitted on sizes up to 16 MiB per side, while these updates move 100-340 MB per side
-# from main memory (exercise 3 works out the bandwidth that would match).
+# bytes part dominates, and the measurement is 1.8 to 2.9 times the prediction: this file's cost
+# model was fitted before the sweep went beyond the last-level cache, with one bandwidth on sizes up
+# to 16 MiB per side (printed above), while these updates move 100-340 MB per side from main memory
+# (exercise 3 works out the bandwidth that would match).
 #
 # ## 5. What a result file holds
 #
@@ -246,8 +254,8 @@ for row in reference["results"]:
 # beside it. The stem is unique per run: machine, date and time of day (UTC, to the second), quick or
 # full, thread counts and measured devices, e.g. `linux-amd-epyc-2c_2026-12-03T083304Z_quick_t1_cpu`;
 # a run never replaces an earlier file (if the name exists it stops with a one-line error). The record
-# is versioned (version 2 stores the list of thread counts; version-1 files, with one thread count,
-# still load), and `ema_lab.bench.results.validate` checks it before it is written and whenever it is
+# is versioned (version 3 adds each row's floor fraction and the cost model's cache and DRAM
+# bandwidths; version 2 stored the list of thread counts; files of versions 1 and 2 still load), and `ema_lab.bench.results.validate` checks it before it is written and whenever it is
 # loaded. Its top-level fields and one row's fields:
 
 # %%
@@ -486,10 +494,23 @@ per_op, _ = predict_ms(row)
 needed_gbps = 3 * row["stats"]["float_bytes"] / (1e6 * (row["median_ms"] - per_op))
 print(f"gpt2, PR after-code: measured {row['median_ms']:.1f} ms, per-op part {per_op:.2f} ms")
 print(f"bandwidth that matches: {needed_gbps:.0f} GB/s; fitted: {foreach_fit['bandwidth_gbps']:.0f} GB/s")
+newer = json.loads(Path("../results/costmodel-linux-amd-epyc-2c_2026-12-03.json").read_text())["cost_model"]
+print(
+    f"the newer two-regime sweep (to {4 * max(p['elements'] for p in newer['points']) / 2**20:.0f} MiB "
+    f"per side, {newer['threads']} thread): foreach {newer['fits']['foreach']['bandwidth_gbps']:.0f} GB/s "
+    f"in cache, {newer['fits']['foreach']['dram_bandwidth_gbps']:.0f} GB/s beyond the last-level cache "
+    f"({newer['llc_bytes'] / 2**20:.0f} MiB)"
+)
 
 # %% [markdown]
-# About a third of the fitted bandwidth: the fit's sizes stop at 16 MiB per side, while gpt2's update
-# moves three times 340 MB, which streams from main memory rather than from cache.
+# About a third of the fitted bandwidth. The committed 2026-12-02 file's fit predates the sweep to 4x
+# the last-level cache: its sizes stop at 16 MiB per side (a 32 MiB working set, as large as this
+# machine's 32 MiB L3), while gpt2's update moves three times 340 MB, which streams from main memory
+# rather than from cache. The newer sweep, `results/costmodel-linux-amd-epyc-2c_2026-12-03.json`,
+# fits a bandwidth per regime, and beyond the cache it is of that order (tens of GB/s, not a hundred);
+# it is lower still than the one that matches here, but it comes from another day, with the machine
+# more loaded (a load average of about 3 on 2 cores, recorded in the file), so compare regimes, not
+# the exact figures.
 #
 # ## Summary
 #

@@ -361,7 +361,10 @@ def cost_model_line(cm: dict[str, Any], threads: int) -> str:
             if dram is not None
             else f"no size beyond the last-level cache ({llc}) measured"
         )
-        for label, key in (("largest size in cache", "floor_fraction"), ("beyond it", "floor_fraction_dram")):
+        for label, key in (
+            ("at the largest size in cache", "floor_fraction"),
+            ("beyond it", "floor_fraction_dram"),
+        ):
             fr = {k: v for k, v in (cm.get(key) or {}).items() if v is not None}
             if fr:
                 text += f"; floor fraction {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in fr.items())
