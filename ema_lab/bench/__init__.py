@@ -7,6 +7,6 @@ is named for the roofline idea (time against the best the memory allows); its ce
 one ``lerp_`` over two flat buffers of the same elements, not a bandwidth figure.
 """
 
-from .sweep import DEFAULT_MODELS, QUICK_MODELS, compare, count_candidate_ops, run_bench, write_results
+from .sweep import DEFAULT_MODELS, compare, count_candidate_ops, run_bench, write_results
 
-__all__ = ["DEFAULT_MODELS", "QUICK_MODELS", "compare", "count_candidate_ops", "run_bench", "write_results"]
+__all__ = ["DEFAULT_MODELS", "compare", "count_candidate_ops", "run_bench", "write_results"]

@@ -40,21 +40,7 @@ from ..updates import prepare
 from .counting import count_ops
 from .timing import time_candidates
 
-__all__ = [
-    "CostFit",
-    "CostModel",
-    "fit_cost",
-    "last_level_cache_bytes",
-    "run_cost_model",
-    "plot_cost_regimes",
-    "plot_count_panel",
-    "working_set_bytes",
-    "regime",
-    "sweep_plan",
-    "BYTES_PER_ELEMENT",
-    "FIXED_ELEMENTS",
-    "FIXED_TENSORS",
-]
+__all__ = ["run_cost_model", "plot_cost_regimes", "working_set_bytes", "regime"]
 
 #: element-sized memory accesses per element: mul_ (r+w), mul (r+w), add_ (2r+w); lerp (2r+w);
 #: copy (r + the destination's write-allocate read + w)

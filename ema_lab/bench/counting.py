@@ -28,7 +28,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "count_ops",
-    "is_view_op",
     "without_views",
     "count_kernel_launches",
     "kernel_launches_or_reason",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["environment", "format_environment", "available_devices", "quick_mode", "cpu_model"]
+__all__ = ["environment", "format_environment", "available_devices", "quick_mode"]
 
 
 def quick_mode() -> bool:

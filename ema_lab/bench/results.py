@@ -27,20 +27,14 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "SCHEMA",
-    "SCHEMA_VERSION",
     "ResultError",
     "validate",
     "load",
     "load_many",
     "bench_files",
-    "upgrade",
-    "machine_label",
-    "result_stem",
     "run_label",
     "settings_differences",
     "format_table",
-    "cost_model_line",
 ]
 
 SCHEMA = "ema_lab.bench"

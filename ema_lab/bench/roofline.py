@@ -18,7 +18,7 @@ from typing import Any
 
 from .costmodel import BYTES_PER_ELEMENT, DEFAULT_LLC_BYTES
 
-__all__ = ["FloorPoint", "floor_points", "format_floor", "plot_time_vs_bytes"]
+__all__ = ["floor_points", "format_floor", "plot_time_vs_bytes"]
 
 
 @dataclass(frozen=True)

@@ -49,21 +49,7 @@ from .results import (
 )
 from .timing import time_candidates
 
-__all__ = [
-    "DEFAULT_MODELS",
-    "QUICK_MODELS",
-    "BASELINE",
-    "REFERENCES",
-    "RAMP_UPDATES",
-    "candidate_names",
-    "count_candidate_ops",
-    "resolve_devices",
-    "thread_counts",
-    "run_bench",
-    "write_results",
-    "compare",
-    "floor_fraction",
-]
+__all__ = ["DEFAULT_MODELS", "count_candidate_ops", "run_bench", "write_results", "compare", "floor_fraction"]
 
 DEFAULT_MODELS = ("yolo", "resnet50", "gpt2", "tiny_tensors")
 QUICK_MODELS = ("yolo", "tiny_tensors")  # the two launch-bound models; copying 100-340 MB models dominates

@@ -19,14 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils.benchmark import Timer
 
-__all__ = [
-    "TimingResult",
-    "time_candidates",
-    "synchronize",
-    "quantiles",
-    "cold_vs_warm",
-    "unsynced_vs_synced",
-]
+__all__ = ["time_candidates", "synchronize", "cold_vs_warm", "unsynced_vs_synced"]
 
 
 def synchronize(device: str) -> None:

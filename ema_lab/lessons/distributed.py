@@ -29,17 +29,7 @@ from ..ema import ModelEMA
 from ..sharded import ShardedModelEMA
 from .models import build
 
-__all__ = [
-    "Config",
-    "missing_apis",
-    "loopback_interface",
-    "ddp_model_ema",
-    "shard_model",
-    "launch",
-    "rank_run",
-    "reference",
-    "main",
-]
+__all__ = ["missing_apis", "loopback_interface", "ddp_model_ema", "launch", "reference", "main"]
 
 #: (import path, name) of every torch API the runs need; checked before anything is spawned.
 REQUIRED_APIS = (

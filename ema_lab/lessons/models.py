@@ -34,7 +34,6 @@ __all__ = [
     "ZOO",
     "build",
     "describe",
-    "ModelStats",
 ]
 
 

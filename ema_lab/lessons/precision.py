@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Stall", "ema_stall"]
+__all__ = ["ema_stall"]
 
 
 @dataclass(frozen=True)

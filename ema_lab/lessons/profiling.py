@@ -23,19 +23,14 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
-    "THOP_BUFFERS",
     "import_thop",
     "profile_flops",
     "compare_flop_counts",
-    "FlopComparison",
     "snapshot",
     "dtype_table",
     "state_dict_diff",
-    "StateDictDiff",
     "fingerprint",
-    "Fingerprint",
     "remove_thop_buffers",
-    "float64_entries",
     "check_movable",
     "move_to",
 ]

@@ -12,7 +12,7 @@ from ..ema import STRATEGIES, ModelEMA
 from ..pairs import ModulePairs
 from ..updates import foreach_update, gated_update, loop_update
 
-__all__ = ["STRATEGY_FUNCTIONS", "strategy_errors", "model_ema_errors"]
+__all__ = ["strategy_errors"]
 
 STRATEGY_FUNCTIONS: dict[str, Callable[[Sequence[Tensor], Sequence[Tensor], float], None]] = {
     "loop": loop_update,

@@ -11,7 +11,7 @@ from torch import nn
 from ..ema import ModelEMA
 from . import models
 
-__all__ = ["CONVERSIONS", "FollowCheck", "follows_after"]
+__all__ = ["CONVERSIONS", "follows_after"]
 
 #: name -> what it does to (model, ema); each gives parameters new memory behind the same objects.
 CONVERSIONS: dict[str, Callable[[nn.Module, ModelEMA], object]] = {

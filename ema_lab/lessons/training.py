@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from ..ema import ModelEMA
 
-__all__ = ["TrainingRun", "synthetic_regression", "tiny_mlp", "train_with_ema"]
+__all__ = ["train_with_ema"]
 
 
 @dataclass(frozen=True)
