@@ -24,6 +24,8 @@ The floor for the update is one ``lerp_`` over two contiguous buffers. This modu
   model's float parameters and buffers into one buffer per (device, dtype), then run ``"flat"``,
   which finds every group ``fused``: the whole update is one kernel per group. Optimizers and
   autograd see the same ``Parameter`` objects with the same values; only their storage moved.
+  The model's integer counters (BatchNorm's ``num_batches_tracked``) go into one buffer per
+  (device, dtype) as well, so copying them is one ``copy_`` (:func:`prepare_counter_copy`).
   :func:`unflatten_tensors` gives every tensor its own memory back.
 
 Staleness (never average dead memory). The step keeps no reference to the module tensors that are
@@ -32,11 +34,12 @@ modules' tensors". ``model.to()``, ``.half()``, ``p.data = ...``, ``torch.utils.
 module slot given a new tensor all drop references and change that count: :meth:`FlatStep.is_current`
 compares it (O(1) per group) and ``ModelEMA`` falls back to the exact per-slot check of
 :class:`ema_lab.pairs.ModulePairs` when it moved. Model tensors that are not views (``foreach``,
-``cat``, ``cast`` groups, and the counters) are always checked per slot by ``data_ptr()``, which
-also sees a swap (an identity check would not: ``swap_tensors`` keeps the Python object). Limit of the
-O(1) count, so of ``fused`` groups only (``flat_model``): it cannot see a flat tensor that is re-pointed,
-swapped or replaced while something else keeps an equal number of new views of the same buffer, or
-keeps the swapped-out or replaced tensor alive, between two updates (``ModelEMA`` holds none).
+``cat``, ``cast`` groups, and the counters except ``flat_model``'s) are always checked per slot by
+``data_ptr()``, which also sees a swap (an identity check would not: ``swap_tensors`` keeps the Python
+object). Limit of the O(1) count, so of ``fused`` groups only (``flat_model``, its counters included):
+it cannot see a flat tensor that is re-pointed, swapped or replaced while something else keeps an
+equal number of new views of the same buffer, or keeps the swapped-out or replaced tensor alive,
+between two updates (``ModelEMA`` holds none).
 
 Never in the way of torch's tensor swaps: ``torch.utils.swap_tensors`` (and so
 ``torch.__future__.set_swap_module_params_on_conversion(True)``) refuses a tensor that something
