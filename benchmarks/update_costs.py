@@ -51,6 +51,21 @@ def _ema(model: torch.nn.Module) -> ModelEMA:
 def candidates(name: str, splits: tuple[int, ...]) -> tuple[dict[str, Callable[[], object]], dict]:
     """Zero-argument functions per part/alternative, and facts about the model's plan."""
     base = build(name)
+    flush = _ema(deepcopy(base)).prepared_step
+    # Every EMA made registers new tensors, which invalidates every cache (a rebuild on its next update):
+    # make all of them before the one whose parts are timed, and take its parts after its last rebuild.
+    splits_fns: dict[str, Callable[[], object]] = {}
+    saved = flat.CAT_MAX_NUMEL
+    try:
+        for split in splits:
+            flat.CAT_MAX_NUMEL = split
+            m = deepcopy(base)
+            e = _ema(m)
+            plan = e.plan[0]
+            label = f"split {split}: step ({plan.cat} cat, {plan.foreach} foreach)"
+            splits_fns[label] = lambda s=e._state.step: s(DECAY)
+    finally:
+        flat.CAT_MAX_NUMEL = saved
     model = deepcopy(base)
     ema = _ema(model)
     state = ema._state
@@ -67,7 +82,7 @@ def candidates(name: str, splits: tuple[int, ...]) -> tuple[dict[str, Callable[[
         "  prepared step": lambda: step(DECAY),
         "  counter copy": copy_counters,
     }
-    info = {"plan": [str(g) for g in ema.plan], "checked_slots": len(state.watch[1])}
+    info = {"plan": [str(g) for g in ema.plan], "checked_slots": len(state.watch[1]), "ema": ema}
     groups = step.groups
     if hasattr(torch, "_chunk_cat") and len(groups) == 1 and groups[0].mode == "cat+foreach":
         g = groups[0]
@@ -86,17 +101,8 @@ def candidates(name: str, splits: tuple[int, ...]) -> tuple[dict[str, Callable[[
 
         fns["alt: check + step reading the module's own tensors"] = live_reads
         fns["alt: check + step as built (detached aliases)"] = lambda: (state.is_current(model), step(DECAY))
-    saved = flat.CAT_MAX_NUMEL
-    try:
-        for split in splits:
-            flat.CAT_MAX_NUMEL = split
-            m = deepcopy(base)
-            e = _ema(m)
-            plan = e.plan[0]
-            label = f"split {split}: step ({plan.cat} cat, {plan.foreach} foreach)"
-            fns[label] = lambda s=e._state.step: s(DECAY)
-    finally:
-        flat.CAT_MAX_NUMEL = saved
+    fns.update(splits_fns)
+    fns["flush"] = lambda: flush(DECAY)
     return fns, info
 
 
@@ -133,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     fns, info = candidates(args.model, tuple(args.splits))
-    flush_ema = _ema(deepcopy(build(args.model)))
-    timed = time_cold(fns, lambda: flush_ema.prepared_step(DECAY), args.rounds)
+    timed = time_cold(fns, fns.pop("flush"), args.rounds)
+    ema = info.pop("ema")
+    if ema.rebuilds != 1:  # the timed parts must belong to the live cache, never to a rebuilt-away one
+        raise RuntimeError(f"the timed EMA rebuilt {ema.rebuilds - 1} time(s) during timing")
     floor = timed["floor: one lerp_ over flat buffers"]["median_ms"]
     lines = ["| part | median ms (q1-q3) | x floor |", "|---|---|---|"]
     for k, t in timed.items():
