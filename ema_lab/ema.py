@@ -203,16 +203,22 @@ class ModelEMA(EMASchedule):
             watch: list[Slot] = []
             copy_other = pairs.copy_other
             if isinstance(step, FlatStep):
+                counter_fused = [False] * len(pairs.other_ema)
                 if pairs.other_ema:  # the EMA's counters into one buffer too: one cat per step, not a foreach
-                    counters = prepare_counter_copy(pairs.other_ema, pairs.other_model)
+                    # flat_model flattens the model's counters as well: one copy_ and an O(1) check per group.
+                    counters = prepare_counter_copy(
+                        pairs.other_ema, pairs.other_model, flatten_model=strategy == "flat_model"
+                    )
                     step.watched += [(buf, 0) for buf in counters.buffers]
+                    step.watched += [(f, 0) for f in counters.model_flat if f is not None]
+                    counter_fused = counters.fused_pairs
                     pairs.other_ema, pairs.other_model, copy_other = [], [], counters
                 pairs.refresh()  # the EMA tensors (and with flat_model the model's) moved into flat buffers
                 # Per step, model tensors that are not flat views (counters included) are checked slot by
                 # slot: data_ptr() of what each slot holds now, which also sees torch.utils.swap_tensors
                 # and ``p.data = ...`` (an identity check would not: the Parameter object stays).
                 watch = [s for s, f in zip(pairs.model_slots, step.fused_pairs) if not f]
-                watch += pairs.other_slots[1::2]
+                watch += [s for s, f in zip(pairs.other_slots[1::2], counter_fused) if not f]
                 # A reference held here to a tensor that is a view of a flat buffer would hide its
                 # replacement from the reference count: drop them (model ones only when there are any).
                 pairs.release_ema()

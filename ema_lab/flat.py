@@ -24,6 +24,8 @@ The floor for the update is one ``lerp_`` over two contiguous buffers. This modu
   model's float parameters and buffers into one buffer per (device, dtype), then run ``"flat"``,
   which finds every group ``fused``: the whole update is one kernel per group. Optimizers and
   autograd see the same ``Parameter`` objects with the same values; only their storage moved.
+  The model's integer counters (BatchNorm's ``num_batches_tracked``) go into one buffer per
+  (device, dtype) as well, so copying them is one ``copy_`` (:func:`prepare_counter_copy`).
   :func:`unflatten_tensors` gives every tensor its own memory back.
 
 Staleness (never average dead memory). The step keeps no reference to the module tensors that are
@@ -32,11 +34,12 @@ modules' tensors". ``model.to()``, ``.half()``, ``p.data = ...``, ``torch.utils.
 module slot given a new tensor all drop references and change that count: :meth:`FlatStep.is_current`
 compares it (O(1) per group) and ``ModelEMA`` falls back to the exact per-slot check of
 :class:`ema_lab.pairs.ModulePairs` when it moved. Model tensors that are not views (``foreach``,
-``cat``, ``cast`` groups, and the counters) are always checked per slot by ``data_ptr()``, which
-also sees a swap (an identity check would not: ``swap_tensors`` keeps the Python object). Limit of the
-O(1) count, so of ``fused`` groups only (``flat_model``): it cannot see a flat tensor that is re-pointed,
-swapped or replaced while something else keeps an equal number of new views of the same buffer, or
-keeps the swapped-out or replaced tensor alive, between two updates (``ModelEMA`` holds none).
+``cat``, ``cast`` groups, and the counters except ``flat_model``'s) are always checked per slot by
+``data_ptr()``, which also sees a swap (an identity check would not: ``swap_tensors`` keeps the Python
+object). Limit of the O(1) count, so of ``fused`` groups only (``flat_model``, its counters included):
+it cannot see a flat tensor that is re-pointed, swapped or replaced while something else keeps an
+equal number of new views of the same buffer, or keeps the swapped-out or replaced tensor alive,
+between two updates (``ModelEMA`` holds none).
 
 Never in the way of torch's tensor swaps: ``torch.utils.swap_tensors`` (and so
 ``torch.__future__.set_swap_module_params_on_conversion(True)``) refuses a tensor that something
@@ -309,31 +312,63 @@ def _build_group(ema: list[Tensor], model: list[Tensor]) -> FlatGroup:
 @dataclass
 class CounterCopy:
     """Non-float entries (BatchNorm's ``num_batches_tracked``): the EMA's are views of one buffer per
-    (device, dtype), filled from the model's with one ``torch.cat`` instead of a per-tensor copy."""
+    (device, dtype), filled from the model's with one ``torch.cat`` instead of a per-tensor copy, or with
+    one ``copy_`` where the model's counters tile one storage in the same order (``"flat_model"``)."""
 
     buffers: list[Tensor]
-    sources: list[list[Tensor]]  # per buffer: 1-D views of detached aliases of the model's tensors
+    sources: list[list[Tensor]]  # per buffer: 1-D detached aliases of the model's tensors ([] if fused)
+    model_flat: list[Tensor | None] = field(default_factory=list)  # per buffer: 1-D over the model's storage
+    fused_pairs: list[bool] = field(default_factory=list)  # per input pair: read through a ``model_flat``
 
     def __call__(self) -> None:
         """Copy the model's counters into the EMA's."""
         with torch.no_grad():
-            for buf, src in zip(self.buffers, self.sources):
-                torch.cat(src, out=buf)
+            for buf, src, flat in zip(self.buffers, self.sources, self.model_flat):
+                if flat is None:
+                    torch.cat(src, out=buf)
+                else:
+                    buf.copy_(flat)
 
 
-def prepare_counter_copy(ema: Sequence[Tensor], model: Sequence[Tensor]) -> CounterCopy:
-    """Re-point the EMA's non-float tensors into one buffer per (device, dtype); return their copy step."""
-    keyed: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}
-    for e, m in zip(ema, model):
+def _tiles_in_order(model: Sequence[Tensor]) -> bool:
+    """True when the 1-D tensors lie back to back, in list order, over the whole of one storage."""
+    if not tiles_one_storage(model):
+        return False
+    off = 0
+    for m in model:
+        if m.storage_offset() != off:
+            return False
+        off += m.numel()
+    return True
+
+
+def prepare_counter_copy(
+    ema: Sequence[Tensor], model: Sequence[Tensor], flatten_model: bool = False
+) -> CounterCopy:
+    """Re-point the EMA's non-float tensors into one buffer per (device, dtype); return their copy step.
+
+    ``flatten_model`` (``"flat_model"``): the model's counters of each group are moved into one buffer too
+    (:func:`flatten_tensors`), so the copy is one ``copy_`` per group and the model side of the group is
+    watched by the storage's reference count (O(1)), like a ``fused`` float group.
+    """
+    keyed: dict[tuple, tuple[list[Tensor], list[Tensor], list[int]]] = {}
+    for i, (e, m) in enumerate(zip(ema, model)):
         if e.numel() and m.dtype == e.dtype and m.is_contiguous():
-            es, ms = keyed.setdefault((e.device, e.dtype), ([], []))
+            es, ms, idx = keyed.setdefault((e.device, e.dtype), ([], [], []))
             es.append(e)
-            ms.append(m.detach().view(-1))
+            ms.append(m)
+            idx.append(i)
         else:  # a cast or a strided counter: a group of its own, cat casts and copies it alone
-            keyed[(e.device, e.dtype, id(e))] = ([e], [m.detach().reshape(-1)])
-    copy = CounterCopy([], [])
+            keyed[(e.device, e.dtype, id(e))] = ([e], [m], [i])
+    copy = CounterCopy([], [], [], [False] * len(ema))
     with torch.no_grad():
-        for es, ms in keyed.values():
+        for es, ms, idx in keyed.values():
+            aliases = [m.detach().reshape(-1) for m in ms]
+            distinct = len({id(m) for m in ms}) == len(ms)
+            if flatten_model and len(ms) > 1 and distinct and not _tiles_in_order(aliases):
+                flatten_tensors(ms)
+                aliases = [m.detach().reshape(-1) for m in ms]
+            fused = flatten_model and len(ms) > 1 and distinct and _tiles_in_order(aliases)
             buf = torch.empty(sum(e.numel() for e in es), dtype=es[0].dtype, device=es[0].device)
             off = 0
             for e in es:
@@ -342,7 +377,12 @@ def prepare_counter_copy(ema: Sequence[Tensor], model: Sequence[Tensor]) -> Coun
                 _repoint(e, view)
                 off += e.numel()
             copy.buffers.append(buf)
-            copy.sources.append(ms)
+            # Fused: hold only the whole-storage tensor, so the storage's reference count is "the module's
+            # tensors + this one" and a replacement of any of them changes it.
+            copy.sources.append([] if fused else aliases)
+            copy.model_flat.append(_whole_storage(aliases[0]) if fused else None)
+            for i in idx:
+                copy.fused_pairs[i] = fused
     return copy
 
 

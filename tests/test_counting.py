@@ -71,8 +71,8 @@ def _expected(name: str, stats: models.ModelStats, distinct: int, other: int, nu
         return Counter({"aten._foreach_lerp_.Scalar": 1}) + copy_other
     # The flat strategies keep the EMA's counters in one buffer too: one cat fills it, not a foreach copy.
     flat_other = Counter({"aten.cat.out": 1} if other else {})
-    if name == "flat_model":  # the model flattened too: one lerp_ over two flat buffers
-        return Counter({"aten.lerp_.Scalar": 1}) + flat_other
+    if name == "flat_model":  # the model flattened too (its counters included): one lerp_, one copy_
+        return Counter({"aten.lerp_.Scalar": 1}) + Counter({"aten.copy_.default": 1} if other else {})
     if name == "flat":  # small tensors: one cat gathers them, one lerp_; large ones: one foreach
         from ema_lab.flat import CAT_MAX_NUMEL
 

@@ -81,6 +81,29 @@ def test_one_kernel_per_group_with_the_model_flattened():
     ops = count_ops(ema.update, model)
     assert ops["aten.lerp_.Scalar"] == 1 and "aten._foreach_lerp_.Scalar" not in ops
     assert ema.modes == ["fused"]
+    # The model's BatchNorm counters are flattened too: one copy_ of their buffer, no cat over each of them.
+    assert ops["aten.copy_.default"] == 1 and "aten.cat.out" not in ops
+    assert sum(ops.values()) == 2
+
+
+def test_flat_model_counters_are_one_buffer_and_follow_the_model():
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, strategy="flat_model")
+    ema.update(model)
+    counters = [b for b in model.buffers() if not b.is_floating_point()]
+    assert len(counters) > 1 and tiles_one_storage([c.view(-1) for c in counters])
+    model.train()
+    model(torch.randn(2, 3, 16, 16))  # BatchNorm in train mode: num_batches_tracked.add_(1) in place
+    ema.update(model)
+    ema_counters = [b.item() for b in ema.ema.buffers() if not b.is_floating_point()]
+    assert ema_counters == [c.item() for c in counters]
+    assert ema.rebuilds == 1  # an in-place step is not a replacement
+    model[0].bn.num_batches_tracked = torch.tensor(41)  # a replacement: followed (rebuilt, flattened again)
+    ema.update(model)
+    assert ema.ema[0].bn.num_batches_tracked.item() == 41 and ema.rebuilds == 2
+    model[0].bn._buffers["num_batches_tracked"] = torch.tensor(42)  # no hook fires: the count sees it
+    ema.update(model)
+    assert ema.ema[0].bn.num_batches_tracked.item() == 42 and ema.rebuilds == 3
 
 
 def test_flatten_is_reversible_and_keeps_objects_values_and_grad_flags():
