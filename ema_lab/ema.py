@@ -15,7 +15,7 @@ from .flat import FlatStep, GroupPlan, prepare_counter_copy
 from .pairs import ModulePairs, Slot, install_hooks, slot_ptrs, unwrap_model
 from .updates import PREPARERS, Step, check_decay, prepare
 
-__all__ = ["ModelEMA", "STRATEGIES", "copy_attr", "choose_strategy"]
+__all__ = ["ModelEMA", "STRATEGIES"]
 
 STRATEGIES = (*PREPARERS, "auto")
 #: strategies that accept a 0-dim tensor decay (sync-free, compile-stable)

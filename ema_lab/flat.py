@@ -63,22 +63,7 @@ from torch import Tensor
 
 from .gates import foreach_lerp_supported
 
-__all__ = [
-    "CAT_MAX_NUMEL",
-    "CounterCopy",
-    "prepare_counter_copy",
-    "FlatGroup",
-    "FlatStep",
-    "GroupPlan",
-    "prepare_flat",
-    "prepare_flat_model",
-    "flatten_tensors",
-    "unflatten_tensors",
-    "tiles_one_storage",
-    "plan_group",
-    "storage_refs",
-    "count_compiles",
-]
+__all__ = ["CAT_MAX_NUMEL", "FlatStep", "GroupPlan", "flatten_tensors", "unflatten_tensors", "storage_refs"]
 
 #: Per-tensor costs on CPU, one thread (``benchmarks/peers.py`` models, torch 2.13/2.14, this machine):
 #: a tensor inside ``_foreach_lerp_`` costs one full per-tensor dispatch, a tensor gathered by

@@ -23,7 +23,7 @@ from operator import getitem
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ModulePairs", "module_entries", "unwrap_model", "slot_ptrs", "install_hooks"]
+__all__ = ["ModulePairs", "install_hooks"]
 
 _generation = 0
 

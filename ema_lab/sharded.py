@@ -26,7 +26,7 @@ from .ema import EMASchedule, check_arguments
 from .pairs import Slot, install_hooks, module_entries, unwrap_model
 from .updates import Step, prepare
 
-__all__ = ["ShardedModelEMA", "STRATEGIES", "local_tensor"]
+__all__ = ["ShardedModelEMA", "STRATEGIES"]
 
 #: Strategies that update the EMA's tensors in place; a strategy that moves them into new storage
 #: would detach them from the DTensors that the state-dict and checkpoint calls read.

@@ -30,18 +30,7 @@ from torch import Tensor
 from .flat import prepare_flat, prepare_flat_model
 from .gates import foreach_lerp_supported
 
-__all__ = [
-    "loop_update",
-    "foreach_update",
-    "gated_update",
-    "prepare",
-    "validate_pairs",
-    "check_decay",
-    "group_pairs",
-    "PairGroups",
-    "PREPARERS",
-    "Step",
-]
+__all__ = ["loop_update", "foreach_update", "gated_update", "prepare"]
 
 Step = Callable[[float], None]
 

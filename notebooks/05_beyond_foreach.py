@@ -102,6 +102,8 @@ for name in DEFAULT_MODELS:
 # "compute" drops the views.
 
 # %%
+import ema_lab.flat
+
 steps = ["seed_before", "seed_after", "gated", "flat", "flat_model", "floor"]
 for name in ("yolo", "tiny_tensors"):
     ops = count_candidate_ops(name, steps)
@@ -110,16 +112,19 @@ for name in ("yolo", "tiny_tensors"):
         compute = without_views(ops[k])
         top = ", ".join(f"{op} x{n}" for op, n in compute.most_common(3))
         print(f"  {k:<12} {sum(ops[k].values()):>6} ops, {sum(compute.values()):>5} compute: {top}")
+print("CAT_MAX_NUMEL:", ema_lab.flat.CAT_MAX_NUMEL)
 
 # %% [markdown]
 # The PR's before-code dispatches 1782 compute ops per update on `yolo` (three per float tensor)
 # plus 2010 `detach` views (2 × 708 from its two `state_dict()` walks, one per float tensor). The
 # after-code is one `_foreach_lerp_` but still pays for the walks (1416 views). From `gated` on there
-# is no walk; the extra `_foreach_copy_` on `yolo` copies BatchNorm's integer `num_batches_tracked`
-# entries. `flat` gathers the small tensors (under `CAT_MAX_NUMEL` = 1024 elements: BatchNorm vectors,
-# biases) with one `cat` and one `lerp_` and leaves the large ones (conv weights) to one
-# `_foreach_lerp_`; on `tiny_tensors` everything is small, so it is `cat` + `lerp_`. `flat_model` is
-# one `lerp_` on both models, exactly the floor's op.
+# is no walk; `gated`'s extra `_foreach_copy_` on `yolo` copies BatchNorm's integer
+# `num_batches_tracked` entries. `flat` gathers the small tensors (at most `ema_lab.flat.CAT_MAX_NUMEL`
+# elements each, printed below: BatchNorm vectors, biases) with one `cat` and one `lerp_`, leaves the
+# large ones (conv weights) to one `_foreach_lerp_`, and gathers the integer counters into their EMA
+# buffer with a second `cat`; on `tiny_tensors` everything is small, so it is `cat` + `lerp_`.
+# `flat_model` is one `lerp_` on both models, exactly the floor's op, plus on `yolo` one `copy_` of
+# BatchNorm's counters, which it flattens too.
 #
 # ## 3. The steps, timed
 #
