@@ -23,9 +23,10 @@
 # 3. One `lerp_` over two contiguous buffers is the floor of an EMA update; its speed depends on
 #    whether the buffers fit in the last-level cache or stream from DRAM.
 #
-# **Time:** about 40 s in quick mode (`EMA_LAB_QUICK=1`) and 40-60 s in full mode on the
-# 2-core CI machine while other jobs kept its load average near 4 (measured with
-# `time python3 dev.py notebooks notebooks/01_launch_overhead.py`).
+# **Time** on the 2-core CI machine, measured with `time python3 dev.py notebooks
+# notebooks/01_launch_overhead.py`: 46 s in full mode when the machine was quiet, 40-60 s while other
+# jobs kept its load average near 4; quick mode (`EMA_LAB_QUICK=1`) ran its cells in 14 s quiet
+# (under nbval) and about 40 s under that load.
 #
 # **In a hurry?** Read 01 → 02 → 03: the change and what it costs (here), the EMA update strategies
 # and a cache that goes stale (02), and the float64 buffer bug that came with the change (03).

@@ -23,9 +23,10 @@
 # 3. `ema_lab.ModelEMA` keeps the cache and checks it on every update; the check is not free, and
 #    section 6 measures what it costs on a YOLO-sized model.
 #
-# **Time:** about 40 s in quick mode (`EMA_LAB_QUICK=1`) and 40-50 s in full mode on the
-# 2-core CI machine while other jobs kept its load average near 4 (measured with
-# `time python3 dev.py notebooks notebooks/02_ema_strategies.py`).
+# **Time** on the 2-core CI machine, measured with `time python3 dev.py notebooks
+# notebooks/02_ema_strategies.py`: 18 s in full mode when the machine was quiet, 40-50 s while other
+# jobs kept its load average near 4; quick mode (`EMA_LAB_QUICK=1`) ran its cells in 10 s quiet
+# (under nbval) and about 40 s under that load.
 #
 # An exponential moving average (EMA) of a model's weights is a second copy of the model that
 # trails the trained one: after every optimizer step it moves a small fraction of the way towards

@@ -24,10 +24,10 @@
 #   and under-predicts its after-code on the YOLO-sized net (section 4 shows both, side by side).
 #
 # **Time to run** on the 2-core machine the committed outputs come from, measured with `time python3
-# dev.py notebooks notebooks/04_timing_cpu_cuda_mps.py`: about 16 s with `EMA_LAB_QUICK=1`, and 1 to
-# 4 minutes in full mode, whose cost model sweeps up to 4x the last-level cache (three full runs took
-# 97, 241 and 68 s, at a load average of about 3 on 2 cores: the machine is shared with other jobs). The
-# committed outputs are from a full-mode run.
+# dev.py notebooks notebooks/04_timing_cpu_cuda_mps.py`: about 16 s with `EMA_LAB_QUICK=1`, and from under
+# a minute to 4 minutes in full mode, whose cost model sweeps up to 4x the last-level cache (three full runs took
+# 97, 241 and 68 s, at a load average of about 3 on 2 cores: the machine is shared with other jobs;
+# 46 s when it was quiet). The committed outputs are from a full-mode run.
 #
 # A speed-up is only as good as its timing. GPUs run asynchronously, the first call of anything is
 # slow, other processes steal cores, and thread counts change results. This notebook runs ema_lab's

@@ -23,9 +23,10 @@
 # 3. In a whole CPU training step at batch 16 the EMA is a small share (section 4 measures it); keep
 #    the EMA of a bf16 model in fp32, and pass a tensor decay to stay sync- and recompile-free.
 #
-# **Time:** about 30 s in quick mode (`EMA_LAB_QUICK=1`) and 2 minutes in full mode on the
-# 2-core CI machine while other jobs kept its load average near 4 (measured with
-# `time python3 dev.py notebooks notebooks/05_beyond_foreach.py`).
+# **Time** on the 2-core CI machine, measured with `time python3 dev.py notebooks
+# notebooks/05_beyond_foreach.py`: 73 s in full mode when the machine was quiet, about 2 minutes
+# while other jobs kept its load average near 4; quick mode (`EMA_LAB_QUICK=1`) ran its cells in 17 s
+# quiet (under nbval) and about 30 s under that load.
 #
 # After PR #25315 an EMA update is one `torch._foreach_lerp_` call. On a model with hundreds of
 # small tensors most of its time is still overhead, not arithmetic: walking `state_dict()`, and on

@@ -31,7 +31,7 @@
 #
 # **Time** on this machine (2-core AMD EPYC, torch 2.13 CPU, shared with other jobs), measured with
 # `time python3 dev.py notebooks notebooks/06_distributed_ema.py`: 52 s in full mode, 50 s in quick
-# mode (`EMA_LAB_QUICK=1`) while other jobs loaded the machine, about 30 s when it was quieter. Both
+# mode (`EMA_LAB_QUICK=1`) while other jobs loaded the machine, about 30-35 s when it was quiet. Both
 # modes run the same processes; most of the time is starting them (each rank imports torch).
 
 # %%
