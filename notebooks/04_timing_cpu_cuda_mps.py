@@ -348,8 +348,10 @@ for model in pair[0]["settings"]["models"]:
 # at two threads (median 43 ms, IQR 26 ms). So on a shared 2-core machine one thread is the honest
 # default; a second thread pays off only for large single ops, and only when the core is free. The
 # 1-thread medians of 2026-12-03 are also about 25-60 % above the 2026-12-02 run (for example the
-# before-code on yolo: 20.8 vs 14.0 ms): the machine was busier, which is why runs are compared
-# within one session and their settings are printed.
+# before-code on yolo: 20.8 vs 14.0 ms). Load from other jobs is part of it, but not all: the full
+# run of 09:30 that day, started with the machine idle, measured 20.9 ms too. Runs on a shared
+# machine differ from day to day by that much, which is why runs are compared within one session and
+# their settings are printed.
 #
 # Runs from a GPU: the code paths for CUDA and MPS are written (synchronised timing, kernel-launch
 # counts), but this machine has neither. The cell below looks for a run in `results/` that measured
