@@ -114,23 +114,14 @@ def plot_time_vs_bytes(points: list[FloorPoint], cost_model: dict[str, Any] | No
     llc_traffic = 1.5 * llc
     if fit and fit.get("bandwidth_gbps"):
         over = fit["overhead_per_op_us"] * 1e-3
-        x = np.geomspace(lo, min(hi, llc_traffic / 2), 50)
-        ax.plot(
-            x / 2**20,
-            over + x / (fit["bandwidth_gbps"] * 1e6),
-            "k-",
-            lw=1.2,
-            label=f"floor fit, cache: {fit['bandwidth_gbps']:.0f} GB/s",
-        )
+        # One line per fitted regime, each drawn only over the sizes where it holds.
+        regimes = [("cache", "bandwidth_gbps", "k-", lo, min(hi, llc_traffic / 2))]
         if fit.get("dram_bandwidth_gbps") and hi > 2 * llc_traffic:
-            x = np.geomspace(2 * llc_traffic, hi, 50)
-            ax.plot(
-                x / 2**20,
-                over + x / (fit["dram_bandwidth_gbps"] * 1e6),
-                "k--",
-                lw=1.2,
-                label=f"floor fit, DRAM: {fit['dram_bandwidth_gbps']:.0f} GB/s",
-            )
+            regimes.append(("DRAM", "dram_bandwidth_gbps", "k--", 2 * llc_traffic, hi))
+        for name, key, style, start, stop in regimes:
+            x = np.geomspace(start, stop, 50)
+            label = f"floor fit, {name}: {fit[key]:.0f} GB/s"
+            ax.plot(x / 2**20, over + x / (fit[key] * 1e6), style, lw=1.2, label=label)
     else:
         floors = sorted(by_model.values(), key=lambda p: p.traffic_bytes)
         ax.plot(
