@@ -6,13 +6,14 @@ import math
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
+from operator import getitem
 
 import torch
 from torch import Tensor, nn
 
 from . import pairs as _pairs
-from .flat import FlatStep, GroupPlan, prepare_counter_copy
-from .pairs import ModulePairs, Slot, install_hooks, slot_ptrs, unwrap_model
+from .flat import FlatStep, GroupPlan, Picker, StaleInputs, picker, prepare_counter_copy
+from .pairs import ModulePairs, Slot, install_hooks, unwrap_model
 from .updates import PREPARERS, Step, check_decay, prepare
 
 __all__ = ["ModelEMA", "STRATEGIES"]
@@ -46,25 +47,41 @@ class _Prepared:
     pairs: ModulePairs
     step: Step
     strategy: str
-    watch: tuple[tuple[dict, ...], tuple[str, ...]]  # flat: (dicts, keys) of model slots that are not views
-    watch_ptrs: list[int]
+    watch: tuple[tuple[dict, ...], tuple[str, ...]]  # flat: (dicts, keys) of the model slots read per step
+    check: Picker | None  # picks from what ``watch`` holds now the tensors whose data_ptr() must not move
+    check_ptrs: list[int]
     copy_other: Callable[[], None]  # copies the non-float entries (BatchNorm's num_batches_tracked)
 
-    def is_current(self, model: nn.Module) -> bool:
-        """True while every tensor the step touches is still the module's memory."""
+    def live(self, model: nn.Module) -> list[Tensor] | None:
+        """What the watched model slots hold now (``[]`` for non-flat steps); None once the step is stale."""
         if not isinstance(self.step, FlatStep):
-            return self.pairs.is_current(model)
+            return [] if self.pairs.is_current(model) else None
         if self.pairs.generation != _pairs._generation or self.pairs.model_ref() is not model:
-            return False
+            return None
         if not self.step.refs_unchanged():
             # A flat storage gained or lost a view: exact check; a live extra view is harmless.
             if not self.pairs.is_current(model):
-                return False
+                return None
             self.step.baseline()
         try:
-            return slot_ptrs(*self.watch) == self.watch_ptrs
-        except (KeyError, AttributeError, TypeError):
-            return False
+            live = list(map(getitem, *self.watch))
+            if self.check is not None and list(map(Tensor.data_ptr, self.check(live))) != self.check_ptrs:
+                return None
+        except (KeyError, AttributeError, TypeError):  # an entry was deleted or set to None
+            return None
+        return live
+
+    def is_current(self, model: nn.Module) -> bool:
+        """True while every tensor the step touches is still the module's memory."""
+        return self.live(model) is not None
+
+    def run(self, decay: float | Tensor, live: list[Tensor]) -> None:
+        """One update of the EMA from ``live`` (see :meth:`live`), then the non-float entries."""
+        if isinstance(self.step, FlatStep):
+            self.step(decay, live)
+        else:
+            self.step(decay)
+        self.copy_other()
 
 
 def check_arguments(
@@ -190,45 +207,52 @@ class ModelEMA(EMASchedule):
         """Each flat group's mode (``fused``, ``cast``, ``cat``, ``foreach``, ``cat+foreach``), in order."""
         return [g.mode for g in self.plan]
 
-    def _prepared(self, model: nn.Module) -> _Prepared:
-        """The cached step for ``model``, rebuilt (and re-validated) if any tensor it touches was replaced."""
-        state = self._state
-        if state is None or not state.is_current(model):
-            self._state = None  # a failed rebuild must not leave the old (stale) step behind
-            pairs = ModulePairs.collect(self.ema, model)
-            if self.strategy == "auto" and self._auto is None:
-                self._auto = choose_strategy(pairs.ema, pairs.model)
-            strategy = self.resolved_strategy
-            step = prepare(strategy, pairs.ema, pairs.model, pairs.names)
-            watch: list[Slot] = []
-            copy_other = pairs.copy_other
-            if isinstance(step, FlatStep):
-                counter_fused = [False] * len(pairs.other_ema)
-                if pairs.other_ema:  # the EMA's counters into one buffer too: one cat per step, not a foreach
-                    # flat_model flattens the model's counters as well: one copy_ and an O(1) check per group.
-                    counters = prepare_counter_copy(
-                        pairs.other_ema, pairs.other_model, flatten_model=strategy == "flat_model"
-                    )
-                    step.watched += [(buf, 0) for buf in counters.buffers]
-                    step.watched += [(f, 0) for f in counters.model_flat if f is not None]
-                    counter_fused = counters.fused_pairs
-                    pairs.other_ema, pairs.other_model, copy_other = [], [], counters
-                pairs.refresh()  # the EMA tensors (and with flat_model the model's) moved into flat buffers
-                # Per step, model tensors that are not flat views (counters included) are checked slot by
-                # slot: data_ptr() of what each slot holds now, which also sees torch.utils.swap_tensors
-                # and ``p.data = ...`` (an identity check would not: the Parameter object stays).
-                watch = [s for s, f in zip(pairs.model_slots, step.fused_pairs) if not f]
-                watch += [s for s, f in zip(pairs.other_slots[1::2], counter_fused) if not f]
-                # A reference held here to a tensor that is a view of a flat buffer would hide its
-                # replacement from the reference count: drop them (model ones only when there are any).
-                pairs.release_ema()
-                if any(step.fused_pairs):
-                    pairs.model = []
-                step.baseline()
-            dicts, keys = (tuple(x) for x in zip(*watch)) if watch else ((), ())
-            state = _Prepared(pairs, step, strategy, (dicts, keys), slot_ptrs(dicts, keys), copy_other)
-            self._state = state
-            self.rebuilds += 1
+    def _build(self, model: nn.Module) -> _Prepared:
+        """Collect the pairs, prepare the step and record what each update checks; cached in ``_state``."""
+        self._state = None  # a failed rebuild must not leave the old (stale) step behind
+        pairs = ModulePairs.collect(self.ema, model)
+        if self.strategy == "auto" and self._auto is None:
+            self._auto = choose_strategy(pairs.ema, pairs.model)
+        strategy = self.resolved_strategy
+        step = prepare(strategy, pairs.ema, pairs.model, pairs.names)
+        watch: list[Slot] = []
+        checked: list[int] = []
+        copy_other = pairs.copy_other
+        if isinstance(step, FlatStep):
+            counter_fused = [False] * len(pairs.other_ema)
+            if pairs.other_ema:  # the EMA's counters into one buffer too: one cat per step, not a foreach
+                # flat_model flattens the model's counters as well: one copy_ and an O(1) check per group.
+                counters = prepare_counter_copy(
+                    pairs.other_ema, pairs.other_model, flatten_model=strategy == "flat_model"
+                )
+                step.watched += [(buf, 0) for buf in counters.buffers]
+                step.watched += [(f, 0) for f in counters.model_flat if f is not None]
+                counter_fused = counters.fused_pairs
+                pairs.other_ema, pairs.other_model, copy_other = [], [], counters
+            pairs.refresh()  # the EMA tensors (and with flat_model the model's) moved into flat buffers
+            # Per step every model slot that is not a flat view is read (counters included). Its data_ptr()
+            # is checked, which also sees torch.utils.swap_tensors and ``p.data = ...`` (an identity check
+            # would not: the Parameter object stays), except for the slots the step reads live and
+            # unchecked (FlatStep.live_pairs): what they hold now is what the step reads.
+            floats = [i for i, f in enumerate(step.fused_pairs) if not f]
+            watch = [pairs.model_slots[i] for i in floats]
+            watch += [s for s, f in zip(pairs.other_slots[1::2], counter_fused) if not f]
+            step.bind({i: k for k, i in enumerate(floats)}, len(watch))
+            checked = [k for k, i in enumerate(floats) if i not in step.live_pairs]
+            checked += range(len(floats), len(watch))
+            # A reference held here to a tensor that is a view of a flat buffer would hide its
+            # replacement from the reference count: drop them (model ones only when there are any).
+            pairs.release_ema()
+            if any(step.fused_pairs):
+                pairs.model = []
+            step.baseline()
+        dicts, keys = (tuple(x) for x in zip(*watch)) if watch else ((), ())
+        live = list(map(getitem, dicts, keys))
+        check = picker(checked) if checked else None
+        ptrs = list(map(Tensor.data_ptr, check(live))) if check else []
+        state = _Prepared(pairs, step, strategy, (dicts, keys), check, ptrs, copy_other)
+        self._state = state
+        self.rebuilds += 1
         return state
 
     def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:
@@ -249,9 +273,17 @@ class ModelEMA(EMASchedule):
                 )
         else:
             decay = check_decay(decay)
-        state = self._prepared(unwrap_model(model))
-        state.step(decay)
-        state.copy_other()
+        model = unwrap_model(model)
+        state = self._state
+        live = None if state is None else state.live(model)
+        if live is None:
+            state = self._build(model)
+            live = state.live(model)
+        try:
+            state.run(decay, live)
+        except StaleInputs:  # a slot read live changed size, dtype or device; nothing was written
+            state = self._build(model)
+            state.run(decay, state.live(model))
         self.updates += 1
 
     def update_attr(

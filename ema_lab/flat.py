@@ -55,15 +55,24 @@ would need a host sync.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import torch
 from torch import Tensor
 
 from .gates import foreach_lerp_supported
 
-__all__ = ["CAT_MAX_NUMEL", "FlatStep", "GroupPlan", "flatten_tensors", "unflatten_tensors", "storage_refs"]
+__all__ = [
+    "CAT_MAX_NUMEL",
+    "FlatStep",
+    "GroupPlan",
+    "StaleInputs",
+    "flatten_tensors",
+    "unflatten_tensors",
+    "storage_refs",
+]
 
 #: Per-tensor costs on CPU, one thread (``benchmarks/peers.py`` models, torch 2.13/2.14, this machine):
 #: a tensor inside ``_foreach_lerp_`` costs one full per-tensor dispatch, a tensor gathered by
@@ -84,6 +93,21 @@ _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 def storage_refs(t: Tensor) -> int:
     """How many tensors (views included) hold ``t``'s storage right now; -1 if torch cannot say."""
     return -1 if _USE_COUNT is None else _USE_COUNT(t.untyped_storage()._cdata)
+
+
+class StaleInputs(RuntimeError):
+    """A module slot read live holds a tensor of another size, dtype or device; nothing was written."""
+
+
+Picker = Callable[[Sequence[Tensor]], Sequence[Tensor]]
+
+
+def picker(positions: Sequence[int]) -> Picker:
+    """``itemgetter`` that always returns a tuple (``itemgetter(i)`` alone returns the bare item)."""
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda seq: (seq[i],)
+    return itemgetter(*positions)
 
 
 def _whole_storage(t: Tensor) -> Tensor:
@@ -196,6 +220,11 @@ class FlatGroup:
     cat_ema: Tensor | None = None  # the EMA buffer's leading part that the cat path updates
     model_dtype: torch.dtype | None = None
     tensors: int = 0  # pairs in the group
+    pairs: list[int] = field(default_factory=list)  # input pair index of each tensor, in buffer order
+    # Set by FlatStep.bind for a live step: pick this group's model tensors from the slots read now.
+    cat_live: list[bool] = field(default_factory=list)  # per cat tensor: 1-D in the model, read live
+    cat_pick: Picker | None = None
+    loop_pick: Picker | None = None
 
     def plan(self) -> GroupPlan:
         """This group's :class:`GroupPlan`."""
@@ -210,8 +239,26 @@ class FlatGroup:
             elements=self.ema.numel(),
         )
 
-    def apply(self, w: float | Tensor) -> None:
-        """``ema += w * (model - ema)`` for the whole group."""
+    def gather(self, live: Sequence[Tensor]) -> Tensor | None:
+        """Phase one of a live step: the cat part's model values read from ``live``; writes no EMA memory."""
+        if self.cat_pick is None:
+            return None
+        try:
+            out = torch.cat(self.cat_pick(live))
+        except (TypeError, RuntimeError) as exc:  # a slot holds None, or another ndim, device or dtype
+            raise StaleInputs(f"a model tensor of the {self.mode} group changed: {exc}") from exc
+        ema = self.cat_ema
+        if out.numel() != ema.numel() or out.dtype != ema.dtype or out.device != ema.device:
+            raise StaleInputs(
+                f"the model tensors of the {self.mode} group now gather to {out.numel()} {out.dtype} "
+                f"elements on {out.device}, not {ema.numel()} {ema.dtype} on {ema.device}"
+            )
+        return out
+
+    def apply(
+        self, w: float | Tensor, gathered: Tensor | None = None, live: Sequence[Tensor] | None = None
+    ) -> None:
+        """``ema += w * (model - ema)`` for the whole group (``gathered``/``live``: from a live step)."""
         if self.mode == "fused":
             src = self.model_flat
             if self.scratch is not None:  # bf16/fp16 model, fp32 EMA: one cast-copy, one lerp
@@ -227,16 +274,17 @@ class FlatGroup:
             self.ema.lerp_(self.scratch, w)
         else:
             if self.cat_model:
-                torch.cat(self.cat_model, out=self.scratch)
-                self.cat_ema.lerp_(self.scratch, w)
+                if gathered is None:
+                    gathered = torch.cat(self.cat_model, out=self.scratch)
+                self.cat_ema.lerp_(gathered, w)
             if not self.model:
                 return
+            # Live: the module's own tensors, already checked by data_ptr(), so their metadata is in cache.
+            model = self.model if live is None or self.loop_pick is None else self.loop_pick(live)
             if self.foreach_ok:
-                torch._foreach_lerp_(
-                    self.ema_views, self.model, w if isinstance(w, float) else [w] * len(self.model)
-                )
+                torch._foreach_lerp_(self.ema_views, model, w if isinstance(w, float) else [w] * len(model))
             else:
-                for v, m in zip(self.ema_views, self.model):
+                for v, m in zip(self.ema_views, model):
                     v.lerp_(m, w)
 
 
@@ -244,7 +292,7 @@ def _views(buf: Tensor, offsets: Sequence[int], like: Sequence[Tensor]) -> list[
     return [buf[o : o + t.numel()].view(t.shape) for o, t in zip(offsets, like)]
 
 
-def _build_group(ema: list[Tensor], model: list[Tensor]) -> FlatGroup:
+def _build_group(ema: list[Tensor], model: list[Tensor], pairs: list[int]) -> FlatGroup:
     ema_dtype, device = ema[0].dtype, ema[0].device
     # Detached aliases of the model's tensors: same memory, but no reference to the module's tensor
     # (a view of it would hold it as its base and make torch.utils.swap_tensors refuse to swap it),
@@ -255,7 +303,7 @@ def _build_group(ema: list[Tensor], model: list[Tensor]) -> FlatGroup:
     n_small = 0
     if mode in ("cat", "cat+foreach"):  # small tensors first: the cat path updates one leading slice
         order = sorted(range(len(model)), key=lambda i: not _small(model[i]))
-        ema, model = [ema[i] for i in order], [model[i] for i in order]
+        ema, model, pairs = [ema[i] for i in order], [model[i] for i in order], [pairs[i] for i in order]
         n_small = sum(map(_small, model))
     if mode == "fused":
         model_flat = _whole_storage(model[0])
@@ -291,6 +339,8 @@ def _build_group(ema: list[Tensor], model: list[Tensor]) -> FlatGroup:
         cat_ema=buf[:cat_size] if n_small else None,
         model_dtype=model[0].dtype,
         tensors=len(model),
+        pairs=list(pairs),
+        cat_live=[m.dim() == 1 for m in model[:n_small]],
     )
 
 
@@ -380,14 +430,43 @@ def _check_tensor_decay(decay: Tensor) -> None:
 
 @dataclass
 class FlatStep:
-    """The prepared ``"flat"`` update: call it with the decay; :meth:`refs_unchanged` is the O(1) check."""
+    """The prepared ``"flat"`` update: call it with the decay; :meth:`refs_unchanged` is the O(1) check.
+
+    Called as ``step(decay)`` it reads the model through the tensors it was built from. ``ModelEMA``
+    calls ``step(decay, live)`` after :meth:`bind`: ``live`` holds what the model's module slots hold
+    now, so the step reads the module's own tensors. The 1-D tensors of a ``cat`` part
+    (:attr:`live_pairs`) need no ``data_ptr()`` check: whatever their slots hold is what is read, and a
+    slot whose tensor changed size, dtype or device fails the gather (:class:`StaleInputs`) before any
+    EMA memory is written.
+    """
 
     groups: list[FlatGroup]
     fused_pairs: list[bool] = field(default_factory=list)  # per input pair: is its model tensor a flat view
     # (buffer, reference count at build) for every flat storage the modules' tensors must be views of
     watched: list[tuple[Tensor, int]] = field(default_factory=list)
+    live_pairs: frozenset[int] = frozenset()  # input pairs read live without a data_ptr() check
+    ext: list[Tensor] = field(default_factory=list)  # appended to ``live``: aliases the cat parts read
 
-    def __call__(self, decay: float | Tensor) -> None:
+    def bind(self, positions: dict[int, int], n_live: int) -> None:
+        """Prepare live reads: input pair ``i`` sits at ``positions[i]`` of a ``live`` list of ``n_live``."""
+        self.ext, live_pairs = [], set()
+        for g in self.groups:
+            if g.mode not in ("cat", "foreach", "cat+foreach"):
+                continue
+            cat = []
+            for i, view, fresh in zip(g.pairs, g.cat_model, g.cat_live):
+                if fresh:
+                    cat.append(positions[i])
+                    live_pairs.add(i)
+                else:  # N-D or 0-dim: torch.cat needs 1-D inputs, so read the 1-D alias built for it
+                    cat.append(n_live + len(self.ext))
+                    self.ext.append(view)
+            g.cat_pick = picker(cat) if cat else None
+            loop = [positions[i] for i in g.pairs[len(g.cat_model) :]]
+            g.loop_pick = picker(loop) if loop else None
+        self.live_pairs = frozenset(live_pairs)
+
+    def __call__(self, decay: float | Tensor, live: Sequence[Tensor] | None = None) -> None:
         """Apply one update; ``decay`` is a Python number or a 0-dim tensor (no host sync)."""
         if isinstance(decay, Tensor):
             _check_tensor_decay(decay)
@@ -401,8 +480,15 @@ class FlatStep:
                 raise ValueError(f"decay must be a finite number in [0, 1], got {decay!r}")
             w = 1.0 - d
         with torch.no_grad():
-            for g in self.groups:
-                g.apply(w)
+            if live is None:
+                for g in self.groups:
+                    g.apply(w)
+                return
+            if self.ext:
+                live = [*live, *self.ext]
+            gathered = [g.gather(live) for g in self.groups]  # every read that can fail, before any write
+            for g, src in zip(self.groups, gathered):
+                g.apply(w, src, live)
 
     def baseline(self) -> None:
         """Record the reference counts of the watched storages as the intact state."""
@@ -431,7 +517,7 @@ def prepare_flat(ema: list[Tensor], model: list[Tensor]) -> FlatStep:
         es.append(e)
         ms.append(m)
         idx.append(i)
-    groups = [_build_group(es, ms) for es, ms, _ in keyed.values()]
+    groups = [_build_group(es, ms, idx) for es, ms, idx in keyed.values()]
     fused = [False] * len(ema)
     for g, (_, _, idx) in zip(groups, keyed.values()):
         for i in idx:

@@ -211,3 +211,85 @@ def test_direct_slot_assignment_is_followed(strategy: str, entry: str) -> None:
         bn._buffers["num_batches_tracked"] = torch.tensor(7)
     _follows(ema, model)
     assert ema.ema[0].bn.num_batches_tracked.item() == bn.num_batches_tracked.item()
+
+
+# --- live reads: the 1-D tensors of a cat part are read through the module slots, unchecked ------------
+
+
+def _live_names(ema: ModelEMA) -> set[str]:
+    names = ema._state.pairs.names
+    return {names[i] for i in ema.prepared_step.live_pairs}
+
+
+def test_the_default_reads_every_1d_cat_tensor_live_and_checks_the_rest() -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model)
+    ema.update(model)
+    one_d = {k for k, v in float_entries(model).items() if v.dim() == 1}
+    assert _live_names(ema) == one_d  # BatchNorm's four vectors per layer and the Linear bias
+    state = ema._state
+    # data_ptr() checked: the 5 conv weights and the Linear weight (foreach or N-D), and the 5 counters
+    assert len(state.check_ptrs) == len(state.watch[1]) - len(one_d) == 11
+
+
+@pytest.mark.parametrize("how", ["data", "_parameters", "swap_tensors"])
+def test_a_live_slot_replaced_by_a_same_shape_tensor_is_followed_without_a_rebuild(how: str) -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model)
+    ema.update(model)
+    bn = model[1].bn
+    new = nn.Parameter(torch.randn_like(bn.weight))
+    if how == "data":
+        bn.weight.data = new.data
+    elif how == "_parameters":
+        bn._parameters["weight"] = new
+    else:
+        torch.utils.swap_tensors(bn.weight, new)
+    _follows(ema, model)
+    assert ema.rebuilds == 1  # the slot is read as it is now: nothing to rebuild
+
+
+def _two_live_groups() -> tuple[nn.Module, ModelEMA]:
+    # model[3] in float16 before the EMA is made: two groups, (fp32, fp32) and (fp16, fp16), both cat+foreach
+    model = models.build("tiny_cnn")
+    model[3].half()
+    ema = ModelEMA(model)
+    ema.update(model)
+    assert [(g.ema_dtype, g.mode) for g in ema.plan] == [
+        (torch.float32, "cat+foreach"),
+        (torch.float16, "cat+foreach"),
+    ]
+    return model, ema
+
+
+@pytest.mark.parametrize(
+    "breakage, error",
+    [
+        ("size", "does not match model shape"),
+        ("None", "EMA and model do not hold the same entries"),
+        ("meta", "does not match model shape"),
+    ],
+)
+def test_a_live_slot_that_no_longer_fits_fails_before_any_group_is_written(breakage: str, error: str) -> None:
+    model, ema = _two_live_groups()
+    before = {k: v.clone() for k, v in ema.ema.state_dict().items()}
+    bn = model[3].bn  # a live slot of the second group: the first group must stay untouched as well
+    if breakage == "size":
+        bn._parameters["weight"] = nn.Parameter(torch.ones(33, dtype=torch.float16))
+    elif breakage == "None":
+        bn._parameters["weight"] = None
+    else:
+        bn._parameters["weight"] = nn.Parameter(torch.empty(32, dtype=torch.float16, device="meta"))
+    with pytest.raises(ValueError, match=error):
+        ema.update(model)
+    for k, v in ema.ema.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert ema.updates == 1
+
+
+def test_a_live_slot_that_changes_dtype_is_followed_after_a_rebuild() -> None:
+    model, ema = _two_live_groups()
+    bn = model[3].bn
+    bn.weight.data = bn.weight.data.float()  # fp16 -> fp32: the gather of its group no longer fits
+    _follows(ema, model)
+    assert ema.rebuilds == 2
