@@ -143,7 +143,8 @@ class ModelEMA(EMASchedule):
 
     Never in the way of torch's own tensor swaps: it holds no view of a module tensor, so
     ``torch.utils.swap_tensors`` and ``set_swap_module_params_on_conversion(True)`` work, and the EMA
-    follows the swapped-in tensors (a rebuild, as after any replacement).
+    follows the swapped-in tensors (a rebuild, as after any replacement; none is needed for the 1-D
+    tensors the flat strategies read live from the module slots, see :mod:`ema_lab.flat`).
 
     With the flat strategies (the default "auto" included) the EMA module's float tensors (and its
     integer counters) are views of one buffer per group: ``torch.save(ema.ema.state_dict())`` stores
@@ -193,7 +194,8 @@ class ModelEMA(EMASchedule):
     @property
     def prepared_step(self) -> Step | None:
         """The cached update step (a :class:`ema_lab.flat.FlatStep` for the flat strategies), None before
-        the first update and after pickling; call it with a decay to run one update of the EMA alone."""
+        the first update and after pickling; call it with a decay to run one update of the EMA alone,
+        unchecked, reading the model through the tensors it was built from (``update()`` reads the slots)."""
         return None if self._state is None else self._state.step
 
     @property

@@ -1,7 +1,7 @@
 """Flat EMA state: one contiguous buffer per group, the EMA module's tensors views into it.
 
 After PR #25315 an EMA update is one ``torch._foreach_lerp_`` call, but on CPU that call still
-loops over every tensor in C++ (about 0.5 us each), and the code around it walks both modules.
+loops over every tensor in C++ (about 1 us each), and the code around it walks both modules.
 The floor for the update is one ``lerp_`` over two contiguous buffers. This module gets there:
 
 - ``"flat"``: each (device, EMA dtype, model dtype) group of EMA tensors is copied into one
@@ -12,8 +12,8 @@ The floor for the update is one ``lerp_`` over two contiguous buffers. This modu
   ``fused``    the model's tensors of the group exactly tile one storage (the model was flattened):
                one ``lerp_`` (one cast-copy + one ``lerp_`` for a bf16/fp16 model into an fp32 EMA);
   ``cat``      same dtype, every tensor small (under :data:`CAT_MAX_NUMEL` elements): one
-               ``torch.cat(..., out=scratch)`` then one ``lerp_`` (cat costs ~0.15 us per tensor,
-               a foreach ~0.5 us);
+               ``torch.cat`` then one ``lerp_`` (cat costs about 0.3 us per tensor, a foreach
+               about 1 us: :data:`CAT_TENSOR_US`, :data:`FOREACH_TENSOR_US`);
   ``foreach``  same dtype, every tensor large: ``torch._foreach_lerp_`` over views of the flat buffer;
   ``cat+foreach``  both kinds: the small tensors sit first in the buffer and take the ``cat`` path,
                the large ones the ``foreach`` path (a detector's BatchNorm vectors vs its conv weights);
@@ -28,23 +28,31 @@ The floor for the update is one ``lerp_`` over two contiguous buffers. This modu
   (device, dtype) as well, so copying them is one ``copy_`` (:func:`prepare_counter_copy`).
   :func:`unflatten_tensors` gives every tensor its own memory back.
 
-Staleness (never average dead memory). The step keeps no reference to the module tensors that are
-views into a flat buffer, so each flat storage's reference count is exactly "our own views + the
-modules' tensors". ``model.to()``, ``.half()``, ``p.data = ...``, ``torch.utils.swap_tensors`` or a
-module slot given a new tensor all drop references and change that count: :meth:`FlatStep.is_current`
-compares it (O(1) per group) and ``ModelEMA`` falls back to the exact per-slot check of
-:class:`ema_lab.pairs.ModulePairs` when it moved. Model tensors that are not views (``foreach``,
-``cat``, ``cast`` groups, and the counters except ``flat_model``'s) are always checked per slot by
-``data_ptr()``, which also sees a swap (an identity check would not: ``swap_tensors`` keeps the Python
-object). Limit of the O(1) count, so of ``fused`` groups only (``flat_model``, its counters included):
-it cannot see a flat tensor that is re-pointed, swapped or replaced while something else keeps an
-equal number of new views of the same buffer, or keeps the swapped-out or replaced tensor alive,
-between two updates (``ModelEMA`` holds none).
+Staleness (never average dead memory). ``ModelEMA`` reads the model side through its module slots on
+every update (``step(decay, live)``, :meth:`FlatStep.bind`): the 1-D tensors of a ``cat`` part are read
+as the slots hold them now, so they cannot be stale, and a slot whose tensor changed size, dtype or
+device fails the gather before any group is written (:class:`StaleInputs`, then a rebuild); not seen:
+two such slots that trade tensors of different sizes, which keeps the total (a model whose layers trade
+widths no longer runs either). The other slots it reads are checked by ``data_ptr()`` first (below). The
+step keeps no reference to the module tensors that are views into a flat buffer, so each flat storage's
+reference count is exactly "our own views + the modules' tensors". ``model.to()``, ``.half()``, ``p.data
+= ...``, ``torch.utils.swap_tensors`` or a module slot given a new tensor all drop references and change
+that count: :meth:`FlatStep.refs_unchanged` compares it (O(1) per group) and ``ModelEMA`` falls back to
+the exact per-slot check of :class:`ema_lab.pairs.ModulePairs` when it moved. Model tensors that are not
+views and not read live unchecked (``foreach`` parts, N-D or 0-dim tensors of ``cat`` parts, ``cast``
+groups, and the counters except ``flat_model``'s) are checked per slot by ``data_ptr()`` before each
+step, which also sees a swap (an identity check would not: ``swap_tensors`` keeps the Python object).
+Limit of the O(1) count, so of ``fused`` groups only (``flat_model``, its counters included): it cannot
+see a flat tensor that is re-pointed, swapped or replaced while something else keeps an equal number of
+new views of the same buffer, or keeps the swapped-out or replaced tensor alive, between two updates
+(``ModelEMA`` holds none).
 
 Never in the way of torch's tensor swaps: ``torch.utils.swap_tensors`` (and so
 ``torch.__future__.set_swap_module_params_on_conversion(True)``) refuses a tensor that something
-else references at the C++ level, a view's base for one. The step reads the model through detached
-aliases (``m.detach()`` and views of those), never through views of the module's own tensors.
+else references at the C++ level, a view's base for one. Between updates the step holds the model
+only through detached aliases (``m.detach()`` and views of those), never views of the module's own
+tensors; the module tensors a live step reads are dropped when it returns. The aliases also keep the
+memory they alias alive, so a replacement can never reuse a checked address.
 
 Sync-free: ``step(decay)`` takes a Python float or a 0-dim floating tensor on the group's device;
 a tensor decay is used as a tensor weight (no ``.item()``), so under ``torch.compile`` a changing

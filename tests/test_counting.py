@@ -73,11 +73,11 @@ def _expected(name: str, stats: models.ModelStats, distinct: int, other: int, nu
     flat_other = Counter({"aten.cat.out": 1} if other else {})
     if name == "flat_model":  # the model flattened too (its counters included): one lerp_, one copy_
         return Counter({"aten.lerp_.Scalar": 1}) + Counter({"aten.copy_.default": 1} if other else {})
-    if name == "flat":  # small tensors: one cat gathers them, one lerp_; large ones: one foreach
-        from ema_lab.flat import CAT_MAX_NUMEL
+    if name == "flat":  # small tensors: one cat gathers them as the slots hold them now, one lerp_; large
+        from ema_lab.flat import CAT_MAX_NUMEL  # ones: one foreach
 
         small = sum(n < CAT_MAX_NUMEL for n in numels)
-        cat = Counter({"aten.cat.out": 1, "aten.lerp_.Scalar": 1} if small else {})
+        cat = Counter({"aten.cat.default": 1, "aten.lerp_.Scalar": 1} if small else {})
         return cat + Counter({"aten._foreach_lerp_.Scalar": 1} if small < len(numels) else {}) + flat_other
     raise AssertionError(f"no expected op count for strategy {name!r}: add it to _expected")
 

@@ -274,3 +274,15 @@ def test_import_registers_no_torch_hooks_the_first_ema_does() -> None:
     ).replace("torch.nn.Linear", "__import__('torch').nn.Linear")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split("\n")[:2] == ["[0, 0, 0]", "[1, 1, 1]"]  # none at import, one each after, not two
+
+
+def test_a_compiled_model_is_unwrapped() -> None:
+    model = models.build("tiny_cnn")
+    compiled = torch.compile(model)  # not called: wrapping alone, no compilation
+    ema = ModelEMA(compiled)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update(compiled, decay=0.0)
+    for k, v in ema.ema.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
