@@ -91,6 +91,11 @@ CAT_ELEMENT_NS = 0.33
 #: Break-even size of the two: same-dtype model tensors under this many elements take the ``cat`` path
 #: (1818; a sweep of the split on the YOLO-like model is flat from 256 to 4096 with its minimum at 2048).
 CAT_MAX_NUMEL = round(1000 * (FOREACH_TENSOR_US - CAT_TENSOR_US) / CAT_ELEMENT_NS)
+#: ATen's ``at::internal::GRAIN_SIZE``. A CPU ``torch.cat`` whose result has fewer elements (or that runs on
+#: one thread) takes the serial kernel, a memcpy per input; a larger one at 2+ threads copies each input
+#: through its own ``narrow().copy_()``, about 1 us per tensor (0.62 ms instead of 0.10 ms for 493 tensors,
+#: 59K elements, at 2 threads here). So with more than one thread the cat part is gathered in runs under it.
+CAT_RUN_NUMEL = 32768
 
 
 # A private binding (present in the torch versions tested here). Without it every step takes the exact
@@ -213,6 +218,46 @@ class GroupPlan:
 
 
 @dataclass
+class CatRun:
+    """Consecutive small tensors of a group gathered by one ``torch.cat``, then one ``lerp_``."""
+
+    ema: Tensor  # the slice of the group's EMA buffer they occupy
+    scratch: Tensor  # the same slice of the scratch buffer (reads through the built aliases)
+    model: list[Tensor]  # 1-D aliases of the model tensors, as built
+    index: range  # their positions in the group's cat order
+    pick: Picker | None = None  # bound by FlatStep.bind: these tensors out of a live list
+
+    def gather(self, live: Sequence[Tensor] | None) -> Tensor:
+        """The model values of the run: from ``live`` (checked, nothing written) or the built aliases."""
+        if live is None:
+            return torch.cat(self.model, out=self.scratch)
+        try:
+            out = torch.cat(self.pick(live))
+        except (TypeError, RuntimeError) as exc:  # a slot holds None, or another ndim, device or dtype
+            raise StaleInputs(f"a model tensor read live changed: {exc}") from exc
+        ema = self.ema
+        if out.numel() != ema.numel() or out.dtype != ema.dtype or out.device != ema.device:
+            raise StaleInputs(
+                f"model tensors read live now gather to {out.numel()} {out.dtype} elements on "
+                f"{out.device}, not {ema.numel()} {ema.dtype} on {ema.device}"
+            )
+        return out
+
+
+def cat_runs(numels: Sequence[int], limit: int = CAT_RUN_NUMEL) -> list[range]:
+    """Split tensors (by element count, in order) into runs of consecutive ones under ``limit`` elements."""
+    runs, start, total = [], 0, 0
+    for i, n in enumerate(numels):
+        if total + n >= limit and i > start:
+            runs.append(range(start, i))
+            start, total = i, 0
+        total += n
+    if len(numels) > start:
+        runs.append(range(start, len(numels)))
+    return runs
+
+
+@dataclass
 class FlatGroup:
     """One (device, EMA dtype, model dtype) group: the flat EMA buffer and how to read the model side."""
 
@@ -231,7 +276,8 @@ class FlatGroup:
     pairs: list[int] = field(default_factory=list)  # input pair index of each tensor, in buffer order
     # Set by FlatStep.bind for a live step: pick this group's model tensors from the slots read now.
     cat_live: list[bool] = field(default_factory=list)  # per cat tensor: 1-D in the model, read live
-    cat_pick: Picker | None = None
+    cat_whole: list[CatRun] = field(default_factory=list)  # the cat part as one run (one thread, or CUDA)
+    cat_grains: list[CatRun] = field(default_factory=list)  # in runs under CAT_RUN_NUMEL (CPU, 2+ threads)
     loop_pick: Picker | None = None
 
     def plan(self) -> GroupPlan:
@@ -247,24 +293,16 @@ class FlatGroup:
             elements=self.ema.numel(),
         )
 
-    def gather(self, live: Sequence[Tensor]) -> Tensor | None:
+    def cat_parts(self) -> list[CatRun]:
+        """The runs the cat part is gathered in at the current intra-op thread count."""
+        return self.cat_grains if torch.get_num_threads() > 1 else self.cat_whole
+
+    def gather(self, live: Sequence[Tensor]) -> list[Tensor]:
         """Phase one of a live step: the cat part's model values read from ``live``; writes no EMA memory."""
-        if self.cat_pick is None:
-            return None
-        try:
-            out = torch.cat(self.cat_pick(live))
-        except (TypeError, RuntimeError) as exc:  # a slot holds None, or another ndim, device or dtype
-            raise StaleInputs(f"a model tensor of the {self.mode} group changed: {exc}") from exc
-        ema = self.cat_ema
-        if out.numel() != ema.numel() or out.dtype != ema.dtype or out.device != ema.device:
-            raise StaleInputs(
-                f"the model tensors of the {self.mode} group now gather to {out.numel()} {out.dtype} "
-                f"elements on {out.device}, not {ema.numel()} {ema.dtype} on {ema.device}"
-            )
-        return out
+        return [run.gather(live) for run in self.cat_parts()] if self.cat_model else []
 
     def apply(
-        self, w: float | Tensor, gathered: Tensor | None = None, live: Sequence[Tensor] | None = None
+        self, w: float | Tensor, gathered: list[Tensor] | None = None, live: Sequence[Tensor] | None = None
     ) -> None:
         """``ema += w * (model - ema)`` for the whole group (``gathered``/``live``: from a live step)."""
         if self.mode == "fused":
@@ -282,9 +320,9 @@ class FlatGroup:
             self.ema.lerp_(self.scratch, w)
         else:
             if self.cat_model:
-                if gathered is None:
-                    gathered = torch.cat(self.cat_model, out=self.scratch)
-                self.cat_ema.lerp_(gathered, w)
+                runs = self.cat_parts()
+                for run, src in zip(runs, gathered if gathered is not None else [None] * len(runs)):
+                    run.ema.lerp_(src if src is not None else run.gather(None), w)
             if not self.model:
                 return
             # Live: the module's own tensors, already checked by data_ptr(), so their metadata is in cache.
@@ -334,7 +372,7 @@ def _build_group(ema: list[Tensor], model: list[Tensor], pairs: list[int]) -> Fl
         torch.empty(cat_size if n_small else size, dtype=ema_dtype, device=device) if needs_scratch else None
     )
     loop = mode in ("foreach", "cat+foreach")
-    return FlatGroup(
+    group = FlatGroup(
         mode=mode,
         ema=buf,
         ema_views=_views(buf, offsets[n_small:], ema[n_small:]) if loop else [],
@@ -350,6 +388,24 @@ def _build_group(ema: list[Tensor], model: list[Tensor], pairs: list[int]) -> Fl
         pairs=list(pairs),
         cat_live=[m.dim() == 1 for m in model[:n_small]],
     )
+    if n_small:
+        numels = [m.numel() for m in model[:n_small]]
+        ends = [0, *torch.tensor(numels).cumsum(0).tolist()]
+        whole = [range(n_small)]
+        grains = cat_runs(numels) if device.type == "cpu" else whole
+        group.cat_whole, group.cat_grains = (
+            [
+                CatRun(
+                    ema=buf[ends[r.start] : ends[r.stop]],
+                    scratch=scratch[ends[r.start] : ends[r.stop]],
+                    model=group.cat_model[r.start : r.stop],
+                    index=r,
+                )
+                for r in runs
+            ]
+            for runs in (whole, grains)
+        )
+    return group
 
 
 @dataclass
@@ -469,7 +525,8 @@ class FlatStep:
                 else:  # N-D or 0-dim: torch.cat needs 1-D inputs, so read the 1-D alias built for it
                     cat.append(n_live + len(self.ext))
                     self.ext.append(view)
-            g.cat_pick = picker(cat) if cat else None
+            for run in (*g.cat_whole, *g.cat_grains):
+                run.pick = picker(cat[run.index.start : run.index.stop])
             loop = [positions[i] for i in g.pairs[len(g.cat_model) :]]
             g.loop_pick = picker(loop) if loop else None
         self.live_pairs = frozenset(live_pairs)

@@ -11,6 +11,7 @@ from ema_lab.bench.counting import count_ops
 from ema_lab.ema import choose_strategy
 from ema_lab.flat import (
     CAT_MAX_NUMEL,
+    cat_runs,
     flatten_tensors,
     plan_group,
     prepare_flat,
@@ -351,3 +352,37 @@ def test_without_the_use_count_binding_every_step_takes_the_exact_check(monkeypa
     assert all(
         torch.allclose(p.float(), torch.full_like(p.float(), 2.0), atol=1e-2) for p in ema.ema.parameters()
     )
+
+
+def test_cat_runs_stay_under_the_grain_and_cover_every_tensor_in_order() -> None:
+    numels = [1000] * 70 + [30000, 5, 40000, 7]
+    runs = cat_runs(numels, limit=32768)
+    assert [i for r in runs for i in r] == list(range(len(numels)))
+    assert all(sum(numels[i] for i in r) < 32768 or len(r) == 1 for r in runs)
+    assert [len(r) for r in runs] == [32, 32, 6, 2, 1, 1]  # a 33rd 1000 would reach 32768; 40000 runs alone
+    assert cat_runs([]) == []
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_the_cat_part_gives_the_same_bits_at_one_and_two_threads(live: bool) -> None:
+    # tiny_tensors: 2000 small tensors, 272K elements, gathered in 9 runs at 2 threads and in one at 1
+    model = models.build("tiny_tensors")
+    emas = [ModelEMA(model) for _ in range(2)]
+    for e in emas:
+        e.update(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    before = torch.get_num_threads()
+    try:
+        for threads, e in zip((1, 2), emas):
+            torch.set_num_threads(threads)
+            if live:
+                e.update(model, decay=0.9)
+            else:
+                e.prepared_step(0.9)
+        assert len(emas[1].prepared_step.groups[0].cat_grains) == 9
+    finally:
+        torch.set_num_threads(before)
+    for (k, a), b in zip(emas[0].ema.state_dict().items(), emas[1].ema.state_dict().values()):
+        assert torch.equal(a, b), k
