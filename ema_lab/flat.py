@@ -103,6 +103,9 @@ CAT_RUN_NUMEL = 32768
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)  # torch >= 2.3
+
+
 def storage_refs(t: Tensor) -> int:
     """How many tensors (views included) hold ``t``'s storage right now; -1 if torch cannot say."""
     return -1 if _USE_COUNT is None else _USE_COUNT(t.untyped_storage()._cdata)
@@ -295,7 +298,11 @@ class FlatGroup:
 
     def cat_parts(self) -> list[CatRun]:
         """The runs the cat part is gathered in at the current intra-op thread count."""
-        return self.cat_grains if torch.get_num_threads() > 1 else self.cat_whole
+        # Under torch.compile the generated code gathers on its own terms: one run, and no thread query
+        # (a torch.* call returning an int would break the graph).
+        if _is_compiling() or torch.get_num_threads() == 1:
+            return self.cat_whole
+        return self.cat_grains
 
     def gather(self, live: Sequence[Tensor]) -> list[Tensor]:
         """Phase one of a live step: the cat part's model values read from ``live``; writes no EMA memory."""
