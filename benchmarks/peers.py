@@ -24,6 +24,7 @@ count: the default no slower than the fastest peer, >= 1.2x ultralytics on the l
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.metadata as md
 import importlib.util
 import json
@@ -38,7 +39,7 @@ from torch import nn
 
 from ema_lab import ModelEMA
 from ema_lab.bench.environment import environment
-from ema_lab.bench.timing import time_candidates
+from ema_lab.bench.timing import quantiles, time_candidates
 from ema_lab.lessons import models
 
 DECAY = 0.9999
@@ -153,33 +154,51 @@ def peer_candidates(name: str) -> tuple[dict[str, Callable[[], object]], dict[st
     return fns, skipped
 
 
-def run(names: tuple[str, ...], rounds: int, target_s: float, threads: tuple[int, ...] = (1,)) -> dict:
-    """Time every candidate on every model at each thread count; return a JSON-able record."""
+def run(
+    names: tuple[str, ...], rounds: int, target_s: float, threads: tuple[int, ...] = (1,), builds: int = 1
+) -> dict:
+    """Time every candidate on every model at each thread count; return a JSON-able record.
+
+    ``builds`` > 1 makes every candidate (model copy and EMA) afresh that many times and pools the rounds
+    of all builds: where each buffer lands in physical memory moves a bandwidth-bound update by up to
+    ~10 % on this machine, and a single build would carry one draw of that into the comparison.
+    """
     torch.set_grad_enabled(True)
     rows = []
     skipped: dict[str, str] = {}
     for name in names:
-        fns, skip = peer_candidates(name)
-        skipped.update(skip)
-        if not fns:
-            print(skip, flush=True)
+        pooled: dict[int, dict[str, list[float]]] = {n: {} for n in threads}
+        for _ in range(builds):
+            fns, skip = peer_candidates(name)
+            skipped.update(skip)
+            if not fns:
+                break
+            for n_threads in threads:
+                timed = time_candidates(fns, "cpu", rounds=rounds, target_s=target_s, threads=n_threads)
+                for k, t in timed.items():
+                    pooled[n_threads].setdefault(k, []).extend(t.times_s)
+            del fns
+            gc.collect()
+        if not pooled[threads[0]]:
+            print(skipped.get(name), flush=True)
             continue
         for n_threads in threads:
-            timed = time_candidates(fns, "cpu", rounds=rounds, target_s=target_s, threads=n_threads)
-            floor = timed[FLOOR].median_s
-            ultra = next((t.median_s for k, t in timed.items() if k.startswith("ultralytics")), None)
-            for k, t in timed.items():
+            stats = {k: quantiles(v) for k, v in pooled[n_threads].items()}
+            floor = stats[FLOOR][1]
+            ultra = next((q[1] for k, q in stats.items() if k.startswith("ultralytics")), None)
+            for k, (q1, med, q3) in stats.items():
                 rows.append(
                     {
                         "model": name,
                         "candidate": k,
-                        "median_ms": 1e3 * t.median_s,
-                        "q1_ms": 1e3 * t.q1_s,
-                        "q3_ms": 1e3 * t.q3_s,
-                        "x_floor": t.median_s / floor,
-                        "ultralytics_over_this": None if ultra is None else ultra / t.median_s,
-                        "threads": t.threads,
-                        "rounds": t.rounds,
+                        "median_ms": 1e3 * med,
+                        "q1_ms": 1e3 * q1,
+                        "q3_ms": 1e3 * q3,
+                        "x_floor": med / floor,
+                        "ultralytics_over_this": None if ultra is None else ultra / med,
+                        "threads": n_threads,
+                        "rounds": len(pooled[n_threads][k]),
+                        "builds": builds,
                     }
                 )
             print(
@@ -248,13 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--threads", nargs="+", type=int, default=[1])
-    parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument("--rounds", type=int, default=31, help="rounds per build")
+    parser.add_argument("--builds", type=int, default=1, help="fresh copies of the candidates, rounds pooled")
     parser.add_argument("--note", default="", help="a line for the Markdown header (e.g. the machine's load)")
     parser.add_argument("--target-s", type=float, default=0.02)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "results"))
     parser.add_argument("--suffix", default="", help="appended to the file stem, keeps older runs")
     args = parser.parse_args(argv)
-    record = run(tuple(args.models), args.rounds, args.target_s, tuple(args.threads))
+    record = run(tuple(args.models), args.rounds, args.target_s, tuple(args.threads), args.builds)
     record["note"] = args.note
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -264,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"# EMA update vs peers\n\n`PYTHONPATH=. python {record['command']}`\n\n"
         f"{env['cpu']} ({env['cpu_count']} cores), intra-op threads {env['threads']}, torch "
-        f"{env['torch']}, peers {env['peers']}, {record['created']}, {args.rounds} rounds\n\n"
+        f"{env['torch']}, peers {env['peers']}, {record['created']}, {args.rounds} rounds x {args.builds} "
+        "build(s), rounds pooled\n\n"
         f"{args.note + chr(10) + chr(10) if args.note else ''}Skipped: {record['skipped'] or 'none'}\n\n"
     )
     body = format_table(record["rows"]) + "\n\n## Issue 12 targets\n\n" + "\n".join(targets(record["rows"]))

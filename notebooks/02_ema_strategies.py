@@ -347,9 +347,13 @@ for strategy in ("gated", "auto"):
 # printed too, and is negligible). For `gated` the check reads a `data_ptr()` for each of the
 # model's and the EMA's parameter and buffer slots: over a thousand Python calls on this model, a
 # cost of the order of a millisecond rather than microseconds. The default keeps the EMA in flat
-# buffers, checked by one reference count per buffer (notebook 05, section 5), but still reads the
-# `data_ptr()` of every model slot, and copies the counters with one `cat`. The printed differences
-# are this run's; on this shared 2-core machine they vary by 10-50 % from run to run.
+# buffers, checked by one reference count per buffer (notebook 05, section 5). On the model side it
+# looks up every module slot at each update; the small 1-D tensors it finds there (BatchNorm vectors,
+# biases) are gathered with `torch.cat` as they are at that moment, so they need no check, and the
+# other slots' `data_ptr()` is compared before anything is written. It copies the counters with one
+# `cat`. (`prepared_step` reads the model through the tensors it was built from, so the difference
+# printed above is only approximately the cost of the check.) The printed differences are this run's;
+# on this shared 2-core machine they vary by 10-50 % from run to run.
 
 # %% [markdown]
 # ## 7. `ModelEMA` as a drop-in in a real training run

@@ -123,7 +123,12 @@ print("CAT_MAX_NUMEL:", ema_lab.flat.CAT_MAX_NUMEL)
 # `num_batches_tracked` entries. `flat` gathers the small tensors (at most `ema_lab.flat.CAT_MAX_NUMEL`
 # elements each, printed below: BatchNorm vectors, biases) with one `cat` and one `lerp_`, leaves the
 # large ones (conv weights) to one `_foreach_lerp_`, and gathers the integer counters into their EMA
-# buffer with a second `cat`; on `tiny_tensors` everything is small, so it is `cat` + `lerp_`.
+# buffer with a second `cat`; on `tiny_tensors` everything is small, so it is `cat` + `lerp_`. (These
+# counts are at one thread. With two or more, `flat` gathers the small tensors in runs of under 32768
+# elements, one `cat` and one `lerp_` per run: a larger CPU `cat` on several threads copies its
+# inputs one by one, about 1 us each, instead of in one serial pass.) `ModelEMA` reads the small
+# tensors it gathers as the module holds them at that moment, so a replaced BatchNorm vector is
+# simply read, not a reason to rebuild.
 # `flat_model` is one `lerp_` on both models, exactly the floor's op, plus on `yolo` one `copy_` of
 # BatchNorm's counters, which it flattens too.
 #
