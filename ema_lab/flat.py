@@ -93,8 +93,8 @@ CAT_ELEMENT_NS = 0.33
 CAT_MAX_NUMEL = round(1000 * (FOREACH_TENSOR_US - CAT_TENSOR_US) / CAT_ELEMENT_NS)
 #: ATen's ``at::internal::GRAIN_SIZE``. A CPU ``torch.cat`` whose result has fewer elements (or that runs on
 #: one thread) takes the serial kernel, a memcpy per input; a larger one at 2+ threads copies each input
-#: through its own ``narrow().copy_()``, about 1 us per tensor (0.62 ms instead of 0.10 ms for 493 tensors,
-#: 59K elements, at 2 threads here). So with more than one thread the cat part is gathered in runs under it.
+#: through its own ``narrow().copy_()``, about 1 us per tensor (yolo26n's 493 small tensors at 2 threads:
+#: 0.56 ms instead of 0.11 ms, ``benchmarks/cat_runs.py``). So at 2+ threads the cat part goes in runs.
 CAT_RUN_NUMEL = 32768
 
 
