@@ -24,7 +24,7 @@
 #    the EMA of a bf16 model in fp32, and pass a tensor decay to stay sync- and recompile-free.
 #
 # **Time** on the 2-core CI machine, measured with `time python3 dev.py notebooks
-# notebooks/05_beyond_foreach.py`: 73 s in full mode when the machine was quiet, about 2 minutes
+# notebooks/05_beyond_foreach.py`: 73-90 s in full mode with nothing else running, about 2 minutes
 # while other jobs kept its load average near 4; quick mode (`EMA_LAB_QUICK=1`) ran its cells in 17 s
 # quiet (under nbval) and about 30 s under that load.
 #
