@@ -273,7 +273,6 @@ class FlatGroup:
     scratch_views: list[Tensor]
     foreach_ok: bool
     cat_model: list[Tensor] = field(default_factory=list)  # 1-D views of the small model tensors
-    cat_ema: Tensor | None = None  # the EMA buffer's leading part that the cat path updates
     model_dtype: torch.dtype | None = None
     tensors: int = 0  # pairs in the group
     pairs: list[int] = field(default_factory=list)  # input pair index of each tensor, in buffer order
@@ -304,14 +303,15 @@ class FlatGroup:
             return self.cat_whole
         return self.cat_grains
 
-    def gather(self, live: Sequence[Tensor]) -> list[Tensor]:
-        """Phase one of a live step: the cat part's model values read from ``live``; writes no EMA memory."""
+    def gather(self, live: Sequence[Tensor] | None) -> list[Tensor]:
+        """Phase one of a step: the cat part's model values (from ``live``, or the built aliases if None).
+
+        Writes no EMA memory, so a live slot that no longer fits fails here with nothing updated.
+        """
         return [run.gather(live) for run in self.cat_parts()] if self.cat_model else []
 
-    def apply(
-        self, w: float | Tensor, gathered: list[Tensor] | None = None, live: Sequence[Tensor] | None = None
-    ) -> None:
-        """``ema += w * (model - ema)`` for the whole group (``gathered``/``live``: from a live step)."""
+    def apply(self, w: float | Tensor, gathered: list[Tensor], live: Sequence[Tensor] | None = None) -> None:
+        """Phase two: ``ema += w * (model - ema)`` for the whole group, the cat part from ``gathered``."""
         if self.mode == "fused":
             src = self.model_flat
             if self.scratch is not None:  # bf16/fp16 model, fp32 EMA: one cast-copy, one lerp
@@ -326,10 +326,8 @@ class FlatGroup:
                     s.copy_(m)
             self.ema.lerp_(self.scratch, w)
         else:
-            if self.cat_model:
-                runs = self.cat_parts()
-                for run, src in zip(runs, gathered if gathered is not None else [None] * len(runs)):
-                    run.ema.lerp_(src if src is not None else run.gather(None), w)
+            for run, src in zip(self.cat_parts(), gathered):
+                run.ema.lerp_(src, w)
             if not self.model:
                 return
             # Live: the module's own tensors, already checked by data_ptr(), so their metadata is in cache.
@@ -389,7 +387,6 @@ def _build_group(ema: list[Tensor], model: list[Tensor], pairs: list[int]) -> Fl
         scratch_views=_views(scratch, offsets, ema) if mode == "cast" else [],
         foreach_ok=foreach_lerp_supported(None, device.type),
         cat_model=[m.view(-1) for m in model[:n_small]],  # views of the detached aliases
-        cat_ema=buf[:cat_size] if n_small else None,
         model_dtype=model[0].dtype,
         tensors=len(model),
         pairs=list(pairs),
@@ -551,13 +548,9 @@ class FlatStep:
             if not (math.isfinite(d) and 0.0 <= d <= 1.0):
                 raise ValueError(f"decay must be a finite number in [0, 1], got {decay!r}")
             w = 1.0 - d
+        if live is not None and self.ext:
+            live = [*live, *self.ext]
         with torch.no_grad():
-            if live is None:
-                for g in self.groups:
-                    g.apply(w)
-                return
-            if self.ext:
-                live = [*live, *self.ext]
             gathered = [g.gather(live) for g in self.groups]  # every read that can fail, before any write
             for g, src in zip(self.groups, gathered):
                 g.apply(w, src, live)

@@ -8,11 +8,10 @@ re-register tensors. ultralytics' cached lists miss exactly this and silently av
 
 The check is cheap and complete for memory: it reads ``data_ptr()`` of the tensor each module
 slot holds *now* and compares it with the one cached, plus a process-wide counter bumped by
-torch's global parameter/buffer/module registration hooks (new or reassigned entries). With the flat
-strategies ``ModelEMA`` skips the ``data_ptr()`` of slots it reads live (:class:`ema_lab.flat.FlatStep`):
-what those hold now is what the update reads. Those hooks
+torch's global parameter/buffer/module registration hooks (new or reassigned entries). Those hooks
 are registered by :func:`install_hooks` on first use (the first EMA made), once per process, never
-at import.
+at import. With the flat strategies ``ModelEMA`` skips the ``data_ptr()`` of the slots it reads live
+(:class:`ema_lab.flat.FlatStep`): what those hold now is what the update reads.
 """
 
 from __future__ import annotations
@@ -70,12 +69,13 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             model = model.module
-        # A torch.compile wrapper holds the module as its submodule "_orig_mod" (a dict lookup: a getattr
-        # of a missing name goes through Module.__getattr__ and builds an AttributeError every update).
-        elif isinstance(model._modules.get("_orig_mod") if isinstance(model, nn.Module) else None, nn.Module):
-            model = model._modules["_orig_mod"]
-        else:
+            continue
+        # A torch.compile wrapper holds the module as its submodule "_orig_mod". A dict lookup: getattr of
+        # a missing name goes through Module.__getattr__ and builds an AttributeError on every update.
+        inner = model._modules.get("_orig_mod")
+        if not isinstance(inner, nn.Module):
             return model
+        model = inner
 
 
 Slot = tuple[dict, str]
