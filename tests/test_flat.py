@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from copy import deepcopy
+
 import pytest
 import torch
 from torch import nn
@@ -11,7 +13,9 @@ from ema_lab.bench.counting import count_ops
 from ema_lab.ema import choose_strategy
 from ema_lab.flat import (
     CAT_MAX_NUMEL,
+    HUGE_PAGE,
     cat_runs,
+    empty_flat,
     flatten_tensors,
     plan_group,
     prepare_flat,
@@ -388,3 +392,75 @@ def test_the_cat_part_gives_the_same_bits_at_one_and_two_threads(live: bool) -> 
         torch.set_num_threads(before)
     for (k, a), b in zip(emas[0].ema.state_dict().items(), emas[1].ema.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def _anon_huge_kib(ptr: int) -> int | None:
+    """AnonHugePages (KiB) of the mapping holding address ``ptr``; None without /proc/self/smaps."""
+    try:
+        text = open("/proc/self/smaps").read()
+    except OSError:
+        return None
+    inside = False
+    for line in text.splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's header line: start-end perms ...
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return None
+
+
+def _thp_possible() -> bool:
+    try:
+        return "[never]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return False
+
+
+def test_big_cpu_buffers_get_their_own_mapping_aligned_to_a_huge_page() -> None:
+    buf = empty_flat(3_000_000, torch.float32)
+    assert buf.shape == (3_000_000,) and buf.dtype == torch.float32 and buf.is_contiguous()
+    assert buf.data_ptr() % HUGE_PAGE == 0
+    assert buf.untyped_storage().nbytes() == 3_000_000 * 4  # exactly the buffer: tiles_one_storage holds
+    buf.fill_(2.0)
+    assert buf.sum().item() == 6_000_000.0
+    half = empty_flat(3_000_000, torch.bfloat16)
+    assert half.untyped_storage().nbytes() == 6_000_000 and half.data_ptr() % HUGE_PAGE == 0
+    small = empty_flat(1000, torch.float32)  # under 2 MiB: ordinary torch.empty
+    assert small.shape == (1000,) and small.untyped_storage().nbytes() == 4000
+
+
+@pytest.mark.skipif(not _thp_possible(), reason="transparent huge pages are off or absent on this kernel")
+def test_the_kernel_backs_a_big_flat_ema_buffer_with_huge_pages() -> None:
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))  # 2.1M floats, 8 MiB
+    ema = ModelEMA(model)
+    ema.update(model)
+    buf = ema.prepared_step.groups[0].ema
+    assert buf.data_ptr() % HUGE_PAGE == 0
+    huge = _anon_huge_kib(buf.data_ptr())
+    if huge is None:
+        pytest.skip("no /proc/self/smaps")
+    assert huge >= 2048, f"the EMA buffer's mapping has {huge} KiB in huge pages"
+
+
+def test_a_huge_page_ema_saves_copies_and_converts_like_any_other(tmp_path) -> None:
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.BatchNorm1d(1024))
+    ema = ModelEMA(model)
+    _shift(model)
+    ema.update(model)
+    assert ema.prepared_step.groups[0].ema.data_ptr() % HUGE_PAGE == 0
+    want = {k: v.clone() for k, v in ema.ema.state_dict().items()}
+    torch.save(ema.ema.state_dict(), tmp_path / "ema.pt")
+    loaded = torch.load(tmp_path / "ema.pt")
+    for k, v in want.items():
+        torch.testing.assert_close(loaded[k], v, rtol=0, atol=0)
+    copy = deepcopy(ema)  # what ultralytics' checkpoint does before .half()
+    copy.ema.half()
+    assert all(v.dtype == torch.float16 for v in copy.ema.parameters())
+    torch.testing.assert_close(copy.ema[0].weight.float(), want["0.weight"].half().float(), rtol=0, atol=0)
+    del ema, copy  # the mappings go with the last tensor that views them
+    model_flat = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    flat_ema = ModelEMA(model_flat, strategy="flat_model")
+    flat_ema.update(model_flat)
+    assert flat_ema.modes == ["fused"] and model_flat[0].weight.data_ptr() % HUGE_PAGE == 0
