@@ -62,6 +62,7 @@ would need a host sync.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 from collections.abc import Callable, Sequence
@@ -147,10 +148,8 @@ def empty_flat(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu
     if device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(numel, dtype=dtype, device=device)
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
+    with contextlib.suppress(OSError):  # a kernel built without THP: the mapping is still good memory
         mapping.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # a kernel built without THP: the mapping is still good memory
-        pass
     start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
     return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=-start % HUGE_PAGE)
 
@@ -402,9 +401,7 @@ def _build_group(ema: list[Tensor], model: list[Tensor], pairs: list[int]) -> Fl
             _repoint(e, v)
     cat_size = sum(m.numel() for m in model[:n_small])
     needs_scratch = n_small or mode == "cast" or (mode == "fused" and model[0].dtype != ema_dtype)
-    scratch = (
-        empty_flat(cat_size if n_small else size, ema_dtype, device) if needs_scratch else None
-    )
+    scratch = empty_flat(cat_size if n_small else size, ema_dtype, device) if needs_scratch else None
     loop = mode in ("foreach", "cat+foreach")
     group = FlatGroup(
         mode=mode,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from copy import deepcopy
+from pathlib import Path
 
 import pytest
 import torch
@@ -397,7 +398,7 @@ def test_the_cat_part_gives_the_same_bits_at_one_and_two_threads(live: bool) -> 
 def _anon_huge_kib(ptr: int) -> int | None:
     """AnonHugePages (KiB) of the mapping holding address ``ptr``; None without /proc/self/smaps."""
     try:
-        text = open("/proc/self/smaps").read()
+        text = Path("/proc/self/smaps").read_text()
     except OSError:
         return None
     inside = False
@@ -413,7 +414,7 @@ def _anon_huge_kib(ptr: int) -> int | None:
 
 def _thp_possible() -> bool:
     try:
-        return "[never]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         return False
 
