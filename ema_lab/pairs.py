@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from operator import getitem
+from operator import attrgetter, getitem
 
 import torch
 from torch import Tensor, nn
@@ -94,14 +94,21 @@ def module_entries(module: nn.Module) -> Iterator[tuple[str, Slot]]:
                 yield dot + name, (mod._buffers, name)
 
 
+#: What a tensor read whole must keep besides its memory: ``p.data = p.view(new_shape)`` keeps
+#: ``data_ptr()`` but a ``_foreach_lerp_`` over it would fail halfway through the list.
+shape_and_dtype = attrgetter("shape", "dtype")
+
+
 def slot_ptrs(dicts: tuple[dict, ...], keys: tuple[str, ...]) -> list[int]:
     """``data_ptr()`` of the tensor each (dict, key) slot holds now; map() keeps the loop in C."""
     return list(map(Tensor.data_ptr, map(getitem, dicts, keys)))
 
 
-def _ptrs(slots: list[Slot]) -> list[int]:
+def _snapshot(slots: list[Slot]) -> tuple[list[int], list[tuple]]:
+    """``data_ptr()`` and (shape, dtype) of the tensor each slot holds now."""
     dicts, keys = zip(*slots) if slots else ((), ())
-    return slot_ptrs(dicts, keys)
+    tensors = list(map(getitem, dicts, keys))
+    return list(map(Tensor.data_ptr, tensors)), list(map(shape_and_dtype, tensors))
 
 
 @dataclass
@@ -117,6 +124,7 @@ class ModulePairs:
     ptrs: list[int]
     generation: int
     model_ref: weakref.ref
+    metas: list[tuple] = field(default_factory=list)  # (shape, dtype) per slot, with ``ptrs``
     model_slots: list[Slot] = field(default_factory=list)  # the model side of each float pair, in order
     other_slots: list[Slot] = field(default_factory=list)  # both sides of every non-float entry
 
@@ -156,21 +164,22 @@ class ModulePairs:
                 pairs.other_model.append(m)
                 pairs.other_slots += [(d, k), (md, mk)]
             pairs.slots += [(d, k), (md, mk)]
-        pairs.ptrs = _ptrs(pairs.slots)
+        pairs.ptrs, pairs.metas = _snapshot(pairs.slots)
         return pairs
 
     def is_current(self, model: nn.Module) -> bool:
-        """True while ``model`` is the collected one and every slot still holds the cached memory."""
+        """True while ``model`` is the collected one and every slot still holds the cached memory,
+        with the cached shape and dtype."""
         if self.generation != _generation or self.model_ref() is not model:
             return False
         try:
-            return _ptrs(self.slots) == self.ptrs
+            return _snapshot(self.slots) == (self.ptrs, self.metas)
         except (KeyError, AttributeError, TypeError):  # an entry was deleted or set to None
             return False
 
     def refresh(self) -> None:
         """Record the slots' current memory as the intact state (after a strategy re-pointed tensors)."""
-        self.ptrs = _ptrs(self.slots)
+        self.ptrs, self.metas = _snapshot(self.slots)
 
     def release_ema(self) -> None:
         """Drop the EMA tensor list: a flat strategy counts the references to its buffers' views."""

@@ -293,3 +293,25 @@ def test_a_live_slot_that_changes_dtype_is_followed_after_a_rebuild() -> None:
     bn.weight.data = bn.weight.data.float()  # fp16 -> fp32: the gather of its group no longer fits
     _follows(ema, model)
     assert ema.rebuilds == 2
+
+
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES_ if s != "flat_model"])
+@pytest.mark.parametrize("which", ["large (foreach)", "small N-D (cat alias)"])
+def test_a_tensor_reshaped_in_place_fails_with_a_clear_error_and_the_ema_untouched(
+    strategy: str, which: str
+) -> None:
+    """``p.data = p.view(new_shape)`` keeps ``data_ptr()``; a foreach would fail halfway through its list."""
+    model = nn.Sequential(
+        nn.Linear(64, 64), nn.Conv2d(4, 4, 3), nn.Linear(64, 64)
+    )  # 4096- and 144-element weights
+    ema = ModelEMA(model, strategy=strategy)
+    ema.update(model)
+    before = {k: v.clone() for k, v in ema.ema.state_dict().items()}
+    _shift(model, 1.0)  # every pair would move: a partial update could not hide
+    entry = "2.weight" if which.startswith("large") else "1.weight"
+    p = model.get_parameter(entry)
+    p.data = p.data.view(32, 128) if which.startswith("large") else p.data.view(8, 2, 3, 3)
+    with pytest.raises(ValueError, match=rf"'{entry}'.*does not match model shape"):
+        ema.update(model, decay=0.5)
+    for k, v in ema.ema.state_dict().items():
+        assert torch.equal(v, before[k]), k

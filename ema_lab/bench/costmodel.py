@@ -20,10 +20,10 @@ half the LLC, *DRAM* from twice the LLC on; points in between are measured and p
 fitted (part of them hits the cache). Each fit is a non-negative least-squares fit without
 intercept, weighted by 1/time so small and large points count alike. ``floor`` is one ``lerp_``
 over two contiguous buffers (allocated as ema_lab allocates its own: :func:`ema_lab.flat.empty_flat`,
-2 MiB pages where the kernel grants them): the best an EMA update of that many elements can do, and the reference
-of :attr:`CostModel.floor_fraction`: floor time over a strategy's time on the same elements, measured
-interleaved (the same op over the same bytes, so no byte-counting convention enters; 1.0 means as fast
-as the floor, and values a little above 1 are timing noise).
+2 MiB pages where the kernel grants them): the best an EMA update of that many elements can do, and
+the reference of :attr:`CostModel.floor_fraction`: floor time over a strategy's time on the same
+elements, measured interleaved (the same op over the same bytes, so no byte-counting convention
+enters; 1.0 means as fast as the floor, and values a little above 1 are timing noise).
 """
 
 from __future__ import annotations
