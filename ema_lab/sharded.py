@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from . import pairs as _pairs
 from .ema import EMASchedule, check_arguments
-from .pairs import Slot, install_hooks, module_entries, unwrap_model
+from .pairs import Slot, install_hooks, module_entries, shape_and_dtype, unwrap_model
 from .updates import Step, prepare
 
 __all__ = ["ShardedModelEMA", "STRATEGIES"]
@@ -60,6 +60,7 @@ class _Prepared:
     slots: list[Slot]
     objects: list[Tensor]
     ptrs: list[int]
+    metas: list[tuple]  # (shape, dtype) of each local tensor: a re-view keeps data_ptr()
     generation: int
     model_ref: weakref.ref
 
@@ -73,10 +74,11 @@ class _Prepared:
             return False
         # FSDP2 swaps unsharded tensors in during forward/backward and the sharded ones back after.
         # ``_local_tensor`` is what to_local() returns without grad, minus a dispatched view per tensor.
-        return (
-            all(a is b for a, b in zip(now, self.objects))
-            and [getattr(t, "_local_tensor", t).data_ptr() for t in now] == self.ptrs
-        )
+        if not all(a is b for a, b in zip(now, self.objects)):
+            return False
+        local = [getattr(t, "_local_tensor", t) for t in now]
+        ptrs, metas = list(map(Tensor.data_ptr, local)), list(map(shape_and_dtype, local))
+        return ptrs == self.ptrs and metas == self.metas
 
 
 def _holder(entries: dict[str, Tensor]) -> nn.Module:
@@ -214,6 +216,7 @@ class ShardedModelEMA(EMASchedule):
             slots=slots,
             objects=tensors,
             ptrs=[t.data_ptr() for t in model_local],
+            metas=list(map(shape_and_dtype, model_local)),
             generation=_pairs._generation,
             model_ref=weakref.ref(model),
         )

@@ -315,3 +315,18 @@ def test_a_tensor_reshaped_in_place_fails_with_a_clear_error_and_the_ema_untouch
         ema.update(model, decay=0.5)
     for k, v in ema.ema.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_sharded_ema_also_refuses_a_tensor_reshaped_in_place() -> None:
+    from ema_lab.sharded import ShardedModelEMA
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))  # plain tensors: averaged whole, one process
+    ema = ShardedModelEMA(model)
+    ema.update(model)
+    before = {k: v.clone() for k, v in ema.ema.state_dict().items()}
+    _shift(model, 1.0)
+    model[1].weight.data = model[1].weight.data.view(32, 128)
+    with pytest.raises(ValueError, match=r"'1.weight'.*does not match model shape"):
+        ema.update(model)
+    for k, v in ema.ema.state_dict().items():
+        assert torch.equal(v, before[k]), k
