@@ -40,6 +40,7 @@
 #   the ATen op count of each (deterministic) and its time (measured here);
 # - how to read a log-log plot of time against bytes moved, with the floor's line per memory regime;
 # - what share of a whole training step the EMA update takes on this CPU;
+# - why a flat buffer can live in 2 MiB pages, and what that saves when it streams from DRAM;
 # - why a cached list is a hazard (`model.double()` and the EMA silently stops) and how a flat
 #   buffer makes checking it O(1): count the references to the buffer's storage;
 # - how `flat_model` (opt-in) turns the whole update into one kernel, and that training a flattened
@@ -191,7 +192,56 @@ for name in bench_models:
 # after the PR's before-code is within a small factor of the floor: there is little overhead left
 # to remove. On this 2-core machine other jobs compete for the cores and for memory bandwidth, so
 # even a one-kernel update (`flat_model`) can read well below 1.0 in one run and near it in the next.
+
+# %% [markdown]
+# ### Where the buffer lives: 4 KiB or 2 MiB pages
 #
+# A flat buffer has one more advantage that tensors stored one by one lack: it is big enough for
+# *huge pages*. The CPU translates every address it touches through the TLB, a small cache of page
+# mappings. A stream through 100 MB of ordinary 4 KiB pages needs a new mapping every 4 KiB, and each
+# miss is a walk of the page tables (of two sets of them inside a virtual machine, like this one); one
+# 2 MiB page covers 512 small ones. Linux hands out 2 MiB pages to memory that asks for them
+# (`madvise(MADV_HUGEPAGE)` on a private mapping aligned to 2 MiB), and `ema_lab.flat.empty_flat` does
+# exactly that for every flat buffer ema_lab allocates (the EMA's, and with `flat_model` the model's)
+# from 2 MiB up, where the kernel allows it (`/sys/kernel/mm/transparent_hugepage/enabled` not
+# `never`); elsewhere it is ordinary memory. The bench's floor above uses it too, so no strategy beats
+# the floor by having better memory. Here is the same `lerp_` over the same number of floats, in
+# buffers from `torch.rand` and from `empty_flat`:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from ema_lab.bench.timing import time_candidates
+from ema_lab.flat import HUGE_PAGE, empty_flat
+
+n = 4_000_000 if quick_mode() else 25_600_000  # full mode: resnet50's 25.6M floats, 100 MiB per buffer
+plain = [torch.rand(n), torch.rand(n)]
+huge = [empty_flat(n, torch.float32).copy_(t) for t in plain]
+print("empty_flat buffers start on a 2 MiB boundary:", all(t.data_ptr() % HUGE_PAGE == 0 for t in huge))
+pages = time_candidates(
+    {
+        "4 KiB pages (torch.rand)": lambda: plain[0].lerp_(plain[1], 1e-4),
+        "2 MiB pages (empty_flat)": lambda: huge[0].lerp_(huge[1], 1e-4),
+    },
+    rounds=5 if quick_mode() else 21,
+    threads=1,
+)
+for k, r in pages.items():
+    print(f"{k:<26} {1e3 * r.median_s:8.3f} ms per lerp_ over {n:,} floats")
+t_4k, t_2m = (r.median_s for r in pages.values())
+print(f"time with huge pages / time with 4 KiB pages: {t_2m / t_4k:.2f}")
+
+# %% [markdown]
+# A ratio below 1 means the huge pages saved time. How much depends on the machine: on this 2-core
+# VM the 2 MiB floor ran at 0.87 of the 4 KiB floor's time on resnet50's size and 0.92 on gpt2's, one
+# thread, in `results/peers-2026-12-03-huge.md` (the 4 KiB floor's own time moves by about 10 %
+# between fresh allocations, so repeat the cell before trusting a small difference). An EMA that
+# keeps each tensor in its own torch allocation, like ultralytics', gets 4 KiB pages, and most of a
+# detector's tensors are smaller than one 2 MiB page anyway. `ModelEMA`'s default still reads the model's own tensors, which stay in
+# whatever pages torch gave them; `flat_model` moves them into one `empty_flat` buffer too. torch
+# offers the same for every CPU allocation of 2 MiB or more with the environment variable
+# `THP_MEM_ALLOC_ENABLE=1`, set before the process starts.
+
+# %% [markdown]
 # ## 4. The EMA in a whole training step
 #
 # How much does any of this matter for training? One step of training the YOLO-sized model on this
@@ -516,6 +566,8 @@ except TypeError as err:
 #   how close each strategy comes).
 # - The floor itself runs at cache bandwidth while EMA and model fit in the last-level cache and at
 #   DRAM bandwidth beyond; a time-vs-bytes plot shows which candidates stream and which pay overhead.
+# - A flat buffer is big enough for 2 MiB pages (`ema_lab.flat.empty_flat`), which cut the page-table
+#   walks of a stream from DRAM; the bench's floor gets them too.
 # - In a whole CPU training step the EMA's share is printed in section 4; ultralytics found the
 #   change within noise end to end on a GH200.
 # - Keep the EMA of a bf16/fp16 model in fp32: at decay 0.9999 a bf16 EMA rounds every update away.
