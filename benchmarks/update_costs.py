@@ -73,7 +73,7 @@ def candidates(name: str, splits: tuple[int, ...]) -> tuple[dict[str, Callable[[
     floats = [v for v in deepcopy(base).state_dict().values() if v.is_floating_point()]
     model_floats = [v for v in model.state_dict().values() if v.is_floating_point()]
     n = sum(v.numel() for v in floats)
-    a, b = torch.randn(n), torch.randn(n)
+    a, b = (flat.empty_flat(n, torch.float32).normal_() for _ in range(2))  # as ema_lab's own buffers
     fns: dict[str, Callable[[], object]] = {
         "floor: one lerp_ over flat buffers": lambda: a.lerp_(b, 1 - DECAY),
         "one _foreach_lerp_ over all pairs": lambda: torch._foreach_lerp_(floats, model_floats, 1 - DECAY),
