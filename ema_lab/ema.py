@@ -151,9 +151,10 @@ class ModelEMA(EMASchedule):
     tensors the flat strategies read live from the module slots, see :mod:`ema_lab.flat`).
 
     With the flat strategies (the default "auto" included) the EMA module's float tensors (and its
-    integer counters) are views of one buffer per group: ``torch.save(ema.ema.state_dict())`` stores
-    each buffer once, but saving a *subset* of the entries stores the whole buffer they share; clone
-    the subset first (``{k: v.clone() for k, v in ...}``) to save only what it holds.
+    integer counters) are views of one buffer per group (on a Linux CPU, from 2 MiB up, in huge pages
+    where the kernel grants them: :func:`ema_lab.flat.empty_flat`): ``torch.save(ema.ema.state_dict())``
+    stores each buffer once, but saving a *subset* of the entries stores the whole buffer they share;
+    clone the subset first (``{k: v.clone() for k, v in ...}``) to save only what it holds.
 
     Public seams: :attr:`rebuilds`, :attr:`prepared_step`, :attr:`plan`, :attr:`modes`,
     :attr:`resolved_strategy`.

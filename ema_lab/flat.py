@@ -41,7 +41,9 @@ that count: :meth:`FlatStep.refs_unchanged` compares it (O(1) per group) and ``M
 the exact per-slot check of :class:`ema_lab.pairs.ModulePairs` when it moved. Model tensors that are not
 views and not read live unchecked (``foreach`` parts, N-D or 0-dim tensors of ``cat`` parts, ``cast``
 groups, and the counters except ``flat_model``'s) are checked per slot by ``data_ptr()`` before each
-step, which also sees a swap (an identity check would not: ``swap_tensors`` keeps the Python object).
+step, which also sees a swap (an identity check would not: ``swap_tensors`` keeps the Python object);
+the float ones among them (read whole) also by shape and dtype, which ``p.data = p.view(new_shape)``
+changes without moving ``data_ptr()`` (a foreach over it would fail halfway through the list).
 Limit of the O(1) count, so of ``fused`` groups only (``flat_model``, its counters included): it cannot
 see a flat tensor that is re-pointed, swapped or replaced while something else keeps an equal number of
 new views of the same buffer, or keeps the swapped-out or replaced tensor alive, between two updates
@@ -53,6 +55,10 @@ else references at the C++ level, a view's base for one. Between updates the ste
 only through detached aliases (``m.detach()`` and views of those), never views of the module's own
 tensors; the module tensors a live step reads are dropped when it returns. The aliases also keep the
 memory they alias alive, so a replacement can never reuse a checked address.
+
+Memory: every flat buffer of 2 MiB or more on a Linux CPU comes from :func:`empty_flat`, a private
+mapping aligned to 2 MiB that asks for transparent huge pages: one TLB entry per 2 MiB of the stream
+instead of per 4 KiB (``benchmarks/peers.py`` has a floor of each kind).
 
 Sync-free: ``step(decay)`` takes a Python float or a 0-dim floating tensor on the group's device;
 a tensor decay is used as a tensor weight (no ``.item()``), so under ``torch.compile`` a changing
