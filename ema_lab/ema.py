@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from . import pairs as _pairs
 from .flat import FlatStep, GroupPlan, Picker, StaleInputs, picker, prepare_counter_copy
-from .pairs import ModulePairs, Slot, install_hooks, shape_and_dtype, unwrap_model
+from .pairs import ModulePairs, Slot, install_hooks, unwrap_model
 from .updates import PREPARERS, Step, check_decay, prepare
 
 __all__ = ["ModelEMA", "STRATEGIES"]
@@ -50,8 +50,6 @@ class _Prepared:
     watch: tuple[tuple[dict, ...], tuple[str, ...]]  # flat: (dicts, keys) of the model slots read per step
     check: Picker | None  # picks from what ``watch`` holds now the tensors whose data_ptr() must not move
     check_ptrs: list[int]
-    whole: Picker | None  # the float tensors read whole (foreach parts, N-D cat): their shape and dtype too
-    whole_metas: list[tuple]
     copy_other: Callable[[], None]  # copies the non-float entries (BatchNorm's num_batches_tracked)
 
     def live(self, model: nn.Module) -> list[Tensor] | None:
@@ -69,8 +67,6 @@ class _Prepared:
             live = list(map(getitem, *self.watch))
             if self.check is not None and list(map(Tensor.data_ptr, self.check(live))) != self.check_ptrs:
                 return None
-            if self.whole is not None and list(map(shape_and_dtype, self.whole(live))) != self.whole_metas:
-                return None  # same memory, another view of it: the rebuild raises a clear ValueError
         except (KeyError, AttributeError, TypeError):  # an entry was deleted or set to None
             return None
         return live
@@ -224,7 +220,6 @@ class ModelEMA(EMASchedule):
         step = prepare(strategy, pairs.ema, pairs.model, pairs.names)
         watch: list[Slot] = []
         checked: list[int] = []
-        whole: list[int] = []
         copy_other = pairs.copy_other
         if isinstance(step, FlatStep):
             counter_fused = [False] * len(pairs.other_ema)
@@ -246,8 +241,8 @@ class ModelEMA(EMASchedule):
             watch = [pairs.model_slots[i] for i in floats]
             watch += [s for s, f in zip(pairs.other_slots[1::2], counter_fused) if not f]
             step.bind({i: k for k, i in enumerate(floats)}, len(watch))
-            whole = [k for k, i in enumerate(floats) if i not in step.live_pairs]
-            checked = [*whole, *range(len(floats), len(watch))]
+            checked = [k for k, i in enumerate(floats) if i not in step.live_pairs]
+            checked += range(len(floats), len(watch))
             # A reference held here to a tensor that is a view of a flat buffer would hide its
             # replacement from the reference count: drop them (model ones only when there are any).
             pairs.release_ema()
@@ -258,9 +253,7 @@ class ModelEMA(EMASchedule):
         live = list(map(getitem, dicts, keys))
         check = picker(checked) if checked else None
         ptrs = list(map(Tensor.data_ptr, check(live))) if check else []
-        whole_pick = picker(whole) if whole else None
-        metas = list(map(shape_and_dtype, whole_pick(live))) if whole_pick else []
-        state = _Prepared(pairs, step, strategy, (dicts, keys), check, ptrs, whole_pick, metas, copy_other)
+        state = _Prepared(pairs, step, strategy, (dicts, keys), check, ptrs, copy_other)
         self._state = state
         self.rebuilds += 1
         return state

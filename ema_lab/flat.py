@@ -41,9 +41,12 @@ that count: :meth:`FlatStep.refs_unchanged` compares it (O(1) per group) and ``M
 the exact per-slot check of :class:`ema_lab.pairs.ModulePairs` when it moved. Model tensors that are not
 views and not read live unchecked (``foreach`` parts, N-D or 0-dim tensors of ``cat`` parts, ``cast``
 groups, and the counters except ``flat_model``'s) are checked per slot by ``data_ptr()`` before each
-step, which also sees a swap (an identity check would not: ``swap_tensors`` keeps the Python object);
-the float ones among them (read whole) also by shape and dtype, which ``p.data = p.view(new_shape)``
-changes without moving ``data_ptr()`` (a foreach over it would fail halfway through the list).
+step, which also sees a swap (an identity check would not: ``swap_tensors`` keeps the Python object),
+and then read through the detached aliases built with the step. Those have the EMA views' shapes and
+dtypes by construction, so a ``foreach`` over them cannot stop halfway through its list; a tensor
+re-viewed in place (``p.data = p.view(new_shape)``: same memory, same ``data_ptr()``) is read as that
+memory, in the EMA's shape. (The strategies that read the module's tensors themselves, ``gated``,
+``foreach`` and ``loop``, check shape and dtype per slot too, and so refuse such a model.)
 Limit of the O(1) count, so of ``fused`` groups only (``flat_model``, its counters included): it cannot
 see a flat tensor that is re-pointed, swapped or replaced while something else keeps an equal number of
 new views of the same buffer, or keeps the swapped-out or replaced tensor alive, between two updates
@@ -314,7 +317,6 @@ class FlatGroup:
     cat_live: list[bool] = field(default_factory=list)  # per cat tensor: 1-D in the model, read live
     cat_whole: list[CatRun] = field(default_factory=list)  # the cat part as one run (one thread, or CUDA)
     cat_grains: list[CatRun] = field(default_factory=list)  # in runs under CAT_RUN_NUMEL (CPU, 2+ threads)
-    loop_pick: Picker | None = None
 
     def plan(self) -> GroupPlan:
         """This group's :class:`GroupPlan`."""
@@ -344,7 +346,7 @@ class FlatGroup:
         """
         return [run.gather(live) for run in self.cat_parts()] if self.cat_model else []
 
-    def apply(self, w: float | Tensor, gathered: list[Tensor], live: Sequence[Tensor] | None = None) -> None:
+    def apply(self, w: float | Tensor, gathered: list[Tensor]) -> None:
         """Phase two: ``ema += w * (model - ema)`` for the whole group, the cat part from ``gathered``."""
         if self.mode == "fused":
             src = self.model_flat
@@ -364,12 +366,14 @@ class FlatGroup:
                 run.ema.lerp_(src, w)
             if not self.model:
                 return
-            # Live: the module's own tensors, already checked by data_ptr(), so their metadata is in cache.
-            model = self.model if live is None or self.loop_pick is None else self.loop_pick(live)
+            # The aliases built with the step (their data_ptr() checked), not the module's tensors: their
+            # shapes and dtypes are the EMA views' by construction, so this foreach cannot stop halfway.
             if self.foreach_ok:
-                torch._foreach_lerp_(self.ema_views, model, w if isinstance(w, float) else [w] * len(model))
+                torch._foreach_lerp_(
+                    self.ema_views, self.model, w if isinstance(w, float) else [w] * len(self.model)
+                )
             else:
-                for v, m in zip(self.ema_views, model):
+                for v, m in zip(self.ema_views, self.model):
                     v.lerp_(m, w)
 
 
@@ -534,10 +538,10 @@ class FlatStep:
 
     Called as ``step(decay)`` it reads the model through the tensors it was built from. ``ModelEMA``
     calls ``step(decay, live)`` after :meth:`bind`: ``live`` holds what the model's module slots hold
-    now, so the step reads the module's own tensors. The 1-D tensors of a ``cat`` part
-    (:attr:`live_pairs`) need no ``data_ptr()`` check: whatever their slots hold is what is read, and a
-    slot whose tensor changed size, dtype or device fails the gather (:class:`StaleInputs`) before any
-    EMA memory is written.
+    now, and the step gathers the 1-D tensors of its ``cat`` parts (:attr:`live_pairs`) from it. Those
+    need no ``data_ptr()`` check: whatever their slots hold is what is read, and a slot whose tensor
+    changed size, dtype or device fails the gather (:class:`StaleInputs`) before any EMA memory is
+    written. Everything else it reads through the built aliases, whose slots ``ModelEMA`` checked.
     """
 
     groups: list[FlatGroup]
@@ -563,8 +567,6 @@ class FlatStep:
                     self.ext.append(view)
             for run in (*g.cat_whole, *g.cat_grains):
                 run.pick = picker(cat[run.index.start : run.index.stop])
-            loop = [positions[i] for i in g.pairs[len(g.cat_model) :]]
-            g.loop_pick = picker(loop) if loop else None
         self.live_pairs = frozenset(live_pairs)
 
     def __call__(self, decay: float | Tensor, live: Sequence[Tensor] | None = None) -> None:
@@ -585,7 +587,7 @@ class FlatStep:
         with torch.no_grad():
             gathered = [g.gather(live) for g in self.groups]  # every read that can fail, before any write
             for g, src in zip(self.groups, gathered):
-                g.apply(w, src, live)
+                g.apply(w, src)
 
     def baseline(self) -> None:
         """Record the reference counts of the watched storages as the intact state."""

@@ -295,26 +295,47 @@ def test_a_live_slot_that_changes_dtype_is_followed_after_a_rebuild() -> None:
     assert ema.rebuilds == 2
 
 
-@pytest.mark.parametrize("strategy", [s for s in STRATEGIES_ if s != "flat_model"])
-@pytest.mark.parametrize("which", ["large (foreach)", "small N-D (cat alias)"])
-def test_a_tensor_reshaped_in_place_fails_with_a_clear_error_and_the_ema_untouched(
-    strategy: str, which: str
-) -> None:
-    """``p.data = p.view(new_shape)`` keeps ``data_ptr()``; a foreach would fail halfway through its list."""
-    model = nn.Sequential(
-        nn.Linear(64, 64), nn.Conv2d(4, 4, 3), nn.Linear(64, 64)
-    )  # 4096- and 144-element weights
+def _reviewed_in_place(strategy: str, which: str) -> tuple[nn.Module, ModelEMA, dict, str]:
+    """A model whose ``entry`` was re-viewed in place (``p.data = p.view(new_shape)``) after one update."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Conv2d(4, 4, 3), nn.Linear(64, 64))  # 4096, 144 elements
     ema = ModelEMA(model, strategy=strategy)
     ema.update(model)
     before = {k: v.clone() for k, v in ema.ema.state_dict().items()}
     _shift(model, 1.0)  # every pair would move: a partial update could not hide
     entry = "2.weight" if which.startswith("large") else "1.weight"
     p = model.get_parameter(entry)
-    p.data = p.data.view(32, 128) if which.startswith("large") else p.data.view(8, 2, 3, 3)
+    p.data = p.data.view(32, 128) if which.startswith("large") else p.data.view(8, 2, 3, 3)  # same data_ptr()
+    return model, ema, before, entry
+
+
+WHICH = ["large (foreach)", "small N-D (cat alias)"]
+
+
+@pytest.mark.parametrize("strategy", ["gated", "foreach", "loop"])
+@pytest.mark.parametrize("which", WHICH)
+def test_a_tensor_reviewed_in_place_is_refused_by_the_strategies_that_read_module_tensors(
+    strategy: str, which: str
+) -> None:
+    """They read the module's tensor itself: a foreach over it would fail halfway through its list."""
+    model, ema, before, entry = _reviewed_in_place(strategy, which)
     with pytest.raises(ValueError, match=rf"'{entry}'.*does not match model shape"):
         ema.update(model, decay=0.5)
     for k, v in ema.ema.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("strategy", ["auto", "flat"])
+@pytest.mark.parametrize("which", WHICH)
+def test_a_tensor_reviewed_in_place_is_averaged_as_its_memory_by_the_flat_default(
+    strategy: str, which: str
+) -> None:
+    """The flat step reads foreach parts and N-D tensors through aliases shaped like the EMA: all move."""
+    model, ema, before, _ = _reviewed_in_place(strategy, which)
+    ema.update(model, decay=0.5)
+    now = model.state_dict()
+    for k, v in ema.ema.state_dict().items():
+        if v.is_floating_point():  # every pair moved, towards the model's memory as it lies
+            assert torch.equal(v, before[k].lerp(now[k].reshape(v.shape), 0.5)), k
 
 
 def test_sharded_ema_also_refuses_a_tensor_reshaped_in_place() -> None:
