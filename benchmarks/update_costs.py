@@ -11,10 +11,12 @@ reads are no longer in L1/L2). One thread, the candidates alternate call by call
 Parts: the validity check (read every model slot that is not a flat view, ``data_ptr()`` of those not read
 live unchecked), the prepared step given what the slots hold, the integer-counter copy, the whole
 ``update()``; references: one ``lerp_`` over two flat buffers (the floor) and one ``torch._foreach_lerp_``
-over all pairs (what ultralytics 8.4.190's cached update runs). Two alternatives that were considered and
-are measured here so the choice stays checkable: the check followed by the step reading the detached
-aliases it was built from (how ``update()`` read the model before the live reads), and the cat/foreach
-split (``CAT_MAX_NUMEL``) swept over a few values.
+over all pairs (what ultralytics 8.4.190's cached update runs). Alternatives that were considered are
+measured here so the choices stay checkable: the check followed by the step reading every tensor through
+the detached aliases it was built from (the cat parts' 1-D tensors included); the check plus the shape and
+dtype of every float tensor read whole (what reading the foreach parts from the module slots would need,
+so that ``p.data = p.view(new_shape)`` could not stop a foreach halfway; the step reads them through
+aliases shaped like the EMA instead); and the cat/foreach split (``CAT_MAX_NUMEL``) over a few values.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import torch
 import ema_lab.flat as flat
 from ema_lab import ModelEMA
 from ema_lab.bench.environment import environment
+from ema_lab.flat import picker
+from ema_lab.pairs import shape_and_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import build  # noqa: E402 - the benchmark models live in the sibling script
@@ -74,6 +78,10 @@ def candidates(name: str, splits: tuple[int, ...]) -> tuple[dict[str, Callable[[
     model_floats = [v for v in model.state_dict().values() if v.is_floating_point()]
     n = sum(v.numel() for v in floats)
     a, b = (flat.empty_flat(n, torch.float32).normal_() for _ in range(2))  # as ema_lab's own buffers
+    # The float tensors the step reads whole (foreach parts, N-D cat tensors): what a per-update shape and
+    # dtype check would cover (considered; the step reads them through aliases of the EMA's shapes instead).
+    float_pos = [i for i, fused in enumerate(step.fused_pairs) if not fused]
+    whole = picker([k for k, i in enumerate(float_pos) if i not in step.live_pairs])
     fns: dict[str, Callable[[], object]] = {
         "floor: one lerp_ over flat buffers": lambda: a.lerp_(b, 1 - DECAY),
         "one _foreach_lerp_ over all pairs": lambda: torch._foreach_lerp_(floats, model_floats, 1 - DECAY),
@@ -82,6 +90,9 @@ def candidates(name: str, splits: tuple[int, ...]) -> tuple[dict[str, Callable[[
         "  prepared step, live": lambda: step(DECAY, state.live(model)),
         "  counter copy": copy_counters,
         "alt: check + step through the built aliases": lambda: (state.live(model), step(DECAY)),
+        "alt: check + shape and dtype of the float tensors read whole": lambda: list(
+            map(shape_and_dtype, whole(state.live(model)))
+        ),
     }
     # The live step's own time is "prepared step, live" minus "validity check" (it needs the slots read).
     info = {
