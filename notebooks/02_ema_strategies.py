@@ -292,8 +292,9 @@ for conversion in CONVERSIONS:
 # towards the model's *old* float32 memory, which the optimizer no longer writes.)
 #
 # `ModelEMA` keeps the same cache but checks it on every update with
-# `ema_lab.pairs.ModulePairs.is_current`: the `data_ptr()` of every parameter and buffer slot of both
-# modules must still be the cached one, the model must be the same object, and no module may have
+# `ema_lab.pairs.ModulePairs.is_current`: the `data_ptr()`, shape and dtype of every parameter and
+# buffer slot of both modules must still be the cached ones (a tensor re-viewed in place keeps its
+# `data_ptr()` but not its shape, and a `_foreach_lerp_` over it would stop halfway), the model must be the same object, and no module may have
 # registered a new parameter, buffer or submodule since (torch's global registration hooks bump a
 # counter). A stale cache is rebuilt and re-validated:
 
@@ -344,16 +345,18 @@ for strategy in ("gated", "auto"):
 # %% [markdown]
 # The difference between the whole update and the prepared step is what `ModelEMA` spends beyond the
 # arithmetic: the validity check, the counter copy and computing the decay (the ramp alone is
-# printed too, and is negligible). For `gated` the check reads a `data_ptr()` for each of the
-# model's and the EMA's parameter and buffer slots: over a thousand Python calls on this model, a
-# cost of the order of a millisecond rather than microseconds. The default keeps the EMA in flat
-# buffers, checked by one reference count per buffer (notebook 05, section 5). On the model side it
-# looks up every module slot at each update; the small 1-D tensors it finds there (BatchNorm vectors,
-# biases) are gathered with `torch.cat` as they are at that moment, so they need no check, and the
-# other slots' `data_ptr()` is compared before anything is written. It copies the counters with one
-# `cat`. (`prepared_step` reads the model through the tensors it was built from, so the difference
-# printed above is only approximately the cost of the check.) The printed differences are this run's;
-# on this shared 2-core machine they vary by 10-50 % from run to run.
+# printed too, and is negligible). For `gated` the check reads a `data_ptr()`, a shape and a dtype
+# for each of the model's and the EMA's parameter and buffer slots: thousands of Python calls on
+# this model, a cost of the order of a millisecond rather than microseconds. The default keeps the
+# EMA in flat buffers, checked by one reference count per buffer (notebook 05, section 5). On the
+# model side it looks up every module slot at each update; the small 1-D tensors it finds there
+# (BatchNorm vectors, biases) are gathered with `torch.cat` as they are at that moment, so they need
+# no check, and the other slots' `data_ptr()` is compared before anything is written; the step then
+# reads those through detached aliases shaped like the EMA's tensors, so it needs no shape check. It
+# copies the counters with one `cat`. (`prepared_step` reads the model through the tensors it was
+# built from, so the difference printed above is only approximately the cost of the check.) The
+# printed differences are this run's; on this shared 2-core machine they vary by 10-50 % from run to
+# run.
 
 # %% [markdown]
 # ## 7. `ModelEMA` as a drop-in in a real training run
