@@ -138,7 +138,8 @@ def picker(positions: Sequence[int]) -> Picker:
     return itemgetter(*positions)
 
 
-#: x86-64's huge page; buffers from this size up get their own mapping, aligned to it (:func:`empty_flat`).
+#: The transparent huge page of x86-64 (and of arm64 with 4 KiB pages); buffers from this size up get
+#: their own mapping, aligned to it (:func:`empty_flat`).
 HUGE_PAGE = 2 << 20
 
 

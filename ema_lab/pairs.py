@@ -99,13 +99,8 @@ def module_entries(module: nn.Module) -> Iterator[tuple[str, Slot]]:
 shape_and_dtype = attrgetter("shape", "dtype")
 
 
-def slot_ptrs(dicts: tuple[dict, ...], keys: tuple[str, ...]) -> list[int]:
-    """``data_ptr()`` of the tensor each (dict, key) slot holds now; map() keeps the loop in C."""
-    return list(map(Tensor.data_ptr, map(getitem, dicts, keys)))
-
-
 def _snapshot(slots: list[Slot]) -> tuple[list[int], list[tuple]]:
-    """``data_ptr()`` and (shape, dtype) of the tensor each slot holds now."""
+    """``data_ptr()`` and (shape, dtype) of the tensor each slot holds now; map() keeps the loops in C."""
     dicts, keys = zip(*slots) if slots else ((), ())
     tensors = list(map(getitem, dicts, keys))
     return list(map(Tensor.data_ptr, tensors)), list(map(shape_and_dtype, tensors))

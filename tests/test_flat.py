@@ -432,6 +432,20 @@ def test_big_cpu_buffers_get_their_own_mapping_aligned_to_a_huge_page() -> None:
     assert small.shape == (1000,) and small.untyped_storage().nbytes() == 4000
 
 
+def test_without_madvise_hugepage_a_big_buffer_is_ordinary_memory(monkeypatch) -> None:
+    import mmap
+
+    monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)  # macOS, Windows: no such advice
+    buf = empty_flat(3_000_000, torch.float32)
+    assert buf.shape == (3_000_000,) and buf.untyped_storage().nbytes() == 3_000_000 * 4
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    ema = ModelEMA(model, strategy="flat_model")
+    _shift(model)
+    ema.update(model, decay=0.0)
+    for k, v in _floats(ema.ema).items():
+        assert torch.equal(v, _floats(model)[k]), k
+
+
 @pytest.mark.skipif(not _thp_possible(), reason="transparent huge pages are off or absent on this kernel")
 def test_the_kernel_backs_a_big_flat_ema_buffer_with_huge_pages() -> None:
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))  # 2.1M floats, 8 MiB
