@@ -9,9 +9,10 @@ part is timed with the cache state it meets in training (the module objects and 
 reads are no longer in L1/L2). One thread, the candidates alternate call by call, medians of ``--rounds``.
 
 Parts: the validity check (read every model slot that is not a flat view, ``data_ptr()`` of those not read
-live unchecked), the prepared step given what the slots hold, the integer-counter copy, the whole
-``update()``; references: one ``lerp_`` over two flat buffers (the floor) and one ``torch._foreach_lerp_``
-over all pairs (what ultralytics 8.4.190's cached update runs). Alternatives that were considered are
+live unchecked), the prepared step given what the slots hold, and inside it the cat part's gather and
+``lerp_`` and the foreach part, the integer-counter copy, the whole ``update()``; references: one
+``lerp_`` over two flat buffers (the floor) and one ``torch._foreach_lerp_`` over all pairs (what
+ultralytics 8.4.190's cached update runs). Alternatives that were considered are
 measured here so the choices stay checkable: the check followed by the step reading every tensor through
 the detached aliases it was built from (the cat parts' 1-D tensors included); the check plus the shape and
 dtype of every float tensor read whole (what reading the foreach parts from the module slots would need,
@@ -82,6 +83,8 @@ def candidates(name: str, splits: tuple[int, ...]) -> tuple[dict[str, Callable[[
     # dtype check would cover (considered; the step reads them through aliases of the EMA's shapes instead).
     float_pos = [i for i, fused in enumerate(step.fused_pairs) if not fused]
     whole = picker([k for k, i in enumerate(float_pos) if i not in step.live_pairs])
+    live_ext = [*state.live(model), *step.ext]  # what the step's gather reads (slots of this moment)
+    cat_runs = [r for g in step.groups for r in g.cat_parts()]
     fns: dict[str, Callable[[], object]] = {
         "floor: one lerp_ over flat buffers": lambda: a.lerp_(b, 1 - DECAY),
         "one _foreach_lerp_ over all pairs": lambda: torch._foreach_lerp_(floats, model_floats, 1 - DECAY),
@@ -89,6 +92,11 @@ def candidates(name: str, splits: tuple[int, ...]) -> tuple[dict[str, Callable[[
         "  validity check": lambda: state.live(model),
         "  prepared step, live": lambda: step(DECAY, state.live(model)),
         "  counter copy": copy_counters,
+        "  cat part: gather the live tensors (torch.cat)": lambda: [g.gather(live_ext) for g in step.groups],
+        "  cat part: lerp_": lambda: [r.ema.lerp_(r.scratch, 1 - DECAY) for r in cat_runs],
+        "  foreach part: _foreach_lerp_ over the aliases": lambda: [
+            torch._foreach_lerp_(g.ema_views, g.model, 1 - DECAY) for g in step.groups if g.model
+        ],
         "alt: check + step through the built aliases": lambda: (state.live(model), step(DECAY)),
         "alt: check + shape and dtype of the float tensors read whole": lambda: list(
             map(shape_and_dtype, whole(state.live(model)))
