@@ -171,6 +171,7 @@ def run(
     """
     torch.set_grad_enabled(True)
     rows = []
+    per_build: list[dict] = []  # per (model, threads, build): ultralytics' median over the default's
     skipped: dict[str, str] = {}
     for name in names:
         pooled: dict[int, dict[str, list[float]]] = {n: {} for n in threads}
@@ -183,6 +184,10 @@ def run(
                 timed = time_candidates(fns, "cpu", rounds=rounds, target_s=target_s, threads=n_threads)
                 for k, t in timed.items():
                     pooled[n_threads].setdefault(k, []).extend(t.times_s)
+                ultra = next((t.median_s for k, t in timed.items() if k.startswith("ultralytics")), None)
+                if ultra is not None:
+                    ratio = ultra / timed[DEFAULT].median_s
+                    per_build.append({"model": name, "threads": n_threads, "ultralytics_over_default": ratio})
             del fns
             gc.collect()
         if not pooled[threads[0]]:
@@ -220,6 +225,7 @@ def run(
         "environment": env,
         "skipped": skipped,
         "rows": rows,
+        "per_build": per_build,
     }
 
 
@@ -270,6 +276,18 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_per_build(per_build: list[dict]) -> str:
+    """One line per (model, threads): ultralytics' median over the default's in each build, in order."""
+    lines = ["## ultralytics / default in each build (how much one build's memory layout moves it)", ""]
+    keys = list(dict.fromkeys((r["model"], r["threads"]) for r in per_build))
+    for model, threads in keys:
+        ratios = [
+            r["ultralytics_over_default"] for r in per_build if (r["model"], r["threads"]) == (model, threads)
+        ]
+        lines.append(f"- {model}, {threads} thread(s): " + ", ".join(f"{x:.2f}x" for x in ratios))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run, write results/peers-<date>.json and .md."""
     fmt = argparse.RawDescriptionHelpFormatter
@@ -298,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.note + chr(10) + chr(10) if args.note else ''}Skipped: {record['skipped'] or 'none'}\n\n"
     )
     body = format_table(record["rows"]) + "\n\n## Issue 12 targets\n\n" + "\n".join(targets(record["rows"]))
+    if args.builds > 1:
+        body += "\n\n" + format_per_build(record["per_build"])
     stem.with_suffix(".md").write_text(header + body + "\n")
     print(f"wrote {stem}.json and {stem}.md")
     return 0
