@@ -305,7 +305,7 @@ class FlatGroup:
     mode: str
     ema: Tensor  # 1-D, owns the EMA memory of the group
     ema_views: list[Tensor]  # our own views (foreach part), never the module's tensor objects
-    model: list[Tensor]  # the model's tensors: foreach part, or all of them (cast); [] when fused
+    model: list[Tensor]  # detached aliases of the model's tensors: foreach part, or all (cast); [] if fused
     model_flat: Tensor | None  # fused: 1-D over the model's storage
     scratch: Tensor | None  # cat part/cast/fused-mixed: gathered model values in the EMA dtype
     scratch_views: list[Tensor]
@@ -314,7 +314,7 @@ class FlatGroup:
     model_dtype: torch.dtype | None = None
     tensors: int = 0  # pairs in the group
     pairs: list[int] = field(default_factory=list)  # input pair index of each tensor, in buffer order
-    # Set by FlatStep.bind for a live step: pick this group's model tensors from the slots read now.
+    # A live step gathers the 1-D cat tensors from the slots read now (CatRun.pick, set by FlatStep.bind).
     cat_live: list[bool] = field(default_factory=list)  # per cat tensor: 1-D in the model, read live
     cat_whole: list[CatRun] = field(default_factory=list)  # the cat part as one run (one thread, or CUDA)
     cat_grains: list[CatRun] = field(default_factory=list)  # in runs under CAT_RUN_NUMEL (CPU, 2+ threads)

@@ -294,9 +294,9 @@ for conversion in CONVERSIONS:
 # `ModelEMA` keeps the same cache but checks it on every update with
 # `ema_lab.pairs.ModulePairs.is_current`: the `data_ptr()`, shape and dtype of every parameter and
 # buffer slot of both modules must still be the cached ones (a tensor re-viewed in place keeps its
-# `data_ptr()` but not its shape, and a `_foreach_lerp_` over it would stop halfway), the model must be the same object, and no module may have
-# registered a new parameter, buffer or submodule since (torch's global registration hooks bump a
-# counter). A stale cache is rebuilt and re-validated:
+# `data_ptr()` but not its shape, and a `_foreach_lerp_` over it would stop halfway), the model must
+# be the same object, and no module may have registered a new parameter, buffer or submodule since
+# (torch's global registration hooks bump a counter). A stale cache is rebuilt and re-validated:
 
 # %%
 from ema_lab.pairs import ModulePairs

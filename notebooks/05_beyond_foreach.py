@@ -232,14 +232,14 @@ print(f"time with huge pages / time with 4 KiB pages: {t_2m / t_4k:.2f}")
 
 # %% [markdown]
 # A ratio below 1 means the huge pages saved time. How much depends on the machine: on this 2-core
-# VM the 2 MiB floor ran at 0.87 of the 4 KiB floor's time on resnet50's size and 0.92 on gpt2's, one
-# thread, in `results/peers-2026-12-03-huge.md` (the 4 KiB floor's own time moves by about 10 %
+# VM the 2 MiB floor ran at 0.87 of the 4 KiB floor's time on resnet50's size and 0.92 on gpt2's,
+# one thread, in `results/peers-2026-12-03-huge.md` (the 4 KiB floor's own time moves by about 10 %
 # between fresh allocations, so repeat the cell before trusting a small difference). An EMA that
 # keeps each tensor in its own torch allocation, like ultralytics', gets 4 KiB pages, and most of a
-# detector's tensors are smaller than one 2 MiB page anyway. `ModelEMA`'s default still reads the model's own tensors, which stay in
-# whatever pages torch gave them; `flat_model` moves them into one `empty_flat` buffer too. torch
-# offers the same for every CPU allocation of 2 MiB or more with the environment variable
-# `THP_MEM_ALLOC_ENABLE=1`, set before the process starts.
+# detector's tensors are smaller than one 2 MiB page anyway. `ModelEMA`'s default still reads the
+# model's own tensors, which stay in whatever pages torch gave them; `flat_model` moves them into
+# one `empty_flat` buffer too. torch offers the same for every CPU allocation of 2 MiB or more with
+# the environment variable `THP_MEM_ALLOC_ENABLE=1`, set before the process starts.
 
 # %% [markdown]
 # ## 4. The EMA in a whole training step
