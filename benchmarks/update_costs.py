@@ -18,6 +18,9 @@ the detached aliases it was built from (the cat parts' 1-D tensors included); th
 dtype of every float tensor read whole (what reading the foreach parts from the module slots would need,
 so that ``p.data = p.view(new_shape)`` could not stop a foreach halfway; the step reads them through
 aliases shaped like the EMA instead); and the cat/foreach split (``CAT_MAX_NUMEL``) over a few values.
+The "bound" rows are what any check must spend that reads each watched model slot once per update (a
+direct ``module._parameters[k] = t`` is seen by nothing else), and that plus the step and the counter copy
+without any ``data_ptr()``: unsafe, timed only as the floor of every design that keeps these guarantees.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import time
 from collections.abc import Callable
 from copy import deepcopy
 from datetime import datetime, timezone
+from operator import getitem
 from pathlib import Path
 
 import torch
@@ -100,6 +104,11 @@ def candidates(name: str, splits: tuple[int, ...]) -> tuple[dict[str, Callable[[
         "alt: check + step through the built aliases": lambda: (state.live(model), step(DECAY)),
         "alt: check + shape and dtype of the float tensors read whole": lambda: list(
             map(shape_and_dtype, whole(state.live(model)))
+        ),
+        "bound: read the slots (no data_ptr())": lambda: list(map(getitem, *state.watch)),
+        "bound: read the slots + step, live + counter copy": lambda: (
+            step(DECAY, list(map(getitem, *state.watch))),
+            copy_counters(),
         ),
     }
     # The live step's own time is "prepared step, live" minus "validity check" (it needs the slots read).

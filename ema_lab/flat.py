@@ -551,6 +551,9 @@ class FlatStep:
     watched: list[tuple[Tensor, int]] = field(default_factory=list)
     live_pairs: frozenset[int] = frozenset()  # input pairs read live without a data_ptr() check
     ext: list[Tensor] = field(default_factory=list)  # appended to ``live``: aliases the cat parts read
+    # (storage address, reference count) per watched buffer, read by refs_unchanged: the buffers in
+    # ``watched`` keep each storage (so its address) alive, and no UntypedStorage object is made per check
+    _counts: list[tuple[int, int]] = field(default_factory=list, repr=False)
 
     def bind(self, positions: dict[int, int], n_live: int) -> None:
         """Prepare live reads: input pair ``i`` sits at ``positions[i]`` of a ``live`` list of ``n_live``."""
@@ -593,10 +596,11 @@ class FlatStep:
     def baseline(self) -> None:
         """Record the reference counts of the watched storages as the intact state."""
         self.watched = [(buf, storage_refs(buf)) for buf, _ in self.watched]
+        self._counts = [(buf.untyped_storage()._cdata, n) for buf, n in self.watched]
 
     def refs_unchanged(self) -> bool:
         """True while no watched flat storage gained or lost a reference since :meth:`baseline`."""
-        return _USE_COUNT is not None and all(storage_refs(buf) == n for buf, n in self.watched)
+        return _USE_COUNT is not None and all(_USE_COUNT(c) == n for c, n in self._counts)
 
     @property
     def modes(self) -> list[str]:
