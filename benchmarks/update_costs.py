@@ -6,7 +6,8 @@ Run it from the throwaway peers venv for the real yolo26n (see ``benchmarks/peer
 and the zoo models run in the project venv too. Before every timed call one full EMA step streams the
 whole EMA and model through the caches, as the forward/backward pass of a training step would, so each
 part is timed with the cache state it meets in training (the module objects and dicts the validity check
-reads are no longer in L1/L2). One thread, the candidates alternate call by call, medians of ``--rounds``.
+reads are no longer in L1/L2). One thread unless ``--threads`` says otherwise; the candidates alternate
+call by call, medians of ``--rounds``.
 
 Parts: the validity check (read every model slot that is not a flat view, ``data_ptr()`` of those not read
 live unchecked), the prepared step given what the slots hold, and inside it the cat part's gather and
@@ -153,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--note", default="")
     parser.add_argument("--out", default="")
     parser.add_argument("--suffix", default="")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     fns, info = candidates(args.model, tuple(args.splits))
     timed = time_cold(fns, fns.pop("flush"), args.rounds)
     ema = info.pop("ema")
@@ -186,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         header = (
             f"# Where the default ModelEMA.update() spends its time: {args.model}\n\n"
             f"`PYTHONPATH=. python {record['command']}`\n\n{env['cpu']} ({env['cpu_count']} cores), "
-            f"1 intra-op thread, torch {env['torch']}, {record['created']}, {args.rounds} rounds, "
+            f"{args.threads} intra-op thread(s), torch {env['torch']}, {record['created']}, "
+            f"{args.rounds} rounds, "
             "each call after one full EMA step (caches as in training)\n\n"
             f"{args.note + chr(10) + chr(10) if args.note else ''}"
             f"Plan: {info['plan']}; model slots read per step: {info['read_slots']}, of them checked by "
