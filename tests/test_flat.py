@@ -479,3 +479,20 @@ def test_a_huge_page_ema_saves_copies_and_converts_like_any_other(tmp_path) -> N
     flat_ema = ModelEMA(model_flat, strategy="flat_model")
     flat_ema.update(model_flat)
     assert flat_ema.modes == ["fused"] and model_flat[0].weight.data_ptr() % HUGE_PAGE == 0
+
+
+def test_reference_count_check_follows_views_made_and_dropped() -> None:
+    """An extra view of the EMA's buffer moves its count; the exact check then passes and re-baselines."""
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, strategy="flat")
+    ema.update(model)
+    step = ema.prepared_step
+    assert step.refs_unchanged() is True
+    extra = next(ema.ema.parameters()).view(-1)  # one more tensor on the flat storage
+    assert step.refs_unchanged() is False
+    ema.update(model)  # the exact per-slot check passes: no rebuild, the new count is the baseline
+    assert ema.rebuilds == 1 and step.refs_unchanged() is True
+    del extra
+    assert step.refs_unchanged() is False
+    step.baseline()
+    assert step.refs_unchanged() is True
