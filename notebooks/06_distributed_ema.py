@@ -224,6 +224,7 @@ def main() -> None:
         if len(sys.argv) > 1:  # for the notebook's chart
             with open(sys.argv[1], "w") as f:
                 json.dump(summary, f)
+    dist.barrier()  # no rank tears its connections down while rank 0 still checks
     dist.destroy_process_group()
 
 
