@@ -551,8 +551,8 @@ class FlatStep:
     watched: list[tuple[Tensor, int]] = field(default_factory=list)
     live_pairs: frozenset[int] = frozenset()  # input pairs read live without a data_ptr() check
     ext: list[Tensor] = field(default_factory=list)  # appended to ``live``: aliases the cat parts read
-    # (storage address, reference count) per watched buffer, read by refs_unchanged: the buffers in
-    # ``watched`` keep each storage (so its address) alive, and no UntypedStorage object is made per check
+    # (StorageImpl pointer, reference count) per watched buffer, for refs_unchanged: the buffers in
+    # ``watched`` keep each storage (so the pointer) valid, and no UntypedStorage object is made per check
     _counts: list[tuple[int, int]] = field(default_factory=list, repr=False)
 
     def bind(self, positions: dict[int, int], n_live: int) -> None:
