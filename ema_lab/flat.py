@@ -600,7 +600,14 @@ class FlatStep:
 
     def refs_unchanged(self) -> bool:
         """True while no watched flat storage gained or lost a reference since :meth:`baseline`."""
-        return _USE_COUNT is not None and all(_USE_COUNT(c) == n for c, n in self._counts)
+        if _USE_COUNT is None or len(self._counts) != len(self.watched):  # not baselined (or a copy)
+            return False
+        return all(_USE_COUNT(c) == n for c, n in self._counts)
+
+    def __getstate__(self) -> dict:
+        # The cached pointers belong to this step's storages: a deep copy or an unpickled step has
+        # others, so it starts unbaselined (the exact check, then baseline()) instead of reading freed memory.
+        return {**self.__dict__, "_counts": []}
 
     @property
     def modes(self) -> list[str]:

@@ -496,3 +496,18 @@ def test_reference_count_check_follows_views_made_and_dropped() -> None:
     assert step.refs_unchanged() is False
     step.baseline()
     assert step.refs_unchanged() is True
+
+
+def test_a_copied_step_rebaselines_instead_of_reading_the_originals_storages() -> None:
+    """The O(1) check caches storage pointers; a deep copy or a pickled step must not reuse them."""
+    import pickle
+
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, strategy="flat")
+    ema.update(model)
+    for twin in (deepcopy(ema.prepared_step), pickle.loads(pickle.dumps(ema.prepared_step))):
+        assert twin.refs_unchanged() is False  # unbaselined: the caller takes the exact check
+        twin.baseline()
+        assert twin.refs_unchanged() is True
+        twin(0.5)  # the copy updates its own buffers
+    assert ema.prepared_step.refs_unchanged() is True
