@@ -228,8 +228,8 @@ class ModelEMA(EMASchedule):
                 counters = prepare_counter_copy(
                     pairs.other_ema, pairs.other_model, flatten_model=strategy == "flat_model"
                 )
-                step.watched += [(buf, 0) for buf in counters.buffers]
-                step.watched += [(f, 0) for f in counters.model_flat if f is not None]
+                step.watched += counters.buffers
+                step.watched += [f for f in counters.model_flat if f is not None]
                 counter_fused = counters.fused_pairs
                 pairs.other_ema, pairs.other_model, copy_other = [], [], counters
             pairs.refresh()  # the EMA tensors (and with flat_model the model's) moved into flat buffers

@@ -547,12 +547,12 @@ class FlatStep:
 
     groups: list[FlatGroup]
     fused_pairs: list[bool] = field(default_factory=list)  # per input pair: is its model tensor a flat view
-    # (buffer, reference count at build) for every flat storage the modules' tensors must be views of
-    watched: list[tuple[Tensor, int]] = field(default_factory=list)
+    # every flat buffer whose storage the modules' tensors must be views of (the EMA's, fused models')
+    watched: list[Tensor] = field(default_factory=list)
     live_pairs: frozenset[int] = frozenset()  # input pairs read live without a data_ptr() check
     ext: list[Tensor] = field(default_factory=list)  # appended to ``live``: aliases the cat parts read
-    # (StorageImpl pointer, reference count) per watched buffer, for refs_unchanged: the buffers in
-    # ``watched`` keep each storage (so the pointer) valid, and no UntypedStorage object is made per check
+    # (StorageImpl pointer, reference count at baseline) per watched buffer: the buffers keep each storage
+    # (so the pointer) valid, and refs_unchanged makes no UntypedStorage object per check
     _counts: list[tuple[int, int]] = field(default_factory=list, repr=False)
 
     def bind(self, positions: dict[int, int], n_live: int) -> None:
@@ -595,8 +595,11 @@ class FlatStep:
 
     def baseline(self) -> None:
         """Record the reference counts of the watched storages as the intact state."""
-        self.watched = [(buf, storage_refs(buf)) for buf, _ in self.watched]
-        self._counts = [(buf.untyped_storage()._cdata, n) for buf, n in self.watched]
+        if _USE_COUNT is None:
+            self._counts = []
+            return
+        pointers = [buf.untyped_storage()._cdata for buf in self.watched]
+        self._counts = [(c, _USE_COUNT(c)) for c in pointers]  # counted as refs_unchanged counts
 
     def refs_unchanged(self) -> bool:
         """True while no watched flat storage gained or lost a reference since :meth:`baseline`."""
@@ -634,7 +637,7 @@ def prepare_flat(ema: list[Tensor], model: list[Tensor]) -> FlatStep:
         for i in idx:
             fused[i] = g.mode == "fused"
     step = FlatStep(groups, fused)
-    step.watched = [(g.ema, 0) for g in groups] + [(g.model_flat, 0) for g in groups if g.mode == "fused"]
+    step.watched = [g.ema for g in groups] + [g.model_flat for g in groups if g.mode == "fused"]
     step.baseline()
     return step
 
