@@ -5,7 +5,7 @@ and ``ema_lab.lessons`` (the pieces the notebooks reuse) are subpackages with th
 """
 
 from .ema import STRATEGIES, ModelEMA
-from .flat import flatten_tensors, unflatten_tensors
+from .flat import flatten_model, flatten_tensors, unflatten_model, unflatten_tensors
 from .gates import foreach_lerp_supported
 from .sharded import ShardedModelEMA
 from .updates import foreach_update, gated_update, loop_update
@@ -20,6 +20,8 @@ __all__ = [
     "foreach_update",
     "gated_update",
     "foreach_lerp_supported",
+    "flatten_model",
+    "unflatten_model",
     "flatten_tensors",
     "unflatten_tensors",
     "__version__",

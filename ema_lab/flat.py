@@ -89,7 +89,9 @@ __all__ = [
     "GroupPlan",
     "StaleInputs",
     "empty_flat",
+    "flatten_model",
     "flatten_tensors",
+    "unflatten_model",
     "unflatten_tensors",
     "storage_refs",
 ]
@@ -228,6 +230,27 @@ def unflatten_tensors(tensors: Sequence[Tensor]) -> None:
     with torch.no_grad():
         for t in {id(t): t for t in tensors}.values():
             _repoint(t, t.detach().clone(memory_format=torch.contiguous_format))
+
+
+def _model_tensors(model: torch.nn.Module) -> list[Tensor]:
+    return [*model.parameters(), *model.buffers()]
+
+
+def flatten_model(model: torch.nn.Module) -> list[Tensor]:
+    """Move the model's parameters and buffers into one contiguous buffer per (device, dtype); return them.
+
+    Opt-in, because it rewrites the training model's memory: every ``Parameter`` keeps its object, value
+    and ``requires_grad`` (optimizers and hooks still hold it), and ``state_dict()`` returns views of
+    the shared buffers. An EMA of a flattened model updates each group with one ``lerp_``. Flatten
+    before building the optimizer's fused/foreach state; ``.to()``, ``.half()`` or a new parameter
+    give tensors their own memory again (still correct, no longer fused).
+    """
+    return flatten_tensors(_model_tensors(model))
+
+
+def unflatten_model(model: torch.nn.Module) -> None:
+    """Give every parameter and buffer of ``model`` its own memory again (undoes :func:`flatten_model`)."""
+    unflatten_tensors(_model_tensors(model))
 
 
 def _small(t: Tensor) -> bool:

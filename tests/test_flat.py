@@ -511,3 +511,21 @@ def test_a_copied_step_rebaselines_instead_of_reading_the_originals_storages() -
         assert twin.refs_unchanged() is True
         twin(0.5)  # the copy updates its own buffers
     assert ema.prepared_step.refs_unchanged() is True
+
+
+def test_flatten_model_makes_every_group_fused_and_unflatten_undoes_it():
+    from ema_lab import ModelEMA, flatten_model, unflatten_model
+    from ema_lab.lessons import models
+
+    model = models.build("tiny_cnn")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    buffers = flatten_model(model)
+    assert {b.dtype for b in buffers} == {torch.float32, torch.int64}
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+    ema = ModelEMA(model)
+    ema.update(model)
+    assert ema.modes == ["fused"]
+    unflatten_model(model)
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
+    ema.update(model)
+    assert ema.modes != ["fused"] and ema.rebuilds == 2

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "results_dir",
     "ResultError",
     "validate",
     "load",
@@ -36,6 +37,19 @@ __all__ = [
     "settings_differences",
     "format_table",
 ]
+
+
+def results_dir() -> Path:
+    """The folder of result files: ``$EMA_LAB_RESULTS`` if set, else ``results/`` of the ema_lab checkout.
+
+    Notebooks call this instead of reading ``../results``, so a copy of them opened anywhere, or a
+    kernel started in another folder, still finds the committed runs.
+    """
+    import os
+
+    env = os.environ.get("EMA_LAB_RESULTS")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "results"
+
 
 SCHEMA = "ema_lab.bench"
 SCHEMA_VERSION = 3
