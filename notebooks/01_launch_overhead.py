@@ -16,7 +16,7 @@
 # # 01 · Launch overhead: why a loop over many small tensors is slow
 #
 # - Every op called from Python pays a fixed cost before it touches a single number.
-# - A loop over many small tensors pays it once per op; `torch._foreach_lerp_` pays it once per list.
+# - A loop over many small tensors pays it per op; `torch._foreach_lerp_` pays most of it once per list.
 # - One `lerp_` over one flat buffer pays it once in all: the floor.
 
 # %% tags=["nbval-ignore-output"]
@@ -105,13 +105,16 @@ for (name, ms), color in zip(sweep.items(), ["C3", "C0", "C2"]):
 ax.set(xscale="log", yscale="log", xlabel="number of tensors (2^18 numbers in all)", ylabel="ms per update")
 ax.set_title("Same work, split into more tensors")
 ax.set_xlim(0.7, 4096 * 6)
+ax.set_xticks(TENSORS, [str(n) for n in TENSORS])
+ax.minorticks_off()
 ax.grid(alpha=0.3)
 plt.show()
 
 # %% [markdown]
 # The flat `lerp_` stays level: the work is the same at every `n`. The loop climbs with the number of
 # tensors: past a few dozen, its time is the fixed price of each op, not arithmetic. That price is
-# called launch overhead. `_foreach_lerp_` climbs too, but more slowly.
+# called launch overhead (on a CPU, per-op overhead; section 2 says why). `_foreach_lerp_` climbs
+# too, but more slowly.
 #
 # ## 2. What an op goes through
 #
@@ -124,8 +127,8 @@ plt.show()
 # %% [markdown]
 # On a CPU nothing is "launched": the kernel is a function call, and the overhead is Python and the
 # dispatcher. `_foreach_lerp_` does not bypass the dispatcher: it goes through it once for the whole
-# list. On a CPU its kernel then runs `lerp_` for each tensor, skipping Python and the autograd layer,
-# which is why its line still climbs, more slowly.
+# list. On a CPU its kernel then calls `lerp_` for each tensor, through the dispatcher again but
+# without Python and below the autograd layer: that is why its line still climbs, more slowly.
 #
 # ## 3. Count the ops
 #
@@ -222,8 +225,8 @@ for fn in (ema_before, ema_after):
 
 # %% [markdown]
 # The before-code dispatches 3 ops per float tensor (`mul_`, `mul`, `add_`); the after-code one
-# `_foreach_lerp_`. Both also dispatch a `detach` per `state_dict()` entry: walking `state_dict()`
-# twice per update is not free. Time both, and the two walks alone:
+# `_foreach_lerp_`. Both also dispatch a `detach` for each of the 1416 `state_dict()` entries they
+# walk (two walks per update), and the before-code one per tensor. Time both, and the walks alone:
 
 # %% tags=["nbval-ignore-output"]
 pr = time_candidates(
@@ -239,7 +242,7 @@ for name, r in pr.items():
 print(f"before / after: {pr['before'].median_s / pr['after'].median_s:.1f}x (the PR: 12.8 -> 5.8 ms, 2.2x)")
 
 # %% [markdown]
-# The ratio is your machine's version of the PR's 2.2x, measured there on an Apple M-series laptop.
+# The ratio is your machine's version of the PR's 2.2x, measured on an Apple M-series machine with yolo26n.
 # Part of both times is the two walks, which the PR kept.
 #
 # How much of the before-code is the price of its 1782 ops (594 tensors × 3)? The fitted price says:
@@ -304,7 +307,8 @@ for name, fn in [("loop over 600", loop), ("foreach over 600", foreach)]:
 # - At a fixed total size, a loop's time grows with the number of tensors; one flat `lerp_` does not.
 # - `_foreach_lerp_` goes through the dispatcher once per list; on a CPU it still does per-tensor work inside.
 # - The PR's before-code also pays for two `state_dict()` walks per update, and so does its after-code.
-#
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. Count the ops of `ema_before` on `models.build("tiny_tensors")` (2000 float tensors). Guess first.

@@ -264,7 +264,8 @@ plt.show()
 # - Loop, foreach and gated updates give the same EMA; foreach dispatches one op per list.
 # - The gate allows `_foreach_lerp_` from torch 2.0, on MPS from 2.4.
 # - Cached tensor lists go stale when the model gets new memory; check them, or the EMA freezes.
-#
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. Train with `tau=5` instead of 50. In which epochs is the EMA's loss worse than the raw model's? Why?
@@ -285,6 +286,7 @@ for tau, r in [(5, train_with_ema(seed=0, decay=0.99, tau=5)), (50, run)]:
 
 # %% tags=["solution"] jupyter={"source_hidden": true, "outputs_hidden": true}
 # Solution 2: ModelEMA notices the new memory and follows; the cached lists freeze again.
+# (follows_after takes a class built like ModelEMA: ema_lab.lessons.seed has the cached one so.)
 from ema_lab.lessons.seed import CachedListEMA as UltralyticsCachedEMA
 from ema_lab.lessons.staleness import CONVERSIONS, follows_after
 
