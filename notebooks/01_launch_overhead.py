@@ -107,6 +107,7 @@ ax.set_title("Same work, split into more tensors")
 ax.set_xlim(0.7, 4096 * 6)
 ax.set_xticks(TENSORS, [str(n) for n in TENSORS])
 ax.minorticks_off()
+ax.yaxis.set_major_formatter("{x:g}")
 ax.grid(alpha=0.3)
 plt.show()
 
@@ -168,17 +169,21 @@ print(f"{'flat':<8} {dict(counter.counts)}")
 # ## 4. The price of one op
 #
 # If each op has a fixed price, the loop's time is a straight line in the number of ops:
-# `time = price × ops + work`. `numpy.polyfit` fits that line to the sweep:
+# `time = price × ops + work`. `numpy.polyfit` fits that line to the sweep (weighted by `1 / time`, so
+# that the fast points count as much as the slow ones):
 
 # %% tags=["nbval-ignore-output"]
-price_ms, work_ms = np.polyfit(TENSORS, sweep["loop"], 1)
-per_tensor_ms, _ = np.polyfit(TENSORS, sweep["foreach"], 1)
-print(f"loop:    {price_ms * 1e3:.2f} us per op, plus {work_ms:.3f} ms for the 2^18 numbers")
+loop_ms, foreach_ms = np.array(sweep["loop"]), np.array(sweep["foreach"])
+price_ms, work_ms = np.polyfit(TENSORS, loop_ms, 1, w=1 / loop_ms)
+per_tensor_ms, _ = np.polyfit(TENSORS, foreach_ms, 1, w=1 / foreach_ms)
+print(f"loop:    {price_ms * 1e3:.2f} us per op, plus {work_ms:.3f} ms of work on the 2^18 numbers")
 print(f"foreach: {per_tensor_ms * 1e3:.2f} us per tensor inside the one call")
+print(f"one flat lerp_ on the 2^18 numbers, measured: {sweep['one flat lerp_'][0]:.3f} ms")
 
 # %% [markdown]
-# The slope is what one op costs on your machine, whatever its size. Inside `_foreach_lerp_` a tensor
-# costs less, because Python and the autograd layer are paid once for the list.
+# The slope is what one op costs on your machine, whatever its size; the work is close to what one
+# flat `lerp_` takes. Inside `_foreach_lerp_` a tensor costs less, because Python and the autograd
+# layer are paid once for the list.
 #
 # ## 5. The real change: ultralytics PR #25315
 #

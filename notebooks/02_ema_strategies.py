@@ -55,7 +55,7 @@ for n in [1, 100, 2000, 10_000, 50_000]:
     print(f"n = {n:>6}: d = {ramp(n):.6f}, window 1/(1-d) = {1 / (1 - ramp(n)):8.1f} steps")
 
 # %% [markdown]
-# At step 1 the EMA is a copy of the model; the window reaches 10,000 steps only after tens of
+# At step 1 the EMA is almost a copy of the model; the window reaches 10,000 steps only after tens of
 # thousands of updates. `ema_lab.ModelEMA.decay(n)` is this ramp:
 
 # %%
@@ -139,13 +139,13 @@ for f in (loop_update, foreach_update, gated_update):
 
 # %% [markdown]
 # The loop dispatches several ops per tensor; the other two, one `_foreach_lerp_` for the whole
-# list. Each dispatched op has a fixed price (notebook 01), so the foreach versions pay it once.
+# list. Each dispatched op has a fixed price (notebook 01), so the foreach versions pay most of it once.
 #
 # ## 3. The gate
 #
-# `_foreach_lerp_` does not exist before torch 2.0, and on Apple GPUs (MPS) it had no kernel before
-# 2.4. The PR checks both before calling it, and otherwise runs the loop. `ema_lab.foreach_lerp_supported`
-# is that check as a function of torch version and device:
+# `_foreach_lerp_` does not exist before torch 2.0, and on Apple GPUs (MPS) it raised
+# `NotImplementedError` up to torch 2.2; it works from 2.4 (2.3 was never tested). The PR checks both
+# before calling it, and otherwise runs the loop. `ema_lab.foreach_lerp_supported` is that check:
 
 # %%
 from ema_lab import foreach_lerp_supported
@@ -157,8 +157,7 @@ for version in ["1.13", "2.0", "2.3", "2.4", "2.13"]:
     print(f"{version:<7}" + "".join(f"{r:>9}" for r in row))
 
 # %% [markdown]
-# MPS waits for 2.4 (2.3 was never tested). Ascend NPUs are excluded by a later version of the gate.
-# Your torch, on a CPU:
+# Ascend NPUs (`npu`) are excluded by a later version of the gate. Your torch, on a CPU:
 
 # %%
 print(f"torch {torch.__version__}, cpu:", "foreach" if foreach_lerp_supported(None, "cpu") else "loop")
@@ -230,7 +229,8 @@ print(
 )
 
 # %% [markdown]
-# It follows the model. `ema_lab.lessons.staleness.follows_after` packages this check; it also tries
+# It follows the model (`rebuilds` counts the times it built its lists: first use, then after the
+# conversion). `ema_lab.lessons.staleness.follows_after` packages this check; it also tries
 # `ema.ema.half()`, which a validator does to the EMA copy.
 #
 # ## 5. In a training run
@@ -275,9 +275,9 @@ plt.show()
 # Solutions are in the hidden cells below (click to expand).
 
 # %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true, "outputs_hidden": true}
-# Solution 1: with tau=5 the decay is near 0.99 after about 25 updates, so from the first epoch
-# on the EMA averages about 100 steps, early bad weights included: it lags behind the improving
-# model. That is what the ramp (tau=50) avoids.
+# Solution 1: with tau=5 the decay is above 0.98 after 25 of the 300 updates, so from the first
+# epoch on the EMA averages about 1 / (1 - 0.99) = 100 steps, early bad weights included: it lags
+# behind the improving model. That is what the slower ramp (tau=50) avoids.
 for tau, r in [(5, train_with_ema(seed=0, decay=0.99, tau=5)), (50, run)]:
     worse = [e for e, raw, avg in zip(epochs, r.raw_loss, r.ema_loss) if avg > raw]
     print(f"tau = {tau:>2}: EMA worse than raw in epochs {worse}")
