@@ -27,6 +27,7 @@
 # %matplotlib inline
 import torch
 
+torch.set_num_threads(1)  # one thread: results that do not depend on how many cores you have
 torch.manual_seed(0)
 weights = 1 + 0.3 * torch.randn(8)  # one weight, bouncing around 1.0 from step to step
 ema, d = weights[0].clone(), 0.7
@@ -61,7 +62,8 @@ for n in [1, 100, 2000, 10_000, 50_000]:
 # %%
 from ema_lab import ModelEMA
 
-print(all(ModelEMA(torch.nn.Linear(2, 2)).decay(n) == ramp(n) for n in range(0, 50_000, 7)))
+ema = ModelEMA(torch.nn.Linear(2, 2))  # ultralytics' defaults: decay=0.9999, tau=2000
+print(all(ema.decay(n) == ramp(n) for n in range(0, 50_000, 7)))
 
 # %% [markdown]
 # `tau` sets how fast the window grows. Three values, over 30,000 steps:
