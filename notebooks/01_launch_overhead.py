@@ -263,8 +263,9 @@ print(f"before-code in all          {before_ms:.2f} ms   (measured)")
 
 # %% [markdown]
 # So the before-code's time is three things: the per-op price, the walks, and the rest (the
-# arithmetic on 2.6 million numbers and Python's own loop). The price was fitted on `lerp_` over
-# tensors of another size, so treat the split as an estimate.
+# arithmetic on 2.6 million numbers, the temporary that `(1 - d) * m` allocates for each tensor, and
+# Python's own loop). The price was fitted on `lerp_` over tensors of another size, so treat the
+# split as an estimate.
 #
 # ema_lab comes with the results of one reference run of its benchmark (`python -m ema_lab bench`
 # makes such a file on your computer), on a 2-core AMD EPYC virtual machine with torch 2.13:
@@ -323,14 +324,17 @@ for name, fn in [("loop over 600", loop), ("foreach over 600", foreach)]:
 # Solutions are in the hidden cells below (click to expand).
 
 # %% tags=["solution"] jupyter={"source_hidden": true, "outputs_hidden": true}
-# Solution 1: 3 ops per float tensor (6000), plus one detach per state_dict() entry and tensor.
+# Solution 1
+# 3 ops per float tensor (6000), plus a detach for each state_dict() entry walked (2 x 2000)
+# and for each tensor (2000).
 tiny, tiny_ema = models.build("tiny_tensors"), models.build("tiny_tensors")
 with CountOps() as counter:
     ema_before(tiny_ema, tiny, 0.9999)
 print(f"torch {torch.__version__}: {sum(counter.counts.values())} ops {dict(counter.counts)}")
 
 # %% tags=["solution"] jupyter={"source_hidden": true, "outputs_hidden": true}
-# Solution 2: one aten::_foreach_lerp_, and inside it one aten::lerp_ per tensor.
+# Solution 2
+# One aten::_foreach_lerp_, and inside it one aten::lerp_ per tensor.
 import os
 
 from torch.profiler import profile
@@ -348,7 +352,9 @@ for event in prof.events():
         print(event.name, "runs inside it:", dict(Counter(c.name for c in event.cpu_children)))
 
 # %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true, "outputs_hidden": true}
-# Solution 3: 2000 ops at the fitted price, plus the work scaled to 272,000 numbers.
+# Solution 3
+# 2000 ops at the fitted price, plus the work scaled to 272,000 numbers. The line was fitted on
+# other tensor sizes, so expect the right order of magnitude, not the exact time.
 ema_t, model_t = make(2000, total=2000 * 136)
 t = Timer("loop(ema_t, model_t, 0.1)", globals=globals()).blocked_autorange(min_run_time=0.2)
 predicted = 2000 * price_ms + work_ms * 2000 * 136 / 2**18

@@ -277,7 +277,8 @@ plt.show()
 # Solutions are in the hidden cells below (click to expand).
 
 # %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true, "outputs_hidden": true}
-# Solution 1: with tau=5 the decay is above 0.98 after 25 of the 300 updates, so from the first
+# Solution 1
+# With tau=5 the decay is above 0.98 after 25 of the 300 updates, so from the first
 # epoch on the EMA averages about 1 / (1 - 0.99) = 100 steps, early bad weights included: it lags
 # behind the improving model. That is what the slower ramp (tau=50) avoids.
 for tau, r in [(5, train_with_ema(seed=0, decay=0.99, tau=5)), (50, run)]:
@@ -287,7 +288,8 @@ for tau, r in [(5, train_with_ema(seed=0, decay=0.99, tau=5)), (50, run)]:
     print("   EMA", " ".join(f"{x:.3f}" for x in r.ema_loss))
 
 # %% tags=["solution"] jupyter={"source_hidden": true, "outputs_hidden": true}
-# Solution 2: ModelEMA notices the new memory and follows; the cached lists freeze again.
+# Solution 2
+# ModelEMA notices the new memory and follows; the cached lists freeze again.
 # (follows_after takes a class built like ModelEMA: ema_lab.lessons.seed has the cached one so.)
 from ema_lab.lessons.seed import CachedListEMA as UltralyticsCachedEMA
 from ema_lab.lessons.staleness import CONVERSIONS, follows_after
@@ -299,7 +301,8 @@ for cls in (UltralyticsCachedEMA, ModelEMA):
 del CONVERSIONS["model.bfloat16()"]
 
 # %% tags=["solution"] jupyter={"source_hidden": true, "outputs_hidden": true}
-# Solution 3: every tensor of tiny_tensors is float, so the loop's ops grow with its 2000 tensors.
+# Solution 3
+# Every tensor of tiny_tensors is float, so the loop's ops grow with its 2000 tensors.
 tiny = models.build("tiny_tensors")
 tiny_t = [v for v in tiny.state_dict().values() if v.is_floating_point()]
 tiny_ema = [t.clone() for t in tiny_t]
