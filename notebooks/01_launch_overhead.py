@@ -323,7 +323,7 @@ for name, fn in [("loop over 600", loop), ("foreach over 600", foreach)]:
 #
 # Solutions are in the hidden cells below (click to expand).
 
-# %% tags=["solution"] jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
 # Solution 1
 # 3 ops per float tensor (6000), plus a detach for each state_dict() entry walked (2 x 2000)
 # and for each tensor (2000).
@@ -332,7 +332,7 @@ with CountOps() as counter:
     ema_before(tiny_ema, tiny, 0.9999)
 print(f"torch {torch.__version__}: {sum(counter.counts.values())} ops {dict(counter.counts)}")
 
-# %% tags=["solution"] jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
 # Solution 2
 # One aten::_foreach_lerp_, and inside it one aten::lerp_ per tensor.
 import os
@@ -351,7 +351,7 @@ for event in prof.events():
     if event.cpu_parent is None:
         print(event.name, "runs inside it:", dict(Counter(c.name for c in event.cpu_children)))
 
-# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
 # Solution 3
 # 2000 ops at the fitted price, plus the work scaled to 272,000 numbers. The line was fitted on
 # other tensor sizes, so expect the right order of magnitude, not the exact time.

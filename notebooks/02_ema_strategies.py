@@ -276,7 +276,7 @@ plt.show()
 #
 # Solutions are in the hidden cells below (click to expand).
 
-# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
 # Solution 1
 # With tau=5 the decay is above 0.98 after 25 of the 300 updates, so from the first
 # epoch on the EMA averages about 1 / (1 - 0.99) = 100 steps, early bad weights included: it lags
@@ -287,7 +287,7 @@ for tau, r in [(5, train_with_ema(seed=0, decay=0.99, tau=5)), (50, run)]:
     print("   raw", " ".join(f"{x:.3f}" for x in r.raw_loss))
     print("   EMA", " ".join(f"{x:.3f}" for x in r.ema_loss))
 
-# %% tags=["solution"] jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
 # Solution 2
 # ModelEMA notices the new memory and follows; the cached lists freeze again.
 # (follows_after takes a class built like ModelEMA: ema_lab.lessons.seed has the cached one so.)
@@ -300,7 +300,7 @@ for cls in (UltralyticsCachedEMA, ModelEMA):
     print(f"{cls.__name__:<14} follows the model: {r.follows}")
 del CONVERSIONS["model.bfloat16()"]
 
-# %% tags=["solution"] jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
 # Solution 3
 # Every tensor of tiny_tensors is float, so the loop's ops grow with its 2000 tensors.
 tiny = models.build("tiny_tensors")
