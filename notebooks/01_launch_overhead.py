@@ -264,7 +264,7 @@ print(f"before-code in all          {before_ms:.2f} ms   (measured)")
 # %% [markdown]
 # So the before-code's time is three things: the per-op price, the walks, and the rest (the
 # arithmetic on 2.6 million numbers, the temporary that `(1 - d) * m` allocates for each tensor, and
-# Python's own loop). The price was fitted on `lerp_` over tensors of another size, so treat the
+# Python's own loop). The price was fitted on `lerp_` over tensors of other sizes, so treat the
 # split as an estimate.
 #
 # ema_lab comes with the results of one reference run of its benchmark (`python -m ema_lab bench`
