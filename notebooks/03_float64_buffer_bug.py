@@ -51,8 +51,8 @@ thop.profile(net, inputs=(torch.randn(1, 3, 32, 32),), verbose=False)
 print("after:", list(net.state_dict()))
 
 # %% [markdown]
-# Two new entries appeared in the `state_dict()` (the dict of every parameter and buffer that
-# checkpoints save and the EMA averages). Where do they come from?
+# Two new entries appeared in the `state_dict()` (the dict of parameters and buffers that a checkpoint
+# saves and the EMA update walks). Where do they come from?
 
 # %% [markdown]
 # ## 1. What `thop.profile` leaves behind
@@ -101,8 +101,8 @@ print("leaked keys:", leaked_keys(block))
 
 # %% [markdown]
 # `conv` and `bn` have rules and were cleaned; the block (a custom class) and `SiLU` (no rule in thop
-# 0.1.1) were not. The count itself is right: 16 × 32 × 32 outputs × 27 MACs each for the convolution,
-# plus 4 per element for BatchNorm:
+# 0.1.1) were not. The count matches a hand count: 16 × 32 × 32 outputs × 27 MACs each for the
+# convolution, plus the 4 per output element thop charges BatchNorm:
 
 # %%
 print(f"{16 * 32 * 32 * 27:,} + {4 * 16 * 32 * 32:,} = {16 * 32 * 32 * 27 + 4 * 16 * 32 * 32:,} MACs")
@@ -148,6 +148,7 @@ with shared_act_leak():
         sizes[label] = (len(m.state_dict()), len(leaked_keys(m)))
 for label, (entries, stray) in sizes.items():
     print(f"yolo() {label:<19}: {entries} entries, {stray} of them thop's")
+print("Conv modules in yolo():", sum(type(m).__name__ == "Conv" for m in fresh.modules()))
 
 # %%
 labels = [label.replace(", ", ",\n") for label in sizes]

@@ -192,8 +192,8 @@ for op in stmts:
 # %% [markdown]
 # ## 5. The benchmark on every device
 #
-# `python -m ema_lab bench --device all` does all of this for every EMA strategy and zoo model, on every
-# device present, and writes a results file. `run_bench` is the same call in Python. Here it runs small:
+# `python -m ema_lab bench --device all` does all of this for every EMA strategy on four zoo models, on
+# every device present, and writes a results file. `run_bench` is the same call in Python. Here it runs small:
 # one model, three rounds, the PR's code and `ModelEMA(strategy="foreach")`.
 
 # %% tags=["nbval-ignore-output"]
@@ -216,8 +216,8 @@ for r in record["results"]:
 # holding all the model's floats (the fastest an update can be), and `copy`, one `copy_` of the same
 # bytes.
 #
-# A missing CUDA or MPS device is reported as skipped, with the reason. No saved run has measured a
-# GPU yet: CUDA and MPS figures will come from readers' runs (section 7).
+# A missing CUDA or MPS device is reported as skipped, with the reason. CUDA and MPS figures come from
+# readers' runs (section 7); section 6 lists the saved ones.
 
 # %% [markdown]
 # ## 6. Compare with another machine
@@ -243,9 +243,20 @@ def settings(rec: dict) -> dict:
 for key, value in settings(reference).items():
     print(f"{key:<8} reference {value!s:<12} yours {settings(record)[key]}")
 
+# %% tags=["nbval-ignore-output"]
+from ema_lab.bench.results import bench_files
+
+gpu_runs = [
+    f.name
+    for f in bench_files(results_dir())
+    if any(d != "cpu" and s["status"] == "measured" for d, s in load(f)["devices"].items())
+]
+print("saved runs that measured CUDA or MPS:", gpu_runs or "none yet")
+
 # %% [markdown]
-# Milliseconds depend on the machine and its load; a ratio to the before-code, measured in one run,
-# cancels much of that. So compare speed-ups, and read them with the settings above:
+# Milliseconds depend on the machine and how busy it is. A speed-up measured within one run cancels
+# part of that, since both versions ran under the same conditions. Compare speed-ups, then, and read
+# them with the settings above:
 
 # %% tags=["nbval-ignore-output"]
 runs = {"reference": reference, "your run": record}
@@ -261,6 +272,10 @@ ax.set_yticks(range(len(names)), list(names.values()))
 ax.set(xlabel="speed-up over the PR's before-code", title="tiny_tensors, 1 thread")
 ax.set_xlim(0, 1.4 * ax.get_xlim()[1])
 plt.show()
+
+# %% [markdown]
+# Bars of different lengths mean the two machines pay differently for per-op work and for moving
+# bytes, or that a run was disturbed: rerun to tell which.
 
 # %% [markdown]
 # <details><summary>On CUDA: what one <code>_foreach_lerp_</code> launch carries (from PyTorch's source)</summary>
