@@ -192,13 +192,14 @@ for op in stmts:
 # %% [markdown]
 # ## 5. The benchmark on every device
 #
-# `python -m ema_lab bench --device all` does all of this for every EMA strategy on four zoo models, on
+# `python -m ema_lab bench --device all` does all of this for every EMA strategy on several zoo models, on
 # every device present, and writes a results file. `run_bench` is the same call in Python. Here it runs small:
 # one model, three rounds, the PR's code and `ModelEMA(strategy="foreach")`.
 
 # %% tags=["nbval-ignore-output"]
 from ema_lab.bench import run_bench
 
+print("timing five candidates on tiny_tensors, on every device present ...", flush=True)
 record = run_bench(
     "all", models=["tiny_tensors"], strategies=["seed_after", "foreach"], quick=True, progress=False
 )
