@@ -450,7 +450,7 @@ print("a clean model: no objection")
 # %% [markdown]
 # ## Solutions (click to expand)
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # 1. Count the stray keys and the module types that kept them.
 with shared_act_leak():
     resnet = build("resnet50")
@@ -468,14 +468,14 @@ print(
 # so only its custom bottleneck blocks and `Flatten` keep buffers. The YOLO-sized net adds its custom
 # blocks and, under every one of its `Conv`s, the shared `SiLU`.
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # 2. Twice the weight per step, so half the averaging window.
 d = 0.9999
 print(f"weight per step: {1 - d:.6f} -> {1 - d * d:.6f}")
 print(f"averaging window: {1 / (1 - d):,.0f} steps -> {1 / (1 - d * d):,.0f} steps")
 
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # 3. In place, thop leaves buffers, hooks and eval mode; on a copy, nothing.
 class Boom(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -494,7 +494,7 @@ for label in ("thop.profile in place", "profile_flops"):
     hooks = sum(len(m._forward_hooks) for m in victim.modules())
     print(f"    leaked keys {len(leaked_keys(victim))}, forward hooks {hooks}, training {victim.training}")
 
-# %% tags=["nbval-ignore-output"] jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 # 4. With the fast path off, attention runs as ordinary ops.
 torch.backends.mha.set_fastpath_enabled(False)
 try:

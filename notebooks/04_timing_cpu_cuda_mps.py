@@ -318,7 +318,7 @@ plt.show()
 # %% [markdown]
 # ## Solutions (click to expand)
 
-# %% tags=["nbval-ignore-output"] jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 # 1. One call builds the update; after it, only noise is left.
 net = models.build("tiny_tensors")
 fresh = ModelEMA(net)
@@ -327,7 +327,7 @@ for call in range(1, 6):
     fresh.update(net)
     print(f"call {call}: {1e3 * (time.perf_counter() - t0):7.2f} ms, rebuilds {fresh.rebuilds}")
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # 2. The share of each model's float elements in tensors over 32,768 elements (ATen's grain size).
 for name in ("yolo", "resnet50", "gpt2", "tiny_tensors"):
     sizes = [v.numel() for v in models.build(name).state_dict().values() if v.is_floating_point()]
@@ -342,7 +342,7 @@ for name in ("yolo", "resnet50", "gpt2", "tiny_tensors"):
 # thirds; tiny_tensors has none, so only an update over one flat buffer (like `floor`) gives a second
 # thread something to split.
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # 3. The speed-up of foreach over the PR's before-code, per model, from the reference file.
 for row in reference["results"]:
     if row["candidate"] == "foreach":
