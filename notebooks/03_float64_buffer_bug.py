@@ -399,7 +399,8 @@ print("torch", torch.__version__)
 print(compare_flop_counts(build("tiny_transformer"), torch.randint(0, 64, (1, 16))).explain())
 
 # %% [markdown]
-# thop has no rule for attention or embeddings, so it sees only the feed-forward `Linear` layers.
+# thop has no rule for attention or embeddings: of the matrix products it sees only the plain `Linear`
+# layers (feed-forward and output head).
 # FlopCounterMode counts only ops its torch version has a formula for. In eval mode under `no_grad`,
 # `nn.TransformerEncoderLayer` takes a fused fast path (one kernel per layer); torch 2.13 has no
 # formula for it, so only the output head counts there. Neither number is "the" FLOP count: say which

@@ -118,7 +118,7 @@ plt.show()
 # %% [markdown]
 # Same code, same data, yet the times spread: other programs share the cores, and caches and clock
 # speeds change. The **median** (the middle measurement) and the **IQR** (interquartile range: the
-# width of the middle half, shaded) describe that spread without being pulled by outliers. From here on
+# width of the middle half, shaded) describe the times without being pulled by outliers. From here on
 # every time comes with its IQR.
 
 # %% [markdown]
@@ -276,7 +276,7 @@ plt.show()
 
 # %% [markdown]
 # Bars of different lengths mean the two machines pay differently for per-op work and for moving
-# bytes, or that a run was disturbed: rerun to tell which.
+# bytes, or that the settings differ, or that a run was disturbed: rerun to tell which.
 
 # %% [markdown]
 # <details><summary>On CUDA: what one <code>_foreach_lerp_</code> launch carries (from PyTorch's source)</summary>
