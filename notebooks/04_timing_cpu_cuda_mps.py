@@ -112,7 +112,7 @@ ax.plot(range(1, 41), times_ms, "o", color="k", ms=4)
 ax.text(40.5, med, " median", va="center", color="tab:blue")
 ax.text(40.5, q3, " middle half", va="bottom", color="tab:blue")
 ax.set(xlabel="measurement", ylabel="ms per update", title="One update, timed 40 times in a row")
-ax.set_xlim(0, 48)
+ax.set_xlim(0, 50)
 plt.show()
 
 # %% [markdown]
