@@ -6,6 +6,7 @@ Each test does what a section of notebook 03 shows, on the zoo's ``tiny_cnn`` an
 
 from __future__ import annotations
 
+import math
 from copy import deepcopy
 from importlib import metadata
 
@@ -18,7 +19,6 @@ from ema_lab.lessons.float64_bug import leaked_keys, shared_act_leak, train_step
 from ema_lab.lessons.models import Conv, tiny_cnn, yolo
 from ema_lab.lessons.profiling import fingerprint, import_thop, profile_flops, remove_thop_buffers
 from ema_lab.lessons.seed import seed_after, seed_before
-from ema_lab.pairs import ModulePairs
 
 THOP_PIN = "0.1.1.post2209072238"
 D = 0.9  # far from 1: one step and two steps differ clearly
@@ -212,46 +212,74 @@ def test_foreach_update_refuses_before_touching_anything():
 # --- 5. the loop promotes; ema_lab handles the mixed pairs -------------------------------------------
 
 
-def test_loop_promotes_and_ema_lab_agrees_with_it():
+def test_loop_promotes_and_keeps_the_ema_dtypes():
     with shared_act_leak():
         model, ema = _leaky_setup()
-        auto = ModelEMA(model)  # strategy="auto"
-        auto.ema.float()
-        auto.ema.load_state_dict(ema.state_dict())
-        d = auto.decay(auto.updates + 1)
-        assert 0 < d < 1e-3  # ModelEMA's first ramped decay: 0.9999 * (1 - exp(-1 / 2000))
+        dtypes = {k: v.dtype for k, v in ema.state_dict().items()}
+        before = {k: v.clone() for k, v in ema.state_dict().items()}
+        seed_before(ema, model, D)  # the PR's before-code: no error
+        assert {k: v.dtype for k, v in ema.state_dict().items()} == dtypes  # in-place ops cast back
+        assert not torch.equal(ema.state_dict()["0.conv.weight"], before["0.conv.weight"])
 
-        loop, gated = deepcopy(ema), deepcopy(ema)
-        dtypes = {k: v.dtype for k, v in loop.state_dict().items()}
-        seed_before(loop, model, d)  # the PR's before-code: no error
-        assert {k: v.dtype for k, v in loop.state_dict().items()} == dtypes  # in-place ops cast back
 
-        pairs = ModulePairs.collect(gated, model)  # each tensor once: the shared SiLU's buffers too
-        gated_update(pairs.ema, pairs.model, d, pairs.names)
-        auto.update(model)
-        # Notebook 03 says what "auto" runs: flat, with the mismatched pairs in a cast group.
-        assert auto.resolved_strategy == "flat"
-        assert auto.modes == ["cat+foreach", "cast"]  # float32 pairs (small ones by cat), then the cast group
-        cast = auto.plan[1]
-        assert (cast.ema_dtype, cast.model_dtype, cast.tensors) == (
-            torch.float32,
-            torch.float64,
-            2,
-        )  # the shared SiLU: 10 keys, 2 tensors
-        assert sum(g.tensors for g in auto.plan) == len(pairs.names) == 27 + 2
-        want = {k: v for k, v in loop.state_dict().items() if v.is_floating_point()}
-        for got in (gated.state_dict(), auto.ema.state_dict()):  # lerp vs mul/add: float32 rounding only
-            torch.testing.assert_close({k: got[k] for k in want}, want, rtol=1e-6, atol=1e-6)
-        # ema_lab also copies the integer num_batches_tracked, which the loop leaves alone.
-        assert (
-            auto.ema.state_dict()["0.bn.num_batches_tracked"]
-            == model.state_dict()["0.bn.num_batches_tracked"]
+def test_model_ema_averages_mixed_pairs_like_the_loop_over_several_ramped_steps():
+    """Notebook 03 section 5: a check that fails for an EMA that skips steps or copies the model."""
+    with shared_act_leak():
+        model, _ = _leaky_setup()
+        decay, tau = 0.9, 3.0  # 1 - d stays large, so every step shows
+        auto = ModelEMA(model, decay=decay, tau=tau)
+        auto.ema.float()  # the validator's cast: thop's buffers become float32 in the EMA only
+        ref = deepcopy(auto.ema)
+        start = {k: v.clone() for k, v in ref.state_dict().items()}
+        floats = _float_keys(ref)
+        for n in range(1, 11):
+            train_step(model, seed=n)
+            auto.update(model)
+            seed_before(ref, model, decay * (1 - math.exp(-n / tau)))  # the loop with the same ramp
+        assert auto.updates == 10
+        assert "cast" in auto.modes  # the float32/float64 pairs get their own group
+        got, want, msd = auto.ema.state_dict(), ref.state_dict(), model.state_dict()
+        assert {k: got[k].dtype for k in floats} == {k: start[k].dtype for k in floats}
+        torch.testing.assert_close(
+            {k: got[k] for k in floats}, {k: want[k] for k in floats}, rtol=1e-5, atol=1e-6
         )
+
+        def gap(a: dict, b: dict) -> float:
+            return max((a[k].double() - b[k].double()).abs().max().item() for k in floats)
+
+        # The comparison discriminates: neither the starting EMA nor the model itself would pass it.
+        assert gap(want, start) > 1e-2 and gap(want, msd) > 1e-2
+        # ema_lab also copies the integer num_batches_tracked, which the loop leaves alone.
+        assert got["0.bn.num_batches_tracked"] == msd["0.bn.num_batches_tracked"]
 
         strict = ModelEMA(model, strategy="foreach")
         strict.ema.float()
         with pytest.raises(ValueError, match=r"^entry 5 \('0\.act\.total_ops'\)"):
             strict.update(model)
+
+
+def test_gated_update_averages_the_mixed_pairs_when_each_tensor_comes_once():
+    with shared_act_leak():
+        model, ema = _leaky_setup()
+        loop = deepcopy(ema)
+
+        def tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+            # Each tensor once: the shared SiLU's buffers appear under every Conv in state_dict() only.
+            return {
+                n: t
+                for n, t in (*module.named_parameters(), *module.named_buffers())
+                if t.is_floating_point()
+            }
+
+        e, m = tensors(ema), tensors(model)
+        assert len(e) == 27 + 2  # tiny_cnn's float tensors + the one shared SiLU's two thop buffers
+        start = e["0.conv.weight"].clone()
+        gated_update(list(e.values()), [m[n] for n in e], D, list(e))
+        seed_before(loop, model, D)  # visits the shared buffers once per Conv; they hold equal values
+        want = {k: v for k, v in loop.state_dict().items() if v.is_floating_point()}
+        got = ema.state_dict()
+        assert not torch.equal(got["0.conv.weight"], start)  # the update moved the EMA
+        torch.testing.assert_close({k: got[k] for k in want}, want, rtol=1e-6, atol=1e-6)
 
 
 # --- 6. the deep-copy fix -----------------------------------------------------------------------------
