@@ -69,15 +69,18 @@ def ema_foreach() -> None:  # the PR's after-code: one call for all tensors
     torch._foreach_lerp_(E, M, 1 - D)
 
 
-def ms(fn: object) -> float:
-    """Median time of one call of fn, in milliseconds (torch.utils.benchmark)."""
-    timer = Timer("fn()", globals={"fn": fn})
-    return timer.blocked_autorange(min_run_time=0.2 if QUICK else 1.0).median * 1e3
+def median_ms(fns: dict[str, object], rounds: int = 5 if QUICK else 15) -> dict[str, float]:
+    """Median ms per call of each function, timed in turns (round by round) so load hits all alike."""
+    timers = {name: Timer("fn()", globals={"fn": fn}) for name, fn in fns.items()}
+    runs = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            runs[name].append(timer.timeit(5).median * 1e3)  # 5 calls per sample
+    return {name: round(sorted(r)[len(r) // 2], 2) for name, r in runs.items()}
 
 
 # %% tags=["nbval-ignore-output"]
-times = {"loop": ms(ema_loop), "foreach": ms(ema_foreach)}
-print({k: f"{v:.2f} ms" for k, v in times.items()})
+print(median_ms({"loop": ema_loop, "foreach": ema_foreach}))
 
 
 # %% [markdown]
@@ -94,6 +97,7 @@ print({k: f"{v:.2f} ms" for k, v in times.items()})
 
 
 # %%
+@torch.no_grad()
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Copy the tensors into one buffer and make each a view of its slice; return the buffer."""
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
@@ -129,12 +133,11 @@ def ema_cat_lerp() -> None:  # flat EMA; the model copied into one tensor each s
     ema_flat.lerp_(torch.cat([m.reshape(-1) for m in M]), 1 - D)
 
 
-times["flat EMA + cat"] = ms(ema_cat_lerp)
-print({k: f"{v:.2f} ms" for k, v in times.items()})
+print(median_ms({"foreach": ema_foreach, "flat EMA + cat": ema_cat_lerp}))
 
 # %% [markdown]
-# Usually no faster than foreach: `cat` copies all 2.6 million model elements each step, more bytes
-# than the `lerp_` itself moves.
+# Usually no faster than foreach: `cat` copies all 2.6 million model elements every step, two more
+# passes over memory on top of the `lerp_`'s three (read EMA, read model, write EMA).
 
 # %% [markdown]
 # ## 3. Flatten the model too
@@ -165,8 +168,7 @@ def ema_one_lerp() -> None:  # both flat: the floor
     ema_flat.lerp_(model_flat, 1 - D)
 
 
-times["one lerp_"] = ms(ema_one_lerp)
-print({k: f"{v:.2f} ms" for k, v in times.items()})
+print(median_ms({"foreach": ema_foreach, "one lerp_": ema_one_lerp}))
 
 # %% [markdown]
 # ## 4. What ema_lab packages
@@ -174,7 +176,7 @@ print({k: f"{v:.2f} ms" for k, v in times.items()})
 # `ema_lab.ModelEMA` flattens its EMA copy by default. The model it leaves alone, unless you call
 # `ema_lab.flatten_model(model)`: that moves the model's parameters and buffers into one buffer per
 # (device, dtype), as our `flatten` did. `ema.modes` names how each buffer is updated. A ten-line op
-# counter, as in notebook 01, shows what one update dispatches:
+# counter, as in notebook 01, shows which tensor operations one update calls:
 
 # %%
 from collections import Counter
@@ -218,14 +220,15 @@ print("model buffers:", [(b.dtype, b.numel()) for b in buffers])
 # By default the small tensors (BatchNorm vectors, biases) are gathered with one `cat` and one `lerp_`,
 # and the large conv weights go to one `_foreach_lerp_`: `cat` only pays for small tensors. On a
 # flattened model, mode "fused": one `lerp_` for the float buffer. The remaining `cat` copies BatchNorm's
-# integer counters (`num_batches_tracked`: copied, not averaged). Their times next to the hand-built
-# ones:
+# integer counters (`num_batches_tracked`: copied, not averaged). All six ways, timed in turns:
 
 # %% tags=["nbval-ignore-output"]
 import matplotlib.pyplot as plt
 
-times["ModelEMA"] = ms(lambda: ema_default.update(net))
-times["flatten_model + ModelEMA"] = ms(lambda: ema_fused.update(net_flat))
+ways = {"loop": ema_loop, "foreach": ema_foreach, "flat EMA + cat": ema_cat_lerp, "one lerp_": ema_one_lerp}
+ways["ModelEMA"] = lambda: ema_default.update(net)
+ways["flatten_model + ModelEMA"] = lambda: ema_fused.update(net_flat)
+times = median_ms(ways)
 
 fig, ax = plt.subplots(figsize=(6.5, 2.8))
 names = list(times)[::-1]
@@ -242,7 +245,8 @@ plt.show()
 # %% [markdown]
 # Gray bars were built in this notebook, blue ones are `ema_lab`. One `lerp_` over flat buffers is the
 # floor. `flatten_model` + `ModelEMA` runs that same `lerp_` plus a staleness check (section 5). The
-# default beats foreach without touching your model. `ema_lab.unflatten_model` undoes the flattening.
+# default leaves your model alone; what it adds over our foreach lists is that same check on every
+# update. `ema_lab.unflatten_model` undoes the flattening.
 
 # %% [markdown]
 # ## 5. Stale views
@@ -257,8 +261,8 @@ model.half()
 print("after model.half():", all_views_of(M, model_flat), "| parameter dtype:", M[0].dtype)
 
 # %% [markdown]
-# One check per update catches it. `ModelEMA` checks before each update and rebuilds its step when
-# the model's memory moved (`ema.rebuilds` counts the builds). With decay 0 the EMA must equal the model:
+# `ModelEMA` runs such a check before each update and rebuilds its step when the model's memory moved
+# (`ema.rebuilds` counts the builds). Try it on `net_flat`; with decay 0 the EMA must equal the model:
 
 # %%
 before = ema_fused.rebuilds
@@ -314,16 +318,16 @@ for k in ("loop", "foreach", "ModelEMA", "flatten_model + ModelEMA"):
 #
 # ultralytics PR #26046 (not merged) swapped their foreach `ModelEMA` for torch's `AveragedModel` and
 # trained yolo26n for 100 epochs on a GH200 GPU: 82.2 s with `ModelEMA` vs 83.4 s with `AveragedModel`
-# (coco8), 157.7 s vs 160.0 s (coco128), same mAP. Both sides already used a foreach EMA, so this compares two foreach EMAs, not foreach
-# against the loop. Their figures, not measured here.
+# (coco8), 157.7 s vs 160.0 s (coco128), same mAP. Both sides already used a foreach EMA, so this
+# compares two foreach EMAs, not foreach against the loop. Their figures, not measured here.
 # </details>
 
 # %% [markdown]
 # ## 7. Mixed precision: keep the EMA in fp32
 #
 # bf16 (bfloat16: 16 bits, float32's range) stores 7 bits of mantissa, so near 1.0 its values are 2^-7
-# apart. At decay 0.9999 an update should add 1e-4 of the gap: far less than half that spacing, so it
-# rounds away.
+# apart. At decay 0.9999 an update should add 1e-4 of the gap: far less than half that spacing (the
+# *half-ulp*, half a unit in the last place), so it rounds away.
 # `ema_lab.lessons.precision.ema_stall` runs 1000 updates towards a model 0.01 above the EMA:
 
 # %%
@@ -335,7 +339,7 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
 # %% [markdown]
 # bf16 and fp16 never leave 1.0; fp32 tracks the exact value. So keep an fp32 EMA of a bf16 model.
 # Then each (EMA, model) pair differs in dtype, which `_foreach_lerp_` refuses. Count what each
-# strategy dispatches instead:
+# strategy calls instead:
 
 # %%
 bf16_net = models.build("yolo").bfloat16()
@@ -399,13 +403,6 @@ torch._logging.set_logs()
 # automatic dynamic off, every new float compiles a graph until the recompile limit, after which Dynamo
 # gives up and runs the function uncompiled.
 #
-# <details><summary>Why the counts depend on the torch version</summary>
-#
-# How Dynamo treats a Python float (`torch._dynamo.config.specialize_float`, automatic dynamic) and where
-# it splits a function into graphs change between releases, so the float counts printed above hold for
-# the torch version printed with them. The tensor decay is an ordinary graph input in every release.
-# </details>
-#
 # `ModelEMA.update` takes a tensor decay too. It also never calls `.item()`, so nothing makes the CPU
 # wait for the GPU (a *host sync*, op `_local_scalar_dense`):
 
@@ -422,6 +419,13 @@ print(
 # %% [markdown]
 # The count stops growing after the first call: the decay changes, the graphs stay. (An update's
 # Python-side checks split it into a few graphs; that is fine.)
+#
+# <details><summary>Why the counts depend on the torch version</summary>
+#
+# How Dynamo treats a Python float (`torch._dynamo.config.specialize_float`, automatic dynamic) and where
+# it splits a function into graphs change between releases, so the counts printed above hold for the
+# torch version printed with them. A tensor decay is an ordinary graph input, so it needs no new graph.
+# </details>
 
 # %% [markdown]
 # ## Summary
@@ -449,12 +453,15 @@ print(
 # 1. Far larger: 2000 tiny tensors are almost all per-tensor overhead.
 tiny, tiny_ema = models.build("tiny_tensors"), models.build("tiny_tensors").requires_grad_(False)
 tE, tM = float_tensors(tiny_ema), float_tensors(tiny)
-with torch.no_grad():
-    t_foreach = ms(lambda: torch._foreach_lerp_(tE, tM, 1 - D))
-    tE_flat, tM_flat = flatten(tE), flatten(tM)
-    t_lerp = ms(lambda: tE_flat.lerp_(tM_flat, 1 - D))
-print(f"tiny_tensors: foreach {t_foreach:.3f} ms, one lerp_ {t_lerp:.3f} ms: {t_foreach / t_lerp:.0f}x")
-print(f"yolo-sized:   {times['foreach'] / times['one lerp_']:.0f}x")
+tE_flat, tM_flat = flatten(tE), flatten(tM)
+tiny_times = median_ms(
+    {
+        "foreach": torch.no_grad()(lambda: torch._foreach_lerp_(tE, tM, 1 - D)),
+        "one lerp_": torch.no_grad()(lambda: tE_flat.lerp_(tM_flat, 1 - D)),
+    }
+)
+print("tiny_tensors:", tiny_times, f"{tiny_times['foreach'] / tiny_times['one lerp_']:.0f}x")
+print(f"yolo-sized:   {times['foreach'] / times['one lerp_']:.1f}x")
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 # 2. No: at decay 0.99 a step is under 1e-4, far below half of bf16's spacing near 1.0 (2^-8 = 3.9e-3).

@@ -84,9 +84,10 @@ print("shards of the update == update of the whole:", torch.equal(torch.cat(shar
 # ## 3. The training script
 #
 # One script trains a small MLP with DDP and `ModelEMA`, then with FSDP2 and `ShardedModelEMA`.
-# `CommDebugMode` counts the collectives inside `ema.update()`. Rank 0 then trains the same model in one
-# process, in float64, and checks both EMAs against it (a mismatch stops the script). It runs on the CPU over *gloo*, PyTorch's
-# CPU communication backend (GPUs use `nccl`). `%%writefile` saves the cell to a temporary folder:
+# `CommDebugMode` counts the collectives inside `ema.update()`. Rank 0 then trains the same model alone,
+# in float64, on the whole batch, and checks both EMAs against it (a mismatch stops the script). It
+# runs on the CPU over *gloo*, PyTorch's CPU communication backend (GPUs use `nccl`). `%%writefile`
+# saves the cell to a temporary folder:
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="ema_lab_06_"))  # removed at the end of the notebook
@@ -204,8 +205,8 @@ if __name__ == "__main__":
 # %% [markdown]
 # `torchrun` starts the ranks. Before they can talk, they need a *rendezvous*: an agreed address and
 # port where they find each other; `--standalone` picks a free local one. torchrun passes it to
-# `init_process_group` as `MASTER_ADDR` and `MASTER_PORT`, with each rank's `RANK` and `WORLD_SIZE`.
-# The helper below runs it and prints what rank 0 printed:
+# `init_process_group` as `MASTER_ADDR` and `MASTER_PORT`, with `RANK` (this rank's number) and
+# `WORLD_SIZE` (the number of ranks). The helper below runs it and prints what rank 0 printed:
 
 
 # %%
@@ -232,8 +233,7 @@ print(torchrun(2, "memory_2.json"))
 # %% [markdown]
 # ## 4. Uneven shards
 #
-# FSDP2 gives each rank `ceil(rows / world size)` rows (the world size is the number of ranks) until the
-# rows run out. On four ranks:
+# FSDP2 gives each rank `ceil(rows / world size)` rows until the rows run out. On four ranks:
 
 # %%
 print(torchrun(4, "memory_4.json"))
@@ -261,10 +261,8 @@ memory = {}
 for world in (2, 4):
     path = workdir / f"memory_{world}.json"
     if path.exists():
-        memory[world] = json.loads(path.read_text())
-        print(
-            f"{world} ranks: DDP {memory[world]['DDP EMA bytes']} B, FSDP2 {memory[world]['FSDP2 EMA bytes']} B"
-        )
+        mem = memory[world] = json.loads(path.read_text())
+        print(f"{world} ranks: DDP {mem['DDP EMA bytes']} B, FSDP2 {mem['FSDP2 EMA bytes']} B")
 
 # %% tags=["nbval-ignore-output"]
 fig, axes = plt.subplots(1, 2, figsize=(8, 3.4), sharey=True, layout="constrained")
