@@ -13,373 +13,322 @@
 # ---
 
 # %% [markdown]
-# # 05 · Beyond foreach: down to the floor of one `lerp_` over contiguous buffers
+# # 05 · Beyond foreach: one `lerp_` over one buffer
 #
-# **Take-aways**
-# 1. After ultralytics PR #25315 most of an EMA update's time on a detector is still overhead:
-#    walking `state_dict()`, and one dispatched `lerp_` per tensor inside `_foreach_lerp_`.
-# 2. Cached lists remove the walk; flat buffers remove the per-tensor work, down to one `lerp_` per
-#    (device, dtype) group, whose time is set by memory bandwidth (cache or DRAM).
-# 3. In a whole CPU training step at batch 16 the EMA is a small share (section 4 measures it); keep
-#    the EMA of a bf16 model in fp32, and pass a tensor decay to stay sync- and recompile-free.
-#
-# **Time** on the 2-core CI machine, measured with `time python3 dev.py notebooks
-# notebooks/05_beyond_foreach.py`: 73-90 s in full mode with nothing else running, about 2 minutes
-# while other jobs kept its load average near 4; quick mode (`EMA_LAB_QUICK=1`) ran its cells in 17 s
-# quiet (under nbval) and about 30 s under that load.
-#
-# After PR #25315 an EMA update is one `torch._foreach_lerp_` call. On a model with hundreds of
-# small tensors most of its time is still overhead, not arithmetic: walking `state_dict()`, and on
-# CPU one dispatched `lerp_` per tensor inside the foreach call (notebook 01, section 2). The floor
-# for the update is one `lerp_` over two contiguous buffers holding the same elements. This notebook
-# goes from the PR's before-code to that floor, one step at a time, and checks that every step stays
-# correct.
-#
-# **You will learn**
-# - the steps: per-tensor loop → `state_dict` walk + foreach → cached lists → flat buffers, with
-#   the ATen op count of each (deterministic) and its time (measured here);
-# - how to read a log-log plot of time against bytes moved, with the floor's line per memory regime;
-# - what share of a whole training step the EMA update takes on this CPU;
-# - why a flat buffer can live in 2 MiB pages, and what that saves when it streams from DRAM;
-# - why a cached list is a hazard (`model.double()` and the EMA silently stops) and how a flat
-#   buffer makes checking it O(1): count the references to the buffer's storage;
-# - how `flat_model` (opt-in) turns the whole update into one kernel, and that training a flattened
-#   model gives bitwise the same weights;
-# - why a bf16 EMA at decay 0.9999 never moves, and how the flat strategy keeps an fp32 EMA of a
-#   bf16 model without a per-tensor path;
-# - what `torch.compile` does with a changing Python-float decay, and why a tensor decay avoids it.
+# - Put the EMA and the model each in one contiguous buffer, and the whole update is one `lerp_`.
+# - Views into a buffer go stale when the model moves: check before you trust them.
+# - Keep the EMA of a bf16 model in fp32, and pass the decay as a tensor under `torch.compile`.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
+import copy
+import os
+import platform
+
 import torch
+from torch.utils.benchmark import Timer
 
-from ema_lab import ModelEMA
-from ema_lab.bench import DEFAULT_MODELS, count_candidate_ops, run_bench
-from ema_lab.bench.counting import without_views
-from ema_lab.bench.environment import format_environment, quick_mode
 from ema_lab.lessons import models
 
-torch.set_num_threads(1)  # every timing below is single-threaded; counts and numerics do not care
-print(format_environment())
-print("quick mode:", quick_mode())
+torch.set_num_threads(1)  # one thread, so timings compare across runs
+QUICK = os.environ.get("EMA_LAB_QUICK", "0") not in ("", "0")  # a shorter run with the same steps
+print(f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}")
+print("threads:", torch.get_num_threads())
+
+model = models.build("yolo")  # a conv net shaped like ultralytics' yolo26n
+ema = copy.deepcopy(model).requires_grad_(False)
+
+
+def float_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The module's own floating-point parameters and buffers: what an EMA averages."""
+    return [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
+
+
+E, M = float_tensors(ema), float_tensors(model)
+print(f"{len(E)} float tensors, {sum(t.numel() for t in E):,} elements")
 
 # %% [markdown]
-# ## 1. What the update has to touch
+# ## 1. The slow way: one `lerp_` per tensor
 #
-# An EMA update reads every floating-point element of the EMA and of the model and writes the EMA:
-# three element-sized transfers per element. The zoo spans the two regimes: many small tensors
-# (`yolo`, `tiny_tensors`) where per-tensor overhead dominates, and few large ones (`resnet50`,
-# `gpt2`) where bandwidth does.
+# `torch.lerp(a, b, w)` is `a + w * (b - a)`, so an EMA step with decay `d` is `lerp_(ema, model, 1 - d)`.
+# ultralytics PR #25315 replaced a Python loop over tensors with one `torch._foreach_lerp_` over the two
+# lists. Both, with the lists built once:
 
 # %%
-print(f"{'model':<13} {'entries':>8} {'float tensors':>14} {'float elements':>15} {'mean elems':>11}")
-for name in DEFAULT_MODELS:
-    s = models.describe(models.build(name))
-    print(
-        f"{name:<13} {s.entries:>8} {s.float_tensors:>14} {s.float_elements:>15,} "
-        f"{s.float_elements // s.float_tensors:>11,}"
-    )
+D = 0.9999  # the decay; the lerp weight is 1 - D
+
+
+@torch.no_grad()
+def ema_loop() -> None:  # the PR's before-code: three ops and a temporary per tensor
+    for e, m in zip(E, M):
+        e *= D
+        e += (1 - D) * m
+
+
+@torch.no_grad()
+def ema_foreach() -> None:  # the PR's after-code: one call for all tensors
+    torch._foreach_lerp_(E, M, 1 - D)
+
+
+def median_ms(fns: dict[str, object], rounds: int = 5 if QUICK else 15) -> dict[str, float]:
+    """Median ms per call of each function, timed in turns (round by round) so load hits all alike."""
+    timers = {name: Timer("fn()", globals={"fn": fn}) for name, fn in fns.items()}
+    runs = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            runs[name].append(timer.timeit(5).median * 1e3)  # 5 calls per sample
+    return {name: round(sorted(r)[len(r) // 2], 2) for name, r in runs.items()}
+
+
+# %% tags=["nbval-ignore-output"]
+print(median_ms({"loop": ema_loop, "foreach": ema_foreach}))
+
 
 # %% [markdown]
-# `tiny_tensors` has 2000 tensors of 136 elements on average: at 0.5 µs or more per tensor a foreach
-# call costs a millisecond or more there, while one `lerp_` over its 272,000 elements takes a few
-# tens of µs.
-#
-# ## 2. The steps, counted
-#
-# Each step, as an update function on the same `yolo` model (`ema_lab.bench.count_candidate_ops`
-# builds them; `seed_before`/`seed_after` are the PR's before- and after-code verbatim,
-# `CachedListEMA` is not in the bench but behaves like `foreach` without any check):
-#
-# | candidate | what one update does |
-# |---|---|
-# | `seed_before` | two `state_dict()` walks, then `mul_`, `mul`, `add_` per float tensor |
-# | `seed_after` | two `state_dict()` walks, then one `_foreach_lerp_` |
-# | `gated` | cached (EMA, model) lists, checked per slot, one `_foreach_lerp_` per (device, dtype) |
-# | `flat` | the EMA in one buffer; model gathered by `cat` (tiny tensors) or read by one foreach |
-# | `flat_model` | the model also in one buffer (opt-in): one `lerp_` |
-# | `floor` | one `lerp_` over two contiguous buffers: the best any EMA update can do |
-#
-# The counter records every ATen op that reaches the dispatcher (views such as `detach` included);
-# "compute" drops the views.
-
-# %%
-import ema_lab.flat
-
-steps = ["seed_before", "seed_after", "gated", "flat", "flat_model", "floor"]
-for name in ("yolo", "tiny_tensors"):
-    ops = count_candidate_ops(name, steps)
-    print(name)
-    for k in steps:
-        compute = without_views(ops[k])
-        top = ", ".join(f"{op} x{n}" for op, n in compute.most_common(3))
-        print(f"  {k:<12} {sum(ops[k].values()):>6} ops, {sum(compute.values()):>5} compute: {top}")
-print("CAT_MAX_NUMEL:", ema_lab.flat.CAT_MAX_NUMEL)
+# foreach wins, but on a CPU `_foreach_lerp_` still runs one `lerp_` per tensor inside: 594 small
+# calls. The floor is one `lerp_` over all 2.6 million elements at once. For that, the elements must
+# sit in one contiguous buffer.
 
 # %% [markdown]
-# The PR's before-code dispatches 1782 compute ops per update on `yolo` (three per float tensor)
-# plus 2010 `detach` views (2 × 708 from its two `state_dict()` walks, one per float tensor). The
-# after-code is one `_foreach_lerp_` but still pays for the walks (1416 views). From `gated` on there
-# is no walk; `gated`'s extra `_foreach_copy_` on `yolo` copies BatchNorm's integer
-# `num_batches_tracked` entries. `flat` gathers the small tensors (at most `ema_lab.flat.CAT_MAX_NUMEL`
-# elements each, printed below: BatchNorm vectors, biases) with one `cat` and one `lerp_`, leaves the
-# large ones (conv weights) to one `_foreach_lerp_`, and gathers the integer counters into their EMA
-# buffer with a second `cat`; on `tiny_tensors` everything is small, so it is `cat` + `lerp_`. (These
-# counts are at one thread. With two or more, `flat` gathers the small tensors in runs of under 32768
-# elements, one `cat` and one `lerp_` per run: a larger CPU `cat` on several threads copies its
-# inputs one by one, about 1 us each, instead of in one serial pass.) `ModelEMA` reads the small
-# tensors it gathers as the module holds them at that moment, so a replaced BatchNorm vector is
-# simply read, not a reason to rebuild.
-# `flat_model` is one `lerp_` on both models, exactly the floor's op, plus on `yolo` one `copy_` of
-# BatchNorm's counters, which it flattens too.
+# ## 2. One buffer for the EMA
 #
-# ## 3. The steps, timed
-#
-# Op counts say how much is dispatched; the clock says what it costs. Medians of interleaved rounds at
-# one thread (`ema_lab.bench.timing.time_candidates`), as `python -m ema_lab bench` does.
+# Copy every EMA tensor into one flat buffer, then re-point the tensor at its slice. `t.data = view`
+# keeps the tensor object (a `Parameter` stays the module's `Parameter`) and swaps its memory for a
+# *view*: a tensor that reads and writes another tensor's memory.
+
 
 # %%
-# NBVAL_IGNORE_OUTPUT
-from ema_lab.bench.roofline import floor_points, format_floor, plot_time_vs_bytes
+@torch.no_grad()
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Copy the tensors into one buffer and make each a view of its slice; return the buffer."""
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
+    start = 0
+    for t in tensors:
+        view = flat[start : start + t.numel()].view_as(t)
+        view.copy_(t)
+        t.data = view  # same tensor object, new memory
+        start += t.numel()
+    return flat
 
-bench_models = ("yolo", "tiny_tensors") if quick_mode() else DEFAULT_MODELS
-record = run_bench(
-    models=bench_models, strategies=[*steps, "auto"], threads=1, quick=quick_mode(), progress=False
+
+def all_views_of(tensors: list[torch.Tensor], flat: torch.Tensor) -> bool:
+    """True while every tensor lives in the flat buffer's memory (its storage)."""
+    return all(t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for t in tensors)
+
+
+before = [t.clone() for t in E]
+ema_flat = flatten(E)
+print("values unchanged:", all(torch.equal(a, b) for a, b in zip(before, E)))
+print("every EMA tensor lives in ema_flat:", all_views_of(E, ema_flat))
+print("the module holds the same Parameter objects:", next(ema.parameters()) is E[0])
+
+
+# %% [markdown]
+# The module did not notice: same objects, same values, new memory. The model's tensors are still
+# scattered, so the obvious next step gathers them with `torch.cat` on every update:
+
+
+# %% tags=["nbval-ignore-output"]
+@torch.no_grad()
+def ema_cat_lerp() -> None:  # flat EMA; the model copied into one tensor each step
+    ema_flat.lerp_(torch.cat([m.reshape(-1) for m in M]), 1 - D)
+
+
+print(median_ms({"foreach": ema_foreach, "flat EMA + cat": ema_cat_lerp}))
+
+# %% [markdown]
+# Usually no faster than foreach: `cat` copies all 2.6 million model elements every step, two more
+# passes over memory on top of the `lerp_`'s three (read EMA, read model, write EMA).
+
+# %% [markdown]
+# ## 3. Flatten the model too
+#
+# The same `flatten` on the model's own parameters and buffers makes the update one `lerp_` over two
+# buffers. It must give the same EMA as foreach, to the bit:
+
+# %%
+model_flat = flatten(M)
+with torch.no_grad():
+    for m in M:
+        m.add_(1.0)  # move the model away from the EMA, so the update changes something
+    start = ema_flat.clone()
+    ema_foreach()
+    by_foreach = ema_flat.clone()
+    ema_flat.copy_(start)
+    ema_flat.lerp_(model_flat, 1 - D)
+print("one lerp_ == foreach, bitwise:", torch.equal(ema_flat, by_foreach))
+
+
+# %% [markdown]
+# Bitwise equal: the same formula on the same elements, just in one call. Now the clock:
+
+
+# %% tags=["nbval-ignore-output"]
+@torch.no_grad()
+def ema_one_lerp() -> None:  # both flat: the floor
+    ema_flat.lerp_(model_flat, 1 - D)
+
+
+print(median_ms({"foreach": ema_foreach, "one lerp_": ema_one_lerp}))
+
+# %% [markdown]
+# ## 4. What ema_lab packages
+#
+# `ema_lab.ModelEMA` flattens its EMA copy by default. The model it leaves alone, unless you call
+# `ema_lab.flatten_model(model)`: that moves the model's parameters and buffers into one buffer per
+# (device, dtype), as our `flatten` did. `ema.modes` names how each buffer is updated. A ten-line op
+# counter, as in notebook 01, shows which tensor operations one update calls:
+
+# %%
+from collections import Counter
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ema_lab
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen ops (PyTorch's C++ tensor operations) called while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_of(fn: object, *args: object) -> dict[str, int]:
+    """Run fn(*args) once; how many times each ATen op was called."""
+    with OpCounter() as counter:
+        fn(*args)
+    return dict(counter.ops)
+
+
+net = models.build("yolo")
+ema_default = ema_lab.ModelEMA(net)
+ema_default.update(net)  # the first update builds the flat buffers
+print("default:  ", ema_default.modes, ops_of(ema_default.update, net))
+net_flat = models.build("yolo")
+buffers = ema_lab.flatten_model(net_flat)
+ema_fused = ema_lab.ModelEMA(net_flat)
+ema_fused.update(net_flat)
+print("flattened:", ema_fused.modes, ops_of(ema_fused.update, net_flat))
+print("model buffers:", [(b.dtype, b.numel()) for b in buffers])
+
+# %% [markdown]
+# By default the small tensors (BatchNorm vectors, biases) are gathered with one `cat` and one `lerp_`,
+# and the large conv weights go to one `_foreach_lerp_`: `cat` only pays for small tensors. On a
+# flattened model, mode "fused": one `lerp_` for the float buffer. The remaining `cat` copies BatchNorm's
+# integer counters (`num_batches_tracked`: copied, not averaged). All six ways, timed in turns:
+
+# %% tags=["nbval-ignore-output"]
+import matplotlib.pyplot as plt
+
+ways = {"loop": ema_loop, "foreach": ema_foreach, "flat EMA + cat": ema_cat_lerp, "one lerp_": ema_one_lerp}
+ways["ModelEMA"] = lambda: ema_default.update(net)
+ways["flatten_model + ModelEMA"] = lambda: ema_fused.update(net_flat)
+times = median_ms(ways)
+
+fig, ax = plt.subplots(figsize=(6.5, 2.8))
+names = list(times)[::-1]
+colors = ["tab:blue" if "ModelEMA" in k else "tab:gray" for k in names]  # blue: ema_lab, gray: built above
+ax.barh(names, [times[k] for k in names], color=colors)
+for y, k in enumerate(names):
+    ax.text(times[k], y, f" {times[k]:.2f} ms", va="center", fontsize=9)
+ax.set_xlim(0, 1.25 * max(times.values()))
+ax.set_xlabel(f"ms per EMA update, yolo-sized model, 1 thread (torch {torch.__version__})")
+fig.tight_layout()
+plt.show()
+
+
+# %% [markdown]
+# Gray bars were built in this notebook, blue ones are `ema_lab`. One `lerp_` over flat buffers is the
+# floor. `flatten_model` + `ModelEMA` runs that same `lerp_` plus a staleness check (section 5). The
+# default leaves your model alone; what it adds over our foreach lists is that same check on every
+# update. `ema_lab.unflatten_model` undoes the flattening.
+
+# %% [markdown]
+# ## 5. Stale views
+#
+# The flat buffers are built once and reused, so they can go stale. `model.half()` gives every parameter
+# new fp16 memory. Our `model_flat` is then no longer the model's memory, and `ema_one_lerp` would
+# average a frozen copy forever, with no error. The check from section 2 sees it:
+
+# %%
+print("before:", all_views_of(M, model_flat))
+model.half()
+print("after model.half():", all_views_of(M, model_flat), "| parameter dtype:", M[0].dtype)
+
+# %% [markdown]
+# `ModelEMA` runs such a check before each update and rebuilds its step when the model's memory moved
+# (`ema.rebuilds` counts the builds). Try it on `net_flat`; with decay 0 the EMA must equal the model:
+
+# %%
+before = ema_fused.rebuilds
+net_flat.half()
+ema_fused.update(net_flat, decay=0.0)
+print("rebuilt:", ema_fused.rebuilds == before + 1, "| modes now:", ema_fused.modes)
+print(
+    "EMA equals the fp16 model:",
+    all(torch.equal(e, m.float()) for e, m in zip(ema_fused.ema.parameters(), net_flat.parameters())),
 )
-points = floor_points(record)
-print(format_floor(points))
 
 # %% [markdown]
-# Read each model's rows top to bottom: `floor/time` is the floor's time over the candidate's (1.0 =
-# as fast as one `lerp_` over contiguous buffers of the same elements, up to timing noise; it is the
-# same op over the same bytes, so no byte-counting convention enters). GB/s counts the update's
-# three streams (read EMA, read model, write EMA). The PR's code is far from the floor on the
-# tensor-heavy models; caching removes the walks; the flat strategies remove the per-tensor work.
-# (Your numbers will differ; the ratios are what carries over.)
+# The EMA follows the fp16 model; its group is now "cast": the EMA stays fp32 and reads the fp16 model
+# through one cast-copy (section 7).
+
+# %% [markdown]
+# ## 6. The EMA in a training step
 #
-# ### Time against bytes
-#
-# The same rows on log-log axes: time per update against the bytes it must move. The black lines are
-# the floor's fitted cost from the same run's cost model (notebook 01, section 5): solid while the
-# EMA and the model fit in the last-level cache, dashed beyond it, where every byte comes from DRAM
-# (the dotted line marks the cache size; quick mode does not sweep into DRAM). A candidate on the
-# line streams memory as fast as one kernel; one far above it spends its time on overhead.
+# Does any of this matter for training? Time one training step of the same model (forward, a stand-in
+# loss, backward, SGD), and each EMA update's share of a step that includes it:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
-fig = plot_time_vs_bytes(points, record["cost_model"]["cpu"])
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-for name in bench_models:
-    pts = {p.candidate: p for p in points if p.model == name}
-    best = max(
-        (k for k in pts if k not in ("copy", "seed_before", "seed_after")), key=lambda k: pts[k].of_floor
-    )
-    print(
-        f"{name:<13} fastest strategy: {best:<10} at {pts[best].of_floor:.2f} of the floor's speed | "
-        f"default (auto): {pts['auto'].of_floor:.2f}, {pts['seed_after'].median_ms / pts['auto'].median_ms:.1f}x "
-        f"faster than the PR's after-code"
-    )
-
-# %% [markdown]
-# The printed lines are this run's results. What to look for: on the tensor-heavy models (`yolo`,
-# `tiny_tensors`) the PR's code runs at a few percent of the floor's speed and each step raises the
-# fraction, most of all the flat strategies, which remove the per-tensor work; the cached foreach
-# (`gated`) and the default (`auto`, the flat EMA without touching the model) still pay the
-# `_foreach_lerp_` over the large tensors and the per-slot staleness check of the model's tensors
-# (section 5). On `resnet50` and `gpt2`, whose tensors are large and live in DRAM, every candidate
-# after the PR's before-code is within a small factor of the floor: there is little overhead left
-# to remove. On this 2-core machine other jobs compete for the cores and for memory bandwidth, so
-# even a one-kernel update (`flat_model`) can read well below 1.0 in one run and near it in the next.
-
-# %% [markdown]
-# ### Where the buffer lives: 4 KiB or 2 MiB pages
-#
-# A flat buffer has one more advantage that tensors stored one by one lack: it is big enough for
-# *huge pages*. The CPU translates every address it touches through the TLB, a small cache of page
-# mappings. A stream through 100 MB of ordinary 4 KiB pages needs a new mapping every 4 KiB, and each
-# miss is a walk of the page tables (of two sets of them inside a virtual machine, like this one); one
-# 2 MiB page covers 512 small ones. Linux hands out 2 MiB pages to memory that asks for them
-# (`madvise(MADV_HUGEPAGE)` on a private mapping aligned to 2 MiB), and `ema_lab.flat.empty_flat` does
-# exactly that for every flat buffer ema_lab allocates (the EMA's, and with `flat_model` the model's)
-# from 2 MiB up, where the kernel allows it (`/sys/kernel/mm/transparent_hugepage/enabled` not
-# `never`); elsewhere it is ordinary memory. The bench's floor above uses it too, so no strategy beats
-# the floor by having better memory. Here is the same `lerp_` over the same number of floats, in
-# buffers from `torch.rand` and from `empty_flat`:
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-from ema_lab.bench.timing import time_candidates
-from ema_lab.flat import HUGE_PAGE, empty_flat
-
-n = 4_000_000 if quick_mode() else 25_600_000  # full mode: resnet50's 25.6M floats, 100 MiB per buffer
-plain = [torch.rand(n), torch.rand(n)]
-huge = [empty_flat(n, torch.float32).copy_(t) for t in plain]
-print("empty_flat buffers start on a 2 MiB boundary:", all(t.data_ptr() % HUGE_PAGE == 0 for t in huge))
-pages = time_candidates(
-    {
-        "4 KiB pages (torch.rand)": lambda: plain[0].lerp_(plain[1], 1e-4),
-        "2 MiB pages (empty_flat)": lambda: huge[0].lerp_(huge[1], 1e-4),
-    },
-    rounds=5 if quick_mode() else 21,
-    threads=1,
-)
-for k, r in pages.items():
-    print(f"{k:<26} {1e3 * r.median_s:8.3f} ms per lerp_ over {n:,} floats")
-t_4k, t_2m = (r.median_s for r in pages.values())
-print(f"time with huge pages / time with 4 KiB pages: {t_2m / t_4k:.2f}")
-
-# %% [markdown]
-# A ratio below 1 means the huge pages saved time. How much depends on the machine: on this 2-core
-# VM the 2 MiB floor ran at 0.87 of the 4 KiB floor's time on resnet50's size and 0.92 on gpt2's,
-# one thread, in `results/peers-2026-12-03-huge.md` (the 4 KiB floor's own time moves by about 10 %
-# between fresh allocations, so repeat the cell before trusting a small difference). An EMA that
-# keeps each tensor in its own torch allocation, like ultralytics', gets 4 KiB pages, and most of a
-# detector's tensors are smaller than one 2 MiB page anyway. `ModelEMA`'s default still reads the
-# model's own tensors, which stay in whatever pages torch gave them; `flat_model` moves them into
-# one `empty_flat` buffer too. torch offers the same for every CPU allocation of 2 MiB or more with
-# the environment variable `THP_MEM_ALLOC_ENABLE=1`, set before the process starts.
-
-# %% [markdown]
-# ## 4. The EMA in a whole training step
-#
-# How much does any of this matter for training? One step of training the YOLO-sized model on this
-# CPU (forward, a stand-in loss over the detector heads, backward, SGD step), timed with one thread,
-# next to each EMA update measured in section 3. Full mode uses batch 16 at 320 × 320 pixels
-# (ultralytics trains yolo26n at 640, four times the pixels, which only makes the step longer);
-# quick mode a batch of 2 at 64 × 64 so the tests stay fast.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-import statistics
+# %% tags=["nbval-ignore-output"]
 import time
 
-batch, size = (2, 64) if quick_mode() else (16, 320)
-net = models.build("yolo").train()
-opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-images = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
+batch, size = (2, 64) if QUICK else (8, 256)
+train_net = models.build("yolo").train()
+opt = torch.optim.SGD(train_net.parameters(), lr=0.01, momentum=0.9)
+images = torch.randn(batch, 3, size, size)
 
 
 def train_step() -> None:
-    """Forward, a stand-in loss, backward and one optimizer step (no EMA)."""
-    opt.zero_grad(set_to_none=True)
-    loss = sum(out.float().square().mean() for out in net(images))
-    loss.backward()
+    opt.zero_grad()
+    sum(out.square().mean() for out in train_net(images)).backward()
     opt.step()
 
 
 train_step()  # warm-up
-# A plain median of a few runs: torch.utils.benchmark's extra warm-up calls would double a multi-second step.
 runs = []
-for _ in range(3 if quick_mode() else 4):
+for _ in range(3):
     t0 = time.perf_counter()
     train_step()
-    runs.append(time.perf_counter() - t0)
-step_ms = 1e3 * statistics.median(runs)
-print(f"training step (batch {batch}, {size} x {size}, {torch.get_num_threads()} thread): {step_ms:.1f} ms")
-ema_ms = {p.candidate: p.median_ms for p in points if p.model == "yolo" and p.candidate != "copy"}
-ema_ms["floor"] = next(p.floor_ms for p in points if p.model == "yolo")
-for name, ms in ema_ms.items():
-    print(f"  EMA update {name:<12} {ms:7.2f} ms = {ms / (step_ms + ms):6.2%} of a step with it")
+    runs.append(1e3 * (time.perf_counter() - t0))
+step_ms = sorted(runs)[1]
+print(f"training step, batch {batch} at {size}x{size}: {step_ms:.0f} ms")
+for k in ("loop", "foreach", "ModelEMA", "flatten_model + ModelEMA"):
+    print(f"  {k:<25} {times[k]:6.2f} ms = {times[k] / (step_ms + times[k]):6.2%} of the step")
 
 # %% [markdown]
-# The printed shares answer "does it matter here": compare the share of the PR's before-code
-# (`seed_before`) with that of the fastest strategy; the difference is the most any EMA change can
-# save per step on this machine at this batch. The share grows when the step is short: a small batch
-# or image (as in quick mode), or a fast GPU with a launch-bound EMA. ultralytics measured the PR end
-# to end on a GH200 GPU (PR #26046, yolo26n, 100 epochs): 82.2 s vs 83.4 s on coco8 and 157.7 s vs
-# 160.0 s on coco128 with and without the change, within noise; those are that project's figures,
-# not measured here. The EMA update is worth optimising when it is a visible part of the step (many
-# small tensors, a short step), and when it must not block the device (section 8).
+# On a CPU at this batch size the step dwarfs every EMA update. The share grows when the step is
+# short: small batches, small images, a fast GPU.
 #
-# ## 5. The stale-cache hazard
+# <details><summary>What ultralytics measured end to end</summary>
 #
-# Caching the tensor lists is what makes today's ultralytics fast, and what makes it unsafe: after
-# `model.double()` the module's parameters get new memory, the cached list still points at the old
-# memory, and the EMA averages dead tensors forever, silently. `ema_lab.lessons.staleness.follows_after`
-# converts, shifts every model weight by 1.0 and runs 20 updates at decay 0.5: a working EMA ends
-# within 0.5^20 of the model.
-
-# %%
-from ema_lab.lessons.seed import CachedListEMA
-from ema_lab.lessons.staleness import CONVERSIONS, follows_after
-
-for cls in (CachedListEMA, ModelEMA):
-    for conversion in CONVERSIONS:
-        r = follows_after(cls, conversion)
-        moved = f"EMA moved: {r.ema_moved!s:<5}"
-        print(f"{cls.__name__:<14} after {conversion:<15} {moved} gap to model: {r.gap:.6f}")
-
-# %% [markdown]
-# In both cases the cached list's EMA module never moves again (gap 1.0: it missed the whole shift);
-# after `ema.ema.half()` the update lerps fp32 tensors that the module no longer holds. `ModelEMA`
-# (its default "auto" is the flat strategy) rebuilds and closes the gap (to fp16 rounding after
-# `.half()`).
-#
-# How does the flat strategy notice, cheaply? The step keeps no reference to the module tensors that
-# are views into its buffers, so the buffer's storage is referenced exactly by "our own views + the
-# modules' tensors". Anything that moves a tensor out (`.to()`, `.half()`, `p.data = ...`, a
-# replaced buffer) drops a reference. One integer per buffer, instead of one `data_ptr()` read per
-# tensor (1188 on `yolo`). (`ema.prepared_step` is the cached update step, a `FlatStep` here.)
-
-# %%
-from ema_lab.flat import storage_refs
-
-model = models.build("tiny_cnn")
-ema = ModelEMA(model, strategy="flat_model")
-ema.update(model)
-step = ema.prepared_step
-print(
-    "group modes:", step.modes, "| references to the model buffer:", storage_refs(step.groups[0].model_flat)
-)
-print("intact:", step.refs_unchanged())
-first = next(model.parameters())
-first.data = first.detach().clone()  # what an optimizer that replaces tensors does
-print(
-    "after p.data = clone:",
-    storage_refs(step.groups[0].model_flat),
-    "references, intact:",
-    step.refs_unchanged(),
-)
-ema.update(model, decay=0.0)  # rebuilt: with decay 0 the EMA must equal the model exactly
-print("EMA equals the new parameter:", torch.equal(ema.ema[0].conv.weight, first))
-
-# %% [markdown]
-# One reference fewer, the exact per-slot check confirms the break, the step is rebuilt, and the EMA
-# reads the parameter's new memory. A view somebody keeps alive adds a reference without breaking
-# anything; then the exact check passes and the new count becomes the baseline. (The one case the
-# count cannot see: a tensor re-pointed *and* a new view of the same buffer kept alive between two
-# updates. `ema_lab/flat.py` documents it.)
-#
-# ## 6. Optimizers on a flattened model
-#
-# `flat_model` re-points the model's parameters into one buffer with `p.data = view`: the `Parameter`
-# objects, their values, `requires_grad` and gradients stay; only the storage moves. The tests
-# (`tests/test_flat.py`) train a flattened and a plain twin for four steps with SGD+momentum and
-# AdamW (for-loop, foreach and fused) and require bitwise equal weights. Here is one of them:
-
-# %%
-torch.manual_seed(0)
-flat_net, plain_net = models.build("tiny_cnn"), models.build("tiny_cnn")
-ModelEMA(flat_net, strategy="flat_model").update(flat_net)  # flattens flat_net
-opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True) for m in (flat_net, plain_net)]
-gen = torch.Generator().manual_seed(1)
-for _ in range(4):
-    x, y = torch.randn(8, 3, 16, 16, generator=gen), torch.randint(0, 10, (8,), generator=gen)
-    for net, opt in zip((flat_net, plain_net), opts):
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-same = all(torch.equal(a, b) for a, b in zip(flat_net.state_dict().values(), plain_net.state_dict().values()))
-print("bitwise equal after 4 AdamW steps:", same)
+# ultralytics PR #26046 (not merged) swapped their foreach `ModelEMA` for torch's `AveragedModel` and
+# trained yolo26n for 100 epochs on a GH200 GPU: 82.2 s with `ModelEMA` vs 83.4 s with `AveragedModel`
+# (coco8), 157.7 s vs 160.0 s (coco128), same mAP. Both sides already used a foreach EMA, so this
+# compares two foreach EMAs, not foreach against the loop. Their figures, not measured here.
+# </details>
 
 # %% [markdown]
 # ## 7. Mixed precision: keep the EMA in fp32
 #
-# With a bf16 or fp16 model it is tempting to keep the EMA in the same dtype. At decay 0.9999 one
-# update adds (1 - d) × gap, about 1e-6 for a gap of 0.01, while bf16's spacing around 1.0 is 2^-7:
-# every update rounds back to the old value. `ema_lab.lessons.precision.ema_stall` runs 1000 updates:
+# bf16 (bfloat16: 16 bits, float32's range) stores 7 bits of mantissa, so near 1.0 its values are 2^-7
+# apart. At decay 0.9999 an update should add 1e-4 of the gap: far less than half that spacing (the
+# *half-ulp*, half a unit in the last place), so it rounds away.
+# `ema_lab.lessons.precision.ema_stall` runs 1000 updates towards a model 0.01 above the EMA:
 
 # %%
 from ema_lab.lessons.precision import ema_stall
@@ -388,189 +337,144 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     print(ema_stall(dtype))
 
 # %% [markdown]
-# bf16 and fp16 stay exactly at 1.0: the step is hundreds of times smaller than half a unit in the last
-# place. fp32 tracks the exact value. So the EMA of a bf16 model should be fp32, and then every
-# (EMA, model) pair disagrees in dtype: `_foreach_lerp_` refuses, and `gated` falls back to a
-# per-tensor `mul_`/`add_`. The flat strategy puts such a group in `cast` mode: one `_foreach_copy_`
-# casts the model into an fp32 scratch buffer, one `lerp_` updates the EMA:
+# bf16 and fp16 never leave 1.0; fp32 tracks the exact value. So keep an fp32 EMA of a bf16 model.
+# Then each (EMA, model) pair differs in dtype, which `_foreach_lerp_` refuses. Count what each
+# strategy calls instead:
 
 # %%
-from ema_lab.bench.counting import count_ops
-
-bf16_model = models.build("yolo").bfloat16()
-for strategy in ("gated", "flat"):
-    ema = ModelEMA(bf16_model, strategy=strategy)
-    ema.ema.float()  # an fp32 EMA of a bf16 model
-    ema.update(bf16_model)
-    compute = without_views(count_ops(ema.update, bf16_model))
-    print(f"{strategy:<6} {sum(compute.values()):>5} compute ops: {dict(compute.most_common(3))}")
+bf16_net = models.build("yolo").bfloat16()
+for strategy in ("gated", "auto"):
+    fp32_ema = ema_lab.ModelEMA(bf16_net, strategy=strategy)
+    fp32_ema.ema.float()  # an fp32 EMA of a bf16 model
+    fp32_ema.update(bf16_net)
+    ops = ops_of(fp32_ema.update, bf16_net)
+    print(f"{strategy:<6} {sum(ops.values())} ops: {ops}")
 
 # %% [markdown]
-# `gated` dispatches two ops per float tensor (1188) plus the integer copy; `flat` dispatches three ops
-# in all (the cast-copy, the `lerp_`, and the integer copy). With `flat_model` the cast-copy is one
-# `copy_` of a contiguous buffer.
-#
-# ## 8. Sync-free and compile-stable
-#
-# `ModelEMA.update(model, decay=...)` accepts a 0-dim tensor on the model's device with the flat
-# strategies: the weight `1 - decay` stays a tensor, nothing calls `.item()`, and the update never
-# waits for the device. Under `torch.compile`, what does a Python float decay do? Count the graphs
-# Dynamo builds for the flat step over the first 100 decays of the ramp, with
-# `torch._dynamo.testing.CompileCounter` as the backend (it counts graphs and runs them as they are,
-# no code generation):
+# The foreach path ("gated") falls back to a `mul_` and an `add_` per tensor. The default "cast" mode
+# copies the bf16 model into an fp32 scratch buffer with one `_foreach_copy_`, then runs one `lerp_`.
 
-# %%
+# %% [markdown]
+# ## 8. Under `torch.compile`: pass the decay as a tensor
+#
+# `torch.compile` starts with Dynamo, which reads your Python function and records its tensor ops into
+# a *graph*, guarded by checks on the inputs. A Python float is baked into the graph as a constant, so
+# a new decay fails the guard and Dynamo recompiles. Count the graphs over the ramp's first 20 decays
+# (`CompileCounter` counts graphs and runs them without compiling further):
+
+# %% tags=["nbval-ignore-output"]
+import logging
+
 import torch._dynamo
 from torch._dynamo.testing import CompileCounter
-from torch._dynamo.utils import counters
 
-model = models.build("tiny_cnn")
-ema = ModelEMA(model, strategy="flat")
-ema.update(model)
-step = ema.prepared_step
-decays = [ema.decay(n) for n in range(1, 101)]
+ramp = [ema_default.decay(n) for n in range(1, 21)]  # the decay ramps up over the first updates
+flat_a, flat_b = torch.zeros(10_000), torch.ones(10_000)
 
 
-def graphs_per_call(as_tensor: bool, **config: object) -> list[int]:
-    """Graphs compiled so far after each of the 100 calls of the compiled step."""
+def step(decay: float | torch.Tensor) -> None:
+    flat_a.lerp_(flat_b, 1 - decay)
+
+
+def graphs_after_each_call(fn: object, as_tensor: bool, **dynamo_config: object) -> list[int]:
     torch._dynamo.reset()
-    counters.clear()
-    compiled_graphs = CompileCounter()
-    history = []
-    with torch._dynamo.config.patch(**config):
-        compiled = torch.compile(lambda d: step(d), backend=compiled_graphs)
-        for d in decays:
+    counter = CompileCounter()
+    compiled, history = torch.compile(fn, backend=counter), []
+    with torch._dynamo.config.patch(**dynamo_config):
+        for d in ramp:
             compiled(torch.tensor(d) if as_tensor else d)
-            history.append(compiled_graphs.frame_count)
+            history.append(counter.frame_count)
     return history
 
 
-for label, as_tensor, config in (
-    ("tensor decay", True, {}),
-    ("float decay", False, {}),
-    ("float decay, automatic dynamic off", False, {"automatic_dynamic_shapes": False}),
-):
-    history = graphs_per_call(as_tensor, **config)
-    breaks = sorted({reason.splitlines()[0] for reason in counters["graph_break"]})
-    print(
-        f"{label}: graphs after calls 1-10: {history[:10]}, after 100: {history[-1]}; graph breaks: {breaks}"
-    )
-torch._dynamo.reset()
-print("Dynamo's recompile limit per function:", torch._dynamo.config.recompile_limit)
-ops = count_ops(ema.update, model, decay=torch.tensor(0.999))
+torch._logging.set_logs(dynamo=logging.ERROR)  # the recompile-limit warning is the point, not noise
+print("torch", torch.__version__, "| graphs after each of 20 calls:")
+print("  tensor decay:                    ", graphs_after_each_call(step, True))
+print("  float decay:                     ", graphs_after_each_call(step, False))
 print(
-    "host syncs (aten._local_scalar_dense) in one tensor-decay update:",
-    ops["aten._local_scalar_dense.default"],
+    "  float, automatic dynamic off:    ", graphs_after_each_call(step, False, automatic_dynamic_shapes=False)
+)
+print("  Dynamo's recompile limit:", torch._dynamo.config.recompile_limit)
+torch._logging.set_logs()
+
+# %% [markdown]
+# A 0-dim tensor decay is data, not a constant: one graph. A float recompiles once, then *automatic
+# dynamic* (Dynamo marking an input that changed between calls as symbolic) makes it a variable. With
+# automatic dynamic off, every new float compiles a graph until the recompile limit, after which Dynamo
+# gives up and runs the function uncompiled.
+#
+# `ModelEMA.update` takes a tensor decay too. It also never calls `.item()`, so nothing makes the CPU
+# wait for the GPU (a *host sync*, op `_local_scalar_dense`):
+
+# %% tags=["nbval-ignore-output"]
+small = models.build("tiny_cnn")
+small_ema = ema_lab.ModelEMA(small)
+print("torch", torch.__version__, "| ModelEMA.update, tensor decay, graphs after each call:")
+print(" ", graphs_after_each_call(lambda d: small_ema.update(small, decay=d), True))
+print(
+    "host syncs in one update:",
+    ops_of(small_ema.update, small, torch.tensor(0.999)).get("_local_scalar_dense", 0),
 )
 
 # %% [markdown]
-# What happens with a Python float, step by step (`TORCH_LOGS=recompiles,graph_breaks` prints the
-# same story):
+# The count stops growing after the first call: the decay changes, the graphs stay. (An update's
+# Python-side checks split it into a few graphs; that is fine.)
 #
-# 1. The first call compiles one graph with the float baked in as a constant, guarded by
-#    `d == <that value>`.
-# 2. The second value fails the guard. On a recompile Dynamo's *automatic dynamic* treats the value
-#    that changed as a symbolic input instead of a constant. A symbolic float cannot go through the
-#    step's argument check `math.isfinite(d)` (it returns a Python bool, not a tensor), so Dynamo
-#    breaks the graph there and compiles the code before and after the break as separate frames.
-# 3. Each new frame again starts specialised on the value it first saw and is recompiled once as
-#    dynamic; after a few calls every frame is dynamic, and the remaining values reuse the graphs.
+# <details><summary>Why the counts depend on the torch version</summary>
 #
-# So the count stops at a handful of graphs, not 100. With automatic dynamic turned off (third line),
-# every new float recompiles until Dynamo's recompile limit (printed), after which it stops compiling
-# that function and runs it eagerly with a warning. A 0-dim tensor decay is data, not a constant:
-# one graph, no graph break, no recompile, and no host sync. On CUDA `tests/test_flat.py` also runs
-# the update under `torch.cuda.set_sync_debug_mode("error")` (skipped on machines without CUDA).
-#
-# ## Try it yourself
-#
-# 1. Set `ema_lab.flat.CAT_MAX_NUMEL = 0` (no `cat` gathering) before building a `flat` `ModelEMA`
-#    on `tiny_tensors`. What does one update dispatch now, and how much slower is it?
-# 2. Flatten a model's parameters with `ema_lab.flat.flatten_tensors`, then call `model.half()`:
-#    what do `storage_refs` and the next `ModelEMA.update` do?
-# 3. Run `ema_stall(torch.bfloat16, decay=0.99)`. Does a bf16 EMA move at decay 0.99?
-# 4. Pass a tensor decay to a `ModelEMA` with `strategy="gated"`. What happens, and why?
-#
-# ## Solutions
-#
-# **1.** Without gathering, the 2000 small tensors go to one `_foreach_lerp_` (one inner `lerp_` per
-# tensor) instead of one `cat` and one `lerp_`:
-
-# %%
-import ema_lab.flat
-from ema_lab.bench.timing import time_candidates
-
-tiny = models.build("tiny_tensors")
-saved_cat_max = ema_lab.flat.CAT_MAX_NUMEL
-flats = {}
-for label, cat_max in (("with cat", saved_cat_max), ("CAT_MAX_NUMEL = 0", 0)):
-    ema_lab.flat.CAT_MAX_NUMEL = cat_max
-    flats[label] = ModelEMA(tiny, strategy="flat")
-    flats[label].update(tiny)
-ema_lab.flat.CAT_MAX_NUMEL = saved_cat_max
-for label, e in flats.items():
-    print(f"{label:<18} modes {e.modes}, ops {dict(without_views(count_ops(e.update, tiny)))}")
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-t = time_candidates({k: (lambda e=e: e.update(tiny)) for k, e in flats.items()}, rounds=5, threads=1)
-for label, r in t.items():
-    print(f"{label:<18} {1e3 * r.median_s:.3f} ms per update")
-
-# %% [markdown]
-# **2.** `model.half()` gives every parameter new fp16 memory, so the flat buffer loses the
-# references the parameters held; the EMA notices and rebuilds on the next update:
-
-# %%
-from ema_lab.flat import flatten_tensors
-
-net = models.build("tiny_cnn")
-ema = ModelEMA(net)
-ema.update(net)
-(buffer,) = flatten_tensors(list(net.parameters()))
-print("references to the flat buffer after flattening:", storage_refs(buffer))
-net.half()
-print("after model.half():", storage_refs(buffer), "| parameter dtype:", next(net.parameters()).dtype)
-before = ema.rebuilds
-ema.update(net)
-print("the next update rebuilt its cached step:", ema.rebuilds == before + 1)
-
-# %% [markdown]
-# **3.** At decay 0.99 one update moves 1 % of the gap (1e-4 for a gap of 0.01), still below half of
-# bf16's spacing near 1.0, so the bf16 EMA still does not move; fp32 does:
-
-# %%
-for dtype in (torch.bfloat16, torch.float32):
-    print(ema_stall(dtype, decay=0.99))
-
-# %% [markdown]
-# **4.** Only the flat strategies keep the weight `1 - decay` as a tensor through the whole update;
-# the per-tensor and foreach paths need a Python number, so `ModelEMA` refuses with a clear error
-# instead of syncing silently:
-
-# %%
-gated = ModelEMA(net, strategy="gated")
-try:
-    gated.update(net, decay=torch.tensor(0.99))
-except TypeError as err:
-    print("TypeError:", err)
+# How Dynamo treats a Python float (`torch._dynamo.config.specialize_float`, automatic dynamic) and where
+# it splits a function into graphs change between releases, so the counts printed above hold for the
+# torch version printed with them. A tensor decay is an ordinary graph input, so it needs no new graph.
+# </details>
 
 # %% [markdown]
 # ## Summary
 #
-# - The PR's after-code removed the per-tensor ops but kept two `state_dict()` walks; caching the
-#   lists removes those, but a cache that is not checked goes stale silently.
-# - A flat EMA buffer makes the check O(1) (a reference count per buffer) and lets tiny tensors be
-#   gathered with one `cat`; flattening the model too (opt-in, reversible, optimizer-transparent)
-#   makes the whole update one `lerp_` per (device, dtype) group, the floor's op (section 3 prints
-#   how close each strategy comes).
-# - The floor itself runs at cache bandwidth while EMA and model fit in the last-level cache and at
-#   DRAM bandwidth beyond; a time-vs-bytes plot shows which candidates stream and which pay overhead.
-# - A flat buffer is big enough for 2 MiB pages (`ema_lab.flat.empty_flat`), which cut the page-table
-#   walks of a stream from DRAM; the bench's floor gets them too.
-# - In a whole CPU training step the EMA's share is printed in section 4; ultralytics found the
-#   change within noise end to end on a GH200.
-# - Keep the EMA of a bf16/fp16 model in fp32: at decay 0.9999 a bf16 EMA rounds every update away.
-# - A 0-dim tensor decay keeps the update free of host syncs and of `torch.compile` recompiles; a
-#   Python float costs a few recompiles and a graph break (automatic dynamic), or one recompile per
-#   value up to the recompile limit without it.
+# - On a CPU, foreach still runs one `lerp_` per tensor; flat buffers make the update one `lerp_`.
+# - `ModelEMA` flattens its EMA by default; `ema_lab.flatten_model(model)` flattens the model too.
+# - Views go stale after `model.half()` or `.to()`: check them every update, as `ModelEMA` does.
+# - Keep the EMA in fp32; pass the decay as a 0-dim tensor under `torch.compile`.
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. `models.build("tiny_tensors")` holds 2000 tensors of 136 elements. Time foreach against one `lerp_`
+#    over flat buffers there. Is the gain larger than on the yolo-sized model?
+# 2. Does a bf16 EMA move at decay 0.99 (`ema_stall(torch.bfloat16, decay=0.99)`)?
+# 3. Flatten a fresh `models.build("tiny_cnn")`, update a `ModelEMA` of it, then call
+#    `ema_lab.unflatten_model` on the model. What does `ema.modes` say after the next update?
+
+# %% [markdown]
+# ## Solutions
+#
+# Each solution cell is collapsed: click it to open.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true} tags=["nbval-ignore-output"]
+# 1. Far larger: 2000 tiny tensors are almost all per-tensor overhead.
+tiny, tiny_ema = models.build("tiny_tensors"), models.build("tiny_tensors").requires_grad_(False)
+tE, tM = float_tensors(tiny_ema), float_tensors(tiny)
+tE_flat, tM_flat = flatten(tE), flatten(tM)
+tiny_times = median_ms(
+    {
+        "foreach": torch.no_grad()(lambda: torch._foreach_lerp_(tE, tM, 1 - D)),
+        "one lerp_": torch.no_grad()(lambda: tE_flat.lerp_(tM_flat, 1 - D)),
+    }
+)
+print("tiny_tensors:", tiny_times, f"{tiny_times['foreach'] / tiny_times['one lerp_']:.0f}x")
+print(f"yolo-sized:   {times['foreach'] / times['one lerp_']:.1f}x")
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# 2. No: at decay 0.99 a step is under 1e-4, far below half of bf16's spacing near 1.0 (2^-8 = 3.9e-3).
+print(ema_stall(torch.bfloat16, decay=0.99))
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# 3. "fused" before; after unflatten_model each tensor has its own memory again, so the next update
+#    rebuilds and runs the default's "cat+foreach", as for any model that is not flattened.
+cnn = models.build("tiny_cnn")
+ema_lab.flatten_model(cnn)
+cnn_ema = ema_lab.ModelEMA(cnn)
+cnn_ema.update(cnn)
+print("flattened:  ", cnn_ema.modes, "| builds:", cnn_ema.rebuilds)
+ema_lab.unflatten_model(cnn)
+cnn_ema.update(cnn)
+print("unflattened:", cnn_ema.modes, "| builds:", cnn_ema.rebuilds)

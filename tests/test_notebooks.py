@@ -24,8 +24,12 @@ def _execute_module():
     return module
 
 
-def _cells(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
-    return [(c.cell_type, c.source.strip()) for c in nb.cells]
+def _cells(nb: nbformat.NotebookNode) -> list[tuple[str, str, list[str], dict]]:
+    """Each cell's type, source, tags (nbval reads them) and jupyter metadata (collapsed solutions)."""
+    return [
+        (c.cell_type, c.source.strip(), c.metadata.get("tags", []), c.metadata.get("jupyter", {}))
+        for c in nb.cells
+    ]
 
 
 def test_every_notebook_has_a_jupytext_pair_and_nothing_else_generates_them() -> None:
@@ -38,7 +42,7 @@ def test_every_notebook_has_a_jupytext_pair_and_nothing_else_generates_them() ->
 
 @pytest.mark.parametrize("ipynb", PAIRS, ids=lambda p: p.stem)
 def test_the_pair_is_in_sync(ipynb: Path) -> None:
-    """The .py is what people edit; the .ipynb must hold exactly its cells (re-execute after an edit)."""
+    """The .py is what people edit; the .ipynb must hold exactly its cells, tags and collapsed cells."""
     text = jupytext.read(ipynb.with_suffix(".py"))
     stored = nbformat.read(ipynb, as_version=4)
     assert _cells(stored) == _cells(text), (

@@ -4,8 +4,8 @@
 the zoo's tiny transformer on its slice of a global batch, with DDP and ``ModelEMA``, then with FSDP2
 (``fully_shard``) and ``ShardedModelEMA``. The parent trains the same model in one process, in
 float64, on the whole batch (the same averaged gradient) and compares; it prints ``result: OK`` and
-exits 0 when both EMAs match. ``tests/test_distributed.py`` checks each property of the ranks' results
-(:func:`launch` + :func:`rank_run`); notebook 06 shows the same training-plus-EMA code in its own cells.
+exits 0 when both EMAs match. :func:`launch` + :func:`rank_run` give each rank's results to check;
+notebook 06 shows the same training-plus-EMA code in its own cells.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,13 +24,13 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..bench.counting import count_ops
 from ..ema import ModelEMA
 from ..sharded import ShardedModelEMA
 from .models import build
 
-__all__ = ["missing_apis", "loopback_interface", "ddp_model_ema", "launch", "reference", "main"]
+__all__ = ["missing_apis", "loopback_interface", "ddp_model_ema", "count_ops", "launch", "reference", "main"]
 
 #: (import path, name) of every torch API the runs need; checked before anything is spawned.
 REQUIRED_APIS = (
@@ -56,6 +57,31 @@ def missing_apis() -> list[str]:
         except (ImportError, AttributeError):
             out.append(f"{mod}.{name}")
     return out
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts each ATen overload dispatched while active (ops inside another op's kernel are not seen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(
+        self, func: object, types: object, args: tuple = (), kwargs: dict | None = None
+    ) -> object:
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[..., object], *args: object, **kwargs: object) -> Counter[str]:
+    """Run ``fn(*args, **kwargs)`` once; the ATen ops it dispatched, keyed by overload name.
+
+    Kept here rather than imported from ``ema_lab.bench``: the lessons never depend on the benchmarks.
+    """
+    counter = _OpCounter()
+    with counter:
+        fn(*args, **kwargs)
+    return counter.counts
 
 
 @dataclass(frozen=True)
