@@ -127,3 +127,23 @@ def test_dev_bench_tells_the_command_line_how_it_was_started(monkeypatch) -> Non
     monkeypatch.setattr(sys, "argv", ["dev.py", "bench", "--quick"])
     assert dev.main(["bench", "--quick"]) == 0
     assert envs[0]["EMA_LAB_PROG"] == f"{Path(sys.executable).name} dev.py"  # e.g. "python3 dev.py"
+
+
+def test_results_holds_only_files_its_index_names() -> None:
+    index = (ROOT / "results" / "README.md").read_text()
+    stems = set(re.findall(r"`([\w.+-]+?)(?:\.json|\.png)?`", index))
+    for path in (ROOT / "results").iterdir():
+        if path.name == "README.md":
+            continue
+        # A row names a run's JSON and its plots by suffix (`_times.png`) after the JSON's name.
+        assert path.name in index or any(path.stem.startswith(s) for s in stems if len(s) > 20), path.name
+
+
+def test_the_docs_name_only_result_files_that_exist() -> None:
+    for doc in (ROOT / "README.md", ROOT / "results" / "README.md", *(ROOT / "docs").glob("*.md")):
+        text = doc.read_text()
+        for name in re.findall(r"(?:\.\./)?results/([\w.+-]+\.(?:json|md|png))", text):
+            assert any((d / name).exists() for d in (doc.parent / "results", ROOT / "results")), (doc, name)
+        for stem, parts in re.findall(r"results/([\w.+-]+)-\{([\w,-]+)\}\.md", text):
+            for part in parts.split(","):
+                assert (doc.parent / "results" / f"{stem}-{part}.md").exists(), (doc, stem, part)

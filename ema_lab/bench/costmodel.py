@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from .counting import count_ops
-from .timing import time_candidates
+from .timing import progress_bar, time_candidates
 
 __all__ = [
     "run_cost_model",
@@ -465,8 +465,6 @@ def run_cost_model(
     :func:`available_memory_bytes`; with ``cap_bytes`` they bound the sweep (:func:`sweep_limit`).
     ``progress`` shows a bar that advances by each size's expected work, so its ETA is honest.
     """
-    from tqdm.auto import tqdm
-
     decay = 0.9999
     rounds = rounds or (3 if quick else 9)
     source = "given"
@@ -484,7 +482,9 @@ def run_cost_model(
     weights = {t: _step_weight(t, [n for _, n in sp], rounds, target_s) for t, sp in by_total.items()}
     points: list[dict[str, Any]] = []
     bar_format = "{desc}{percentage:3.0f}%|{bar}| {elapsed}<{remaining}"
-    with tqdm(total=sum(weights.values()), disable=not progress, bar_format=bar_format, smoothing=0) as bar:
+    with progress_bar(
+        total=sum(weights.values()), disable=not progress, bar_format=bar_format, smoothing=0
+    ) as bar:
         for total, splits in sorted(by_total.items()):
             bar.set_description(f"cost model: {4 * total / 2**20:g} MiB per side")
             points += _time_size(device, total, splits, decay, rounds, target_s, threads)

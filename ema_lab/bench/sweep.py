@@ -49,7 +49,7 @@ from .results import (
     settings_differences,
     validate,
 )
-from .timing import time_candidates
+from .timing import progress_bar, time_candidates
 
 __all__ = ["DEFAULT_MODELS", "count_candidate_ops", "run_bench", "write_results", "compare", "floor_fraction"]
 
@@ -258,8 +258,6 @@ def run_bench(
     rounds = 3 if quick else 9  # 9 interleaved rounds: a stable median within the 3-minute budget on 2 cores
     cm_rounds = rounds
     measured = [d for d, reason in devices.items() if reason is None]
-    from tqdm.auto import tqdm
-
     previous = torch.get_num_threads()
     torch.set_num_threads(counts[0])
     try:
@@ -287,7 +285,8 @@ def run_bench(
             record["devices"][dev] = {"status": "measured", "environment": environment(dev)}
             # A step is one round of every candidate on one model; the cost model then draws its own
             # bar, whose steps are its sizes.
-            with tqdm(total=len(models) * len(counts) * rounds, disable=not progress, unit="round") as bar:
+            steps = len(models) * len(counts) * rounds
+            with progress_bar(total=steps, disable=not progress, unit="round") as bar:
                 for name in models:
                     for n in counts:
                         bar.set_description(f"{dev} {name} {n} thread(s)")
