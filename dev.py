@@ -105,7 +105,9 @@ def main(argv: list[str]) -> int:
         given = any(a.split("=")[0] in {"--notebook-dir", "--ServerApp.root_dir"} for a in rest)
         where = [] if given else ["--notebook-dir", ROOT / "notebooks"]
         lab_settings()
-        return run(BIN / "jupyter", "lab", *where, *root, *rest, env=env)
+        # `python -m jupyterlab` rather than the `jupyter` script: a moved or copied .venv keeps its
+        # scripts' old shebang, and the lab would read another environment's settings (autosave on).
+        return run(PY, "-m", "jupyterlab", *where, *root, *rest, env=env)
     print(f"[dev] unknown job {job!r}; try: python dev.py --help", file=sys.stderr)
     return 2
 
