@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """One-file driver: creates or reuses ./.venv, then runs a job in it.
 
-    python dev.py bench [args]   the main job: `python -m ema_lab bench` (see --help)
+    python dev.py bench [args]   time the EMA strategies on this machine (`python -m ema_lab bench`)
+    python dev.py compare FILES  plot several bench runs side by side
     python dev.py test [args]    ruff, then the whole test suite including nbval over notebooks/
     python dev.py notebooks      execute every notebook in place (refreshes the committed outputs)
     python dev.py lab            open JupyterLab on notebooks/
@@ -85,6 +86,8 @@ def main(argv: list[str]) -> int:
     ensure_venv()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if job in {"bench", "demo", "compare"}:
+        # Help and error lines name the command the user typed, not the module dev.py runs.
+        env["EMA_LAB_PROG"] = f"{Path(sys.executable).name} {Path(sys.argv[0]).name}"
         return run(PY, "-m", "ema_lab", job, *rest, env=env)
     if job == "test":
         rc = run(PY, "-m", "ruff", "check", ".")
@@ -102,7 +105,9 @@ def main(argv: list[str]) -> int:
         given = any(a.split("=")[0] in {"--notebook-dir", "--ServerApp.root_dir"} for a in rest)
         where = [] if given else ["--notebook-dir", ROOT / "notebooks"]
         lab_settings()
-        return run(BIN / "jupyter", "lab", *where, *root, *rest, env=env)
+        # `python -m jupyterlab` rather than the `jupyter` script: a moved or copied .venv keeps its
+        # scripts' old shebang, and the lab would read another environment's settings (autosave on).
+        return run(PY, "-m", "jupyterlab", *where, *root, *rest, env=env)
     print(f"[dev] unknown job {job!r}; try: python dev.py --help", file=sys.stderr)
     return 2
 

@@ -70,8 +70,8 @@ def test_quick_bench_writes_valid_json_and_pngs(quick_run, capsys):
     stamp = f"{created[:10]}T{created[11:19].replace(':', '')}Z"
     assert path.name == f"{record['machine']}_{stamp}_quick_t1-2_cpu.json" == f"{result_stem(record)}.json"
     assert sorted(p.name for p in out.glob("*.png")) == sorted(
-        f"{path.stem}_cpu_{kind}.png" for kind in ("costmodel", "times_1t", "times_2t", "threads")
-    )
+        f"{path.stem}_{kind}.png" for kind in ("costmodel", "times_1t", "times_2t", "threads")
+    )  # the stem already ends with the one measured device
     assert record["settings"]["threads"] == list(THREADS) and record["environment"]["threads"] == 1
     assert record["cost_model"]["cpu"]["threads"] == 1
     assert record["settings"]["candidates"] == candidate_names()
@@ -115,12 +115,18 @@ def test_skipped_devices_are_reported_in_the_table(quick_run, tmp_path, capsys):
 def test_compare_plots_result_files_and_skips_other_tools_json(quick_run, tmp_path, capsys):
     _, out = quick_run
     files = [str(p) for p in out.glob("*.json")]
-    foreign = tmp_path / "peers-2026-01-01.json"  # results/ may hold another tool's JSON
-    foreign.write_text(json.dumps({"rows": []}))
-    assert main(["compare", *files, str(foreign), "--out", str(tmp_path)]) == 0
+    foreign = [tmp_path / f"peers-2026-01-0{i}.json" for i in range(1, 6)]  # another tool's JSON
+    for f in foreign:
+        f.write_text(json.dumps({"rows": []}))
+    assert main(["compare", *files, *map(str, foreign), "--out", str(tmp_path)]) == 0
     assert len(list(tmp_path.glob("compare_*.png"))) == 1
     printed = capsys.readouterr().out
-    assert f"skipped '{foreign}': written by another tool" in printed and "seed_before" in printed
+    skipped = [line for line in printed.splitlines() if "not bench runs" in line]
+    assert skipped == [
+        'skipped 5 file(s) that are not bench runs (no "schema": "ema_lab.bench"): '
+        "peers-2026-01-01.json, peers-2026-01-02.json, peers-2026-01-03.json and 2 more"
+    ]
+    assert "seed_before" in printed
     # bench_files() keeps other tools' JSON out by design (no note at all), broken bench files in
     assert bench_files(tmp_path) == [] and bench_files(out) == [Path(files[0])]
 
@@ -408,3 +414,24 @@ def test_a_run_that_would_replace_a_file_exits_2(quick_run, monkeypatch, tmp_pat
     assert main(["bench", "--out", str(tmp_path), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "exists already; a run never replaces another" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "env, argv0, name",
+    [
+        ("python3 dev.py", "/x/python3", "python3 dev.py"),  # dev.py says how it was started
+        (None, "/usr/local/bin/ema-lab", "ema-lab"),  # the installed script
+        (None, "/x/ema_lab/__main__.py", "python -m ema_lab"),
+    ],
+)
+def test_errors_name_the_command_the_user_ran(env, argv0, name, monkeypatch, capsys):
+    from ema_lab.bench.cli import command_name
+
+    if env is None:
+        monkeypatch.delenv("EMA_LAB_PROG", raising=False)
+    else:
+        monkeypatch.setenv("EMA_LAB_PROG", env)
+    monkeypatch.setattr("sys.argv", [argv0])
+    assert command_name() == name
+    assert _exit_code(["bench", "--models", "alexnet"]) == 2
+    assert capsys.readouterr().err.startswith(f"{name} bench: error: unknown model 'alexnet'")

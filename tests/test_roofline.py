@@ -41,6 +41,11 @@ def test_plot_is_log_log_time_vs_bytes_with_the_regime_lines():
     assert (ax.get_xscale(), ax.get_yscale()) == ("log", "log")
     labels = [line.get_label() for line in ax.get_lines()]
     assert "floor fit, cache: 90 GB/s" in labels and "floor fit, DRAM: 30 GB/s" in labels
-    assert any(label.startswith("EMA + model = last-level cache (32 MiB)") for label in labels)
+    assert "EMA + model = the last-level cache as reported (32 MiB)" in labels
+    knee = {"fits": fits, "llc_bytes": 480 << 20, "knee_bytes": 64 << 20, "split_bytes": 64 << 20}
+    labels = [
+        line.get_label() for line in plot_time_vs_bytes(floor_points({"results": rows}), knee).axes[0].lines
+    ]
+    assert "EMA + model = the measured knee (64 MiB)" in labels  # not the 480 MiB the OS reports
     fig = plot_time_vs_bytes(floor_points({"results": rows}))  # no cost model: the measured floor joined
     assert "floor (measured)" in [line.get_label() for line in fig.axes[0].get_lines()]

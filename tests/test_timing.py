@@ -11,10 +11,16 @@ from ema_lab.bench.costmodel import (
     BYTES_PER_ELEMENT,
     FIXED_ELEMENTS,
     FIXED_TENSORS,
+    MEMORY_FRACTION,
+    SIDE_CAP_BYTES,
+    SIDES_ALIVE,
     CostModel,
+    available_memory_bytes,
     fit_cost,
     last_level_cache_bytes,
+    measured_knee,
     regime,
+    sweep_limit,
     sweep_plan,
 )
 from ema_lab.bench.timing import quantiles, synchronize, time_candidates
@@ -77,12 +83,53 @@ def test_sweep_plan_varies_count_at_fixed_size_and_size_at_fixed_count():
     assert BYTES_PER_ELEMENT == {"loop": 7, "foreach": 3, "floor": 3, "copy": 3}
 
 
-def test_full_sweep_reaches_four_times_the_last_level_cache_and_quick_stays_small():
+def _largest_side(llc: int | None, available: int | None) -> int:
+    return 4 * max(e for s, _, e in sweep_plan(False, llc, available) if s == "size")
+
+
+def test_full_sweep_reaches_four_times_the_reported_cache_when_it_is_small_and_quick_stays_small():
     llc = 32 << 20
-    full = max(e for s, _, e in sweep_plan(False, llc) if s == "size")
-    assert 4 * full >= 4 * llc and 4 * full < 8 * llc  # float32 bytes per side: 4x LLC, not more
+    assert _largest_side(llc, 64 << 30) == 4 * llc  # float32 bytes per side: 4x LLC, not more
     assert max(e for _, _, e in sweep_plan(True, llc)) * 4 * 2 <= llc  # quick: inside the cache
     assert len(sweep_plan(True, llc)) == 6
+
+
+@pytest.mark.parametrize(
+    "llc, available, largest, bound",
+    [
+        (480 << 20, 20 << 30, SIDE_CAP_BYTES, "the cap"),  # a VM that reports a 480 MiB L3
+        (1 << 30, 8 << 30, SIDE_CAP_BYTES, "the cap"),  # a 1 GiB L3 and 8 GiB free
+        (1 << 30, 2 << 30, 128 << 20, "available memory"),  # a 1 GiB L3 and 2 GiB free
+        (None, None, 128 << 20, "reported last-level cache"),  # nothing known: 4x the assumed 32 MiB
+    ],
+)
+def test_full_sweep_is_bounded_by_the_cap_and_the_available_memory_not_by_the_reported_cache(
+    llc, available, largest, bound
+):
+    limit, why = sweep_limit(llc, available)
+    assert bound in why and _largest_side(llc, available) == largest <= limit
+    if available is not None:  # the buffers of one size fit in the memory share
+        assert SIDES_ALIVE * largest <= MEMORY_FRACTION * available
+
+
+def test_available_memory_is_read_from_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    8000000 kB\n")
+    assert available_memory_bytes(meminfo) == (8_000_000 * 1024, f"{meminfo} MemAvailable")
+    size, source = available_memory_bytes(tmp_path / "absent")
+    assert "sysconf" in source or size is None
+
+
+def test_knee_is_where_the_floor_bandwidth_steps_down_and_none_without_a_step():
+    sides = [1 << k for k in range(20, 29)]  # 1 MiB .. 256 MiB per side
+    ws = [2 * s for s in sides]
+    stepped = [60.0 if w <= (32 << 20) else 12.0 for w in ws]
+    assert measured_knee(ws, stepped) == 64 << 20
+    assert measured_knee(ws, [30.0] * len(ws)) is None  # all in cache (or all in DRAM)
+    assert measured_knee(ws[-3:], stepped[-3:]) is None  # too few points for two plateaus
+    # a private L2 plateau below KNEE_MIN_WORKING_SET is not taken for the cache-to-DRAM knee
+    l2 = [200.0 if w < (4 << 20) else v for w, v in zip(ws, stepped)]
+    assert measured_knee(ws, l2) == 64 << 20
 
 
 def test_regimes_split_at_half_and_twice_the_cache():
@@ -160,14 +207,15 @@ def test_regime_plot_draws_both_panels_and_the_cache_marks():
                 | {"working_set_bytes": 8 * e, "median_s": 1e-3}
             )
     cost = {"points": pts, "fits": fits, "fixed_elements": FIXED_ELEMENTS, "fixed_tensors": FIXED_TENSORS}
-    fig = plot_cost_regimes(cost | {"llc_bytes": 32 << 20})
+    fig = plot_cost_regimes(cost | {"llc_bytes": 480 << 20, "knee_bytes": 64 << 20, "split_bytes": 64 << 20})
     left, right = fig.axes
     assert left.get_xscale() == "log" and right.get_xlabel().startswith("working set")
-    assert "last-level cache 32 MiB" in [line.get_label() for line in right.get_lines()]
+    labels = [line.get_label() for line in right.get_lines()]
+    assert {"last-level cache as reported by the OS: 480 MiB", "measured knee 64 MiB"} <= set(labels)
     assert {t.get_text() for t in right.texts} == {"floor fit, cache: 90 GB/s", "floor fit, DRAM: 30 GB/s"}
 
 
-def test_costmodel_main_writes_the_quick_sweep_with_the_cache_size_and_the_load(tmp_path, capsys):
+def test_costmodel_main_writes_the_quick_sweep_with_the_reported_cache_and_the_load(tmp_path, capsys):
     import json
 
     from ema_lab.bench.costmodel import main
@@ -179,4 +227,5 @@ def test_costmodel_main_writes_the_quick_sweep_with_the_cache_size_and_the_load(
     assert record["quick"] is True and set(cm["fits"]) == {"loop", "foreach", "floor", "copy"}
     assert {p["regime"] for p in cm["points"]} <= {"cache", "transition"}  # quick stays out of DRAM
     assert cm["llc_bytes"] == last_level_cache_bytes()[0] and "load_average_1_5_15min" in record
-    assert "last-level cache" in capsys.readouterr().out
+    assert cm["knee_bytes"] is None and cm["size_limit"].startswith("quick mode")
+    assert "last-level cache as reported" in capsys.readouterr().out

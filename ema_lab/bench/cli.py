@@ -1,8 +1,12 @@
-"""Command line: ``python -m ema_lab demo | bench | compare`` (needs the ``bench`` extra)."""
+"""Command line: ``python -m ema_lab demo | bench | compare`` (needs the ``bench`` extra).
+
+Also run as ``ema-lab`` (the installed script) and ``python3 dev.py bench|compare|demo``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -20,11 +24,24 @@ def _names(values: list[str]) -> list[str]:
     return [v for item in values for v in item.split(",") if v]
 
 
+def command_name(argv0: str | None = None) -> str:
+    """How the user started this command line, so help and errors name what they typed.
+
+    ``dev.py`` says so in ``$EMA_LAB_PROG`` (e.g. ``python3 dev.py``); the ``ema-lab`` script runs with
+    its own name as ``argv[0]``; anything else is ``python -m ema_lab``.
+    """
+    given = os.environ.get("EMA_LAB_PROG")
+    if given:
+        return given
+    name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    return "ema-lab" if name.startswith("ema-lab") else "python -m ema_lab"
+
+
 def _parser() -> _Parser:
     from ..lessons.models import ZOO
     from .sweep import DEFAULT_MODELS, QUICK_MODELS, candidate_names
 
-    parser = _Parser(prog="python -m ema_lab", description=__doc__)
+    parser = _Parser(prog=command_name(), description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     demo = sub.add_parser("demo", help="run every EMA strategy on a built-in model")
     demo.add_argument("--model", default="yolo")

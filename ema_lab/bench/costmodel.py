@@ -5,8 +5,14 @@ Two sweeps over synthetic (EMA, model) float32 tensor lists on one device:
 - *count sweep*: the same total number of elements (1 Mi, 4 MiB per side) split into 1 .. 1024
   tensors (time grows with the number of dispatched ops: launch-bound);
 - *size sweep*: 64 tensors holding more and more elements (time grows with bytes: bandwidth-bound).
-  In full mode it goes on until each side holds at least 4x the last-level cache (LLC, read from the
-  OS by :func:`last_level_cache_bytes`), so both memory regimes are measured.
+  In full mode it doubles the size until one side would exceed the smallest of: ``LLC_MULTIPLE`` x the
+  last-level cache the OS reports (:func:`last_level_cache_bytes`), ``SIDE_CAP_BYTES``, and
+  ``MEMORY_FRACTION`` of the memory available now (:func:`available_memory_bytes`) shared by the
+  ``SIDES_ALIVE`` buffers of one size (:func:`sweep_limit`). The reported cache size is only a hint:
+  virtual machines report anything from 32 MiB to over 1 GiB for the same kind of core.
+
+The sweep runs one size at a time (every candidate of that size interleaved, then its memory is
+freed), so a progress bar advances by real work and the memory held is that of one size.
 
 For the per-tensor ``loop`` (``v *= d; v += (1 - d) * m.detach()``) ``ops`` is every op it dispatches
 (counted with :func:`ema_lab.bench.counting.count_ops`, views included: each one is a trip through
@@ -15,19 +21,20 @@ the dispatcher) and ``bytes`` its memory traffic (7 element-sized accesses per e
 write EMA). A CPU store to memory that is not in cache first reads the line (write-allocate), so a
 ``copy_`` moves 3 accesses per element too, the same as a ``lerp_``; both are counted that way.
 
-The bytes term has one bandwidth per regime: *cache* while the working set (EMA + model) is at most
-half the LLC, *DRAM* from twice the LLC on; points in between are measured and plotted but not
-fitted (part of them hits the cache). Each fit is a non-negative least-squares fit without
-intercept, weighted by 1/time so small and large points count alike. ``floor`` is one ``lerp_``
-over two contiguous buffers (allocated as ema_lab allocates its own: :func:`ema_lab.flat.empty_flat`,
-2 MiB pages where the kernel grants them): the best an EMA update of that many elements can do, and
-the reference of :attr:`CostModel.floor_fraction`: floor time over a strategy's time on the same
-elements, measured interleaved (the same op over the same bytes, so no byte-counting convention
-enters; 1.0 means as fast as the floor, and values a little above 1 are timing noise).
+The bytes term has one bandwidth per regime, split at the *knee*: the working set (EMA + model) at
+which the floor's bandwidth steps down, found in the measured points (:func:`measured_knee`), or the
+reported cache size when no step was measured. *cache* is up to half the split, *DRAM* from twice it;
+points in between are measured and plotted but not fitted. Each fit is a non-negative least-squares
+fit without intercept, weighted by 1/time so small and large points count alike. ``floor`` is one
+``lerp_`` over two contiguous buffers: the best an EMA update of that many elements can do, and the
+reference of :attr:`CostModel.floor_fraction`: floor time over a strategy's time on the same elements,
+measured interleaved (the same op over the same bytes, so no byte-counting convention enters; 1.0
+means as fast as the floor, and values a little above 1 are timing noise).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -37,20 +44,38 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..flat import empty_flat
-from ..updates import prepare
 from .counting import count_ops
-from .timing import time_candidates
+from .timing import progress_bar, time_candidates
 
-__all__ = ["run_cost_model", "plot_cost_regimes", "working_set_bytes", "regime"]
+__all__ = [
+    "run_cost_model",
+    "plot_cost_regimes",
+    "working_set_bytes",
+    "regime",
+    "sweep_limit",
+    "sweep_plan",
+    "measured_knee",
+    "available_memory_bytes",
+    "last_level_cache_bytes",
+]
 
 #: element-sized memory accesses per element: mul_ (r+w), mul (r+w), add_ (2r+w); lerp (2r+w);
 #: copy (r + the destination's write-allocate read + w)
 BYTES_PER_ELEMENT = {"loop": 7, "foreach": 3, "floor": 3, "copy": 3}
 FIXED_ELEMENTS = 1 << 20  # count sweep: 1M float32 elements (4 MiB per side)
 FIXED_TENSORS = 64  # size sweep
-LLC_MULTIPLE = 4  # full mode sweeps until one side holds this many times the last-level cache
+LLC_MULTIPLE = 4  # full mode sweeps up to this many times the reported last-level cache per side ...
+SIDE_CAP_BYTES = 256 << 20  # ... but never past 256 MiB per side: DRAM is reached, and a step stays seconds
+MEMORY_FRACTION = 0.25  # ... nor past a quarter of the available memory: the rest stays the user's
+SIDES_ALIVE = 4  # buffers of one size alive at once: the EMA and model lists, the floor's two flat buffers
 DEFAULT_LLC_BYTES = 32 << 20  # assumed when the OS does not say (a common server L3 slice)
+KNEE_MIN_WORKING_SET = 4 << 20  # the knee is looked for above private L2 caches (1-2 MiB per core)
+KNEE_MIN_POINTS = 2  # points on each plateau: one point alone is not a plateau
+KNEE_MIN_STEP = 1.3  # the floor's bandwidth must drop by this factor to count as a knee, not noise
+# Progress-bar weights only (relative step sizes, not a measurement): a dispatched op of about 2 us,
+# memory at about 10 GB/s.
+_ASSUMED_OP_S = 2e-6
+_ASSUMED_BYTES_PER_S = 10e9
 
 
 def _parse_size(text: str) -> int:
@@ -155,16 +180,120 @@ def fit_cost(
     )
 
 
+def available_memory_bytes(meminfo: Path | str = "/proc/meminfo") -> tuple[int | None, str]:
+    """Memory the OS says a new allocation can have now, in bytes, and where it was read (None if unknown).
+
+    Linux's ``MemAvailable`` counts reclaimable page cache; elsewhere free pages from ``os.sysconf``.
+    """
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, f"{meminfo} MemAvailable"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None, "unknown (no /proc/meminfo, no sysconf value)"
+    return pages * size, "os.sysconf('SC_AVPHYS_PAGES')"
+
+
+def sweep_limit(
+    llc_bytes: int | None, available_bytes: int | None, cap_bytes: int = SIDE_CAP_BYTES
+) -> tuple[int, str]:
+    """The largest side (bytes of EMA, or of model) the full size sweep may reach, and what bounds it.
+
+    The smallest of ``LLC_MULTIPLE`` x the reported cache (``DEFAULT_LLC_BYTES`` when unknown), the cap,
+    and ``MEMORY_FRACTION`` of the available memory shared by the ``SIDES_ALIVE`` buffers of one size.
+    """
+    limits = {f"the cap of {cap_bytes / 2**20:.0f} MiB per side": cap_bytes}
+    llc = llc_bytes or DEFAULT_LLC_BYTES
+    limits[f"{LLC_MULTIPLE}x the reported last-level cache ({llc / 2**20:.0f} MiB)"] = LLC_MULTIPLE * llc
+    if available_bytes is not None:
+        share = int(MEMORY_FRACTION * available_bytes) // SIDES_ALIVE
+        limits[f"{MEMORY_FRACTION:.0%} of the available memory ({available_bytes / 2**30:.1f} GiB)"] = share
+    reason = min(limits, key=limits.__getitem__)
+    return limits[reason], reason
+
+
+def sweep_plan(
+    quick: bool = False,
+    llc_bytes: int | None = None,
+    available_bytes: int | None = None,
+    cap_bytes: int = SIDE_CAP_BYTES,
+) -> list[tuple[str, int, int]]:
+    """The (sweep, tensors, total elements) points: counts at fixed size, sizes at fixed count.
+
+    Full mode doubles the size from 16 Ki elements while one side (float32) stays within
+    :func:`sweep_limit`; quick mode stays at two sizes inside any cache.
+    """
+    counts = (1, 16, 64, 1024) if quick else (1, 4, 16, 64, 256, 1024)
+    if quick:
+        sizes: list[int] = [1 << 16, 1 << 22]
+    else:
+        largest = sweep_limit(llc_bytes, available_bytes, cap_bytes)[0] // 4
+        sizes = [1 << 14]
+        while sizes[-1] * 2 <= largest:
+            sizes.append(sizes[-1] * 2)
+    plan = [("count", n, FIXED_ELEMENTS) for n in counts]
+    plan += [("size", FIXED_TENSORS, e) for e in sizes if e != FIXED_ELEMENTS]
+    return plan
+
+
+def working_set_bytes(elements: int) -> int:
+    """Bytes of EMA plus model (float32) that one update streams through."""
+    return 2 * 4 * elements
+
+
+def regime(working_set: int, split_bytes: int) -> str:
+    """``"cache"`` up to half the split, ``"dram"`` from twice it, ``"transition"`` in between (not fitted).
+
+    ``split_bytes`` is the working set where the cache ends: the measured knee, else the reported LLC.
+    """
+    if working_set <= split_bytes // 2:
+        return "cache"
+    return "dram" if working_set >= 2 * split_bytes else "transition"
+
+
+def measured_knee(working_sets: list[int], gbps: list[float]) -> int | None:
+    """The working set at which the floor's bandwidth steps down (cache to DRAM), or None if it does not.
+
+    Over the points from ``KNEE_MIN_WORKING_SET`` on (sorted by working set), the split into a higher
+    and a lower plateau (``KNEE_MIN_POINTS`` each at least) that leaves the least squared spread of
+    log bandwidth; the knee is the first point of the lower plateau, if the plateaus differ by at
+    least ``KNEE_MIN_STEP``.
+    """
+    pts = sorted((w, math.log(b)) for w, b in zip(working_sets, gbps) if w >= KNEE_MIN_WORKING_SET and b > 0)
+    logs = np.array([b for _, b in pts])
+
+    def spread(k: int) -> float:
+        return float(np.sum((logs[:k] - logs[:k].mean()) ** 2) + np.sum((logs[k:] - logs[k:].mean()) ** 2))
+
+    if len(pts) < 2 * KNEE_MIN_POINTS:
+        return None
+    k = min(range(KNEE_MIN_POINTS, len(pts) - KNEE_MIN_POINTS + 1), key=spread)
+    step = logs[:k].mean() - logs[k:].mean()
+    return pts[k][0] if step >= math.log(KNEE_MIN_STEP) else None
+
+
 @dataclass
 class CostModel:
-    """The sweep's points, the fits, and the last-level cache size that splits the two regimes."""
+    """The sweep's points, the fits, the reported cache size and the measured knee that split the regimes."""
 
     device: str
     threads: int
     fits: dict[str, CostFit]  # "loop", "foreach", and the single-kernel references "floor" and "copy"
     points: list[dict[str, object]] = field(default_factory=list)
-    llc_bytes: int | None = None
+    llc_bytes: int | None = None  # as reported by the OS (sysfs or sysconf), not measured
     llc_source: str = ""
+    knee_bytes: int | None = None  # working set where the floor's bandwidth stepped down; None: no step seen
+    max_side_bytes: int | None = None  # the largest side the sweep reached
+    size_limit: str = ""  # what bounded the sweep (the cap, the reported cache, the available memory)
+
+    @property
+    def split_bytes(self) -> int:
+        """The working set that splits cache from DRAM: the measured knee, else the reported LLC."""
+        return self.knee_bytes or self.llc_bytes or DEFAULT_LLC_BYTES
 
     @property
     def copy_bandwidth_gbps(self) -> float:
@@ -188,7 +317,7 @@ class CostModel:
 
     @property
     def floor_fraction_dram(self) -> dict[str, float | None]:
-        """The same at the largest size beyond the last-level cache (None if the sweep did not go there)."""
+        """The same at the largest size beyond the cache (None if the sweep did not go there)."""
         return self._fraction("dram")
 
     def as_dict(self) -> dict[str, object]:
@@ -210,6 +339,10 @@ class CostModel:
             "fixed_tensors": FIXED_TENSORS,
             "llc_bytes": self.llc_bytes,
             "llc_source": self.llc_source,
+            "knee_bytes": self.knee_bytes,
+            "split_bytes": self.split_bytes,
+            "max_side_bytes": self.max_side_bytes,
+            "size_limit": self.size_limit,
             "fits": fits,
             "copy_bandwidth_gbps": finite(self.copy_bandwidth_gbps),
             "floor_fraction": self.floor_fraction,
@@ -218,41 +351,100 @@ class CostModel:
         }
 
 
-def sweep_plan(quick: bool = False, llc_bytes: int | None = None) -> list[tuple[str, int, int]]:
-    """The (sweep, tensors, total elements) points: counts at fixed size, sizes at fixed count.
-
-    Full mode doubles the size past 4 Mi elements until one side (float32) holds ``LLC_MULTIPLE`` x
-    ``llc_bytes`` (``DEFAULT_LLC_BYTES`` when None); quick mode stays at two sizes inside the cache.
-    """
-    counts = (1, 16, 64, 1024) if quick else (1, 4, 16, 64, 256, 1024)
-    if quick:
-        sizes: list[int] = [1 << 16, 1 << 22]
-    else:
-        sizes = [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22]
-        target = LLC_MULTIPLE * (llc_bytes or DEFAULT_LLC_BYTES) // 4
-        while sizes[-1] < target:
-            sizes.append(sizes[-1] * 2)
-    plan = [("count", n, FIXED_ELEMENTS) for n in counts]
-    plan += [("size", FIXED_TENSORS, e) for e in sizes if e != FIXED_ELEMENTS]
-    return plan
-
-
-def working_set_bytes(elements: int) -> int:
-    """Bytes of EMA plus model (float32) that one update streams through."""
-    return 2 * 4 * elements
-
-
-def regime(working_set: int, llc_bytes: int) -> str:
-    """``"cache"`` up to half the LLC, ``"dram"`` from twice it, ``"transition"`` in between (not fitted)."""
-    if working_set <= llc_bytes // 2:
-        return "cache"
-    return "dram" if working_set >= 2 * llc_bytes else "transition"
-
-
 def _split(total: int, n: int, device: str) -> list[torch.Tensor]:
     """``n`` float32 tensors holding ``total`` elements between them (sizes differ by at most one)."""
     base, extra = divmod(total, n)
     return [torch.rand(base + (i < extra), device=device) for i in range(n)]
+
+
+def _loop_step(ema: list[torch.Tensor], model: list[torch.Tensor]) -> Callable[[float], None]:
+    """The per-tensor update before the PR: ``v *= d; v += (1 - d) * m`` for each pair."""
+
+    def step(d: float) -> None:
+        with torch.no_grad():
+            for v, m in zip(ema, model):
+                v *= d
+                v += (1 - d) * m.detach()
+
+    return step
+
+
+def _foreach_step(ema: list[torch.Tensor], model: list[torch.Tensor]) -> Callable[[float], None]:
+    """The PR's update: one ``_foreach_lerp_`` over every pair."""
+
+    def step(d: float) -> None:
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, model, 1 - d)
+
+    return step
+
+
+def _step_weight(total: int, splits: list[int], rounds: int, target_s: float) -> float:
+    """A size's expected seconds, for the progress bar only: every candidate's warm-up, sizing and rounds.
+
+    A candidate's call streams its bytes and dispatches its ops; a measurement repeats calls for at
+    least ``target_s``; warm-up, sizing and op counting add about five calls.
+    """
+    calls = [(BYTES_PER_ELEMENT["loop"], 3 * n) for n in splits] + [
+        (BYTES_PER_ELEMENT["foreach"], n) for n in splits
+    ]
+    calls += [(BYTES_PER_ELEMENT["floor"], 1), (BYTES_PER_ELEMENT["copy"], 1)]
+    seconds = 0.0
+    for accesses, ops in calls:
+        one = 4 * total * accesses / _ASSUMED_BYTES_PER_S + ops * _ASSUMED_OP_S
+        seconds += rounds * max(target_s, one) + 5 * one
+    return seconds
+
+
+def _time_size(
+    device: str,
+    total: int,
+    splits: list[tuple[str, int]],
+    decay: float,
+    rounds: int,
+    target_s: float,
+    threads: int,
+) -> list[dict[str, Any]]:
+    """Every candidate holding ``total`` elements, timed interleaved; the points, memory freed on return."""
+    candidates: dict[str, Callable[[], object]] = {}
+    meta: dict[str, dict[str, Any]] = {}
+    for sweep, n in splits:
+        ema, model = _split(total, n, device), _split(total, n, device)
+        for strategy, make in (("loop", _loop_step), ("foreach", _foreach_step)):
+            step = make(ema, model)
+            key = f"{strategy}/{sweep}/{n}/{total}"
+            candidates[key] = lambda step=step: step(decay)
+            ops = sum(count_ops(step, decay).values())
+            units = ops if strategy == "loop" else n
+            meta[key] = {"sweep": sweep, "strategy": strategy, "tensors": n, "elements": total, "ops": ops}
+            meta[key]["units"] = units
+    # The single-kernel references at the same size, so they are fitted alike.
+    a, b = (torch.empty(total, dtype=torch.float32, device=device).uniform_() for _ in range(2))
+    for k, fn in {"copy": lambda: a.copy_(b), "floor": lambda: a.lerp_(b, 1 - decay)}.items():
+        candidates[f"{k}/reference/1/{total}"] = fn
+        meta[f"{k}/reference/1/{total}"] = {
+            "sweep": "reference",
+            "strategy": k,
+            "tensors": 1,
+            "elements": total,
+            "ops": 1,
+            "units": 1,
+        }
+    timed = time_candidates(candidates, device, rounds=rounds, target_s=target_s, threads=threads)
+    points = []
+    for k, m in meta.items():
+        t = timed[k]
+        points.append(
+            {
+                **m,
+                "bytes": BYTES_PER_ELEMENT[str(m["strategy"])] * total * 4,
+                "working_set_bytes": working_set_bytes(total),
+                "median_s": t.median_s,
+                "q1_s": t.q1_s,
+                "q3_s": t.q3_s,
+            }
+        )
+    return points
 
 
 def run_cost_model(
@@ -261,13 +453,17 @@ def run_cost_model(
     quick: bool = False,
     threads: int = 1,
     rounds: int | None = None,
-    on_round: Callable[[int], None] | None = None,
     llc_bytes: int | None = None,
+    available_bytes: int | None = None,
+    cap_bytes: int = SIDE_CAP_BYTES,
+    progress: bool = True,
 ) -> CostModel:
-    """Run both sweeps on ``device``, interleaved in one timing session, and fit the cost model.
+    """Run both sweeps on ``device``, one size at a time (its candidates interleaved), and fit the model.
 
-    ``llc_bytes`` defaults to :func:`last_level_cache_bytes` on CPU; on an accelerator pass its own
-    cache size (or leave it None: every point then counts as the cache regime unless beyond the default).
+    ``llc_bytes`` defaults to :func:`last_level_cache_bytes` on CPU (on an accelerator pass its own
+    cache size, or leave None for ``DEFAULT_LLC_BYTES``); ``available_bytes`` to
+    :func:`available_memory_bytes`; with ``cap_bytes`` they bound the sweep (:func:`sweep_limit`).
+    ``progress`` shows a bar that advances by each size's expected work, so its ETA is honest.
     """
     decay = 0.9999
     rounds = rounds or (3 if quick else 9)
@@ -276,59 +472,33 @@ def run_cost_model(
         llc_bytes, source = last_level_cache_bytes()
     elif llc_bytes is None:
         source = f"unknown for {device}"
-    plan = sweep_plan(quick, llc_bytes)
-    split = llc_bytes or DEFAULT_LLC_BYTES
-    candidates: dict[str, Callable[[], object]] = {}
-    meta: dict[str, dict[str, object]] = {}
+    if available_bytes is None:
+        available_bytes = available_memory_bytes()[0]
+    plan = sweep_plan(quick, llc_bytes, available_bytes, cap_bytes)
+    by_total: dict[int, list[tuple[str, int]]] = {}
     for sweep, n, total in plan:
-        ema, model = _split(total, n, device), _split(total, n, device)
-        for strategy in ("loop", "foreach"):
-            step = prepare(strategy, ema, model)
-            key = f"{strategy}/{sweep}/{n}/{total}"
-            candidates[key] = lambda step=step: step(decay)
-            ops = sum(count_ops(step, decay).values())
-            units = ops if strategy == "loop" else n
-            meta[key] = {"sweep": sweep, "strategy": strategy, "tensors": n, "elements": total, "ops": ops}
-            meta[key]["units"] = units
-    # The single-kernel references at every total size of the sweep, so they are fitted alike.
-    for total in sorted({total for _, _, total in plan}):
-        a, b = (empty_flat(total, torch.float32, device).uniform_() for _ in range(2))  # as ema_lab's buffers
-        refs = {"copy": lambda a=a, b=b: a.copy_(b), "floor": lambda a=a, b=b: a.lerp_(b, 1 - decay)}
-        for k, fn in refs.items():
-            candidates[f"{k}/reference/1/{total}"] = fn
-            meta[f"{k}/reference/1/{total}"] = {
-                "sweep": "reference",
-                "strategy": k,
-                "tensors": 1,
-                "elements": total,
-                "ops": 1,
-                "units": 1,
-            }
-    timed = time_candidates(
-        candidates,
-        device,
-        rounds=rounds,
-        target_s=0.01 if quick else 0.02,
-        threads=threads,
-        on_round=on_round,
+        by_total.setdefault(total, []).append((sweep, n))
+    target_s = 0.01 if quick else 0.02
+    weights = {t: _step_weight(t, [n for _, n in sp], rounds, target_s) for t, sp in by_total.items()}
+    points: list[dict[str, Any]] = []
+    bar_format = "{desc}{percentage:3.0f}%|{bar}| {elapsed}<{remaining}"
+    with progress_bar(
+        total=sum(weights.values()), disable=not progress, bar_format=bar_format, smoothing=0
+    ) as bar:
+        for total, splits in sorted(by_total.items()):
+            bar.set_description(f"cost model: {4 * total / 2**20:g} MiB per side")
+            points += _time_size(device, total, splits, decay, rounds, target_s, threads)
+            bar.update(weights[total])
+    floor = [p for p in points if p["strategy"] == "floor"]
+    knee = measured_knee(
+        [int(p["working_set_bytes"]) for p in floor], [p["bytes"] / p["median_s"] / 1e9 for p in floor]
     )
-    points = []
-    for k, m in meta.items():
-        t = timed[k]
-        elements = int(m["elements"])  # type: ignore[call-overload]
-        nbytes = BYTES_PER_ELEMENT[str(m["strategy"])] * elements * 4
-        points.append(
-            {
-                **m,
-                "bytes": nbytes,
-                "working_set_bytes": working_set_bytes(elements),
-                "regime": regime(working_set_bytes(elements), split),
-                "median_s": t.median_s,
-                "q1_s": t.q1_s,
-                "q3_s": t.q3_s,
-            }
-        )
-    fits = {}
+    _, why = sweep_limit(llc_bytes, available_bytes, cap_bytes)
+    model = CostModel(device, threads, {}, points, llc_bytes, source, knee, 4 * max(by_total), why)
+    if quick:
+        model.size_limit = "quick mode: two sizes inside the cache"
+    for p in points:
+        p["regime"] = regime(int(p["working_set_bytes"]), model.split_bytes)
     units = {
         "loop": "dispatched op",
         "foreach": "tensor inside one _foreach_lerp_",
@@ -337,15 +507,15 @@ def run_cost_model(
     }
     for strategy, unit in units.items():
         pts = [p for p in points if p["strategy"] == strategy and p["regime"] != "transition"]
-        fits[strategy] = fit_cost(
-            [float(p["units"]) for p in pts],  # type: ignore[arg-type]
-            [float(p["bytes"]) for p in pts],  # type: ignore[arg-type]
-            [float(p["median_s"]) for p in pts],  # type: ignore[arg-type]
+        model.fits[strategy] = fit_cost(
+            [float(p["units"]) for p in pts],
+            [float(p["bytes"]) for p in pts],
+            [float(p["median_s"]) for p in pts],
             strategy,
             unit,
             beyond_llc=[p["regime"] == "dram" for p in pts],
         )
-    return CostModel(device, threads, fits, points, llc_bytes, source)
+    return model
 
 
 def plot_count_panel(ax: Any, cost: dict[str, Any]) -> None:
@@ -390,7 +560,9 @@ def plot_cost_regimes(cost: dict[str, Any]) -> Any:
     left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     plot_count_panel(left, cost)
     pts, fits = cost["points"], cost["fits"]
-    llc = cost.get("llc_bytes") or DEFAULT_LLC_BYTES
+    llc = cost.get("llc_bytes")
+    knee = cost.get("knee_bytes")
+    split = cost.get("split_bytes") or llc or DEFAULT_LLC_BYTES  # older files: the reported cache split
     for strategy, style in (("loop", "o-"), ("foreach", "s-"), ("floor", "D-"), ("copy", "^:")):
         sel = [
             p
@@ -404,8 +576,14 @@ def plot_cost_regimes(cost: dict[str, Any]) -> Any:
             style,
             label=f"{strategy} ({BYTES_PER_ELEMENT[strategy]} accesses per element)",
         )
-    right.axvspan(llc / 2 / 2**20, 2 * llc / 2**20, color="grey", alpha=0.15, label="transition (not fitted)")
-    right.axvline(llc / 2**20, color="grey", ls=":", label=f"last-level cache {llc / 2**20:.0f} MiB")
+    right.axvspan(
+        split / 2 / 2**20, 2 * split / 2**20, color="grey", alpha=0.15, label="transition (not fitted)"
+    )
+    if knee:
+        right.axvline(knee / 2**20, color="C3", ls="-", lw=1, label=f"measured knee {knee / 2**20:.0f} MiB")
+    if llc:
+        label = f"last-level cache as reported by the OS: {llc / 2**20:.0f} MiB"
+        right.axvline(llc / 2**20, color="grey", ls=":", label=label)
     right.set_xscale("log")
     floor = fits["floor"]
     for key, name in (("bandwidth_gbps", "cache"), ("dram_bandwidth_gbps", "DRAM")):
@@ -422,7 +600,7 @@ def plot_cost_regimes(cost: dict[str, Any]) -> Any:
     right.set_xscale("log")
     right.set_xlabel("working set: EMA + model (MiB, float32)")
     right.set_ylabel("counted bytes / time (GB/s)")
-    right.set_title("bandwidth-bound: cache, then DRAM beyond the last-level cache", fontsize=9)
+    right.set_title("bandwidth-bound: cache, then DRAM beyond the knee", fontsize=9)
     right.legend(fontsize=7)
     return fig
 
@@ -441,7 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the cost model and the environment as JSON here")
     args = parser.parse_args(argv)
     cost = run_cost_model("cpu", quick=args.quick, threads=args.threads)
-    print(f"last-level cache: {cost.llc_bytes} bytes, from {cost.llc_source}")
+    print(f"last-level cache as reported: {cost.llc_bytes} bytes, from {cost.llc_source}")
+    print(f"measured knee: {cost.knee_bytes} bytes of working set; largest side {cost.max_side_bytes} bytes")
+    print(f"the sweep was bounded by {cost.size_limit}")
     for name, f in cost.fits.items():
         dram = "-" if f.dram_bandwidth_gbps is None else f"{f.dram_bandwidth_gbps:.1f}"
         print(

@@ -244,7 +244,7 @@ def load_many(paths: list[str | Path]) -> tuple[list[tuple[Path, dict[str, Any]]
     list with no bench result at all: ``results/`` may hold other JSON (a peers benchmark), but a
     typo must not pass silently.
     """
-    records, notes = [], []
+    records, skipped = [], []
     for path in paths:
         try:
             records.append((Path(path), load(path)))
@@ -255,7 +255,13 @@ def load_many(paths: list[str | Path]) -> tuple[list[tuple[Path, dict[str, Any]]
                 foreign = False
             if not foreign:
                 raise
-            notes.append(f'skipped {str(path)!r}: written by another tool (no "schema": "{SCHEMA}")')
+            skipped.append(Path(path).name)
+    notes = []
+    if skipped:  # one line, however many: the runs compared are what the reader came for
+        names = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+        notes.append(
+            f'skipped {len(skipped)} file(s) that are not bench runs (no "schema": "{SCHEMA}"): {names}'
+        )
     if not records:
         raise ResultError(
             f"no {SCHEMA} result among {[str(p) for p in paths]}" + "".join(f"; {n}" for n in notes)
@@ -363,11 +369,16 @@ def cost_model_line(cm: dict[str, Any], threads: int) -> str:
 
     if "dram_bandwidth_gbps" in floor:
         llc = "size unknown" if cm.get("llc_bytes") is None else _mib(cm["llc_bytes"])
+        # Newer files split at the knee they measured; the OS's figure is only what it reports.
+        knee = cm.get("knee_bytes")
+        where = (
+            f"the measured knee ({_mib(knee)} of EMA + model; the OS reports a {llc} last-level cache)"
+            if knee
+            else f"the last-level cache ({llc} as reported)"
+        )
         dram = floor["dram_bandwidth_gbps"]
         text = f"floor (one lerp_) {gbps(floor['bandwidth_gbps'])} in cache, " + (
-            f"{gbps(dram)} beyond the last-level cache ({llc})"
-            if dram is not None
-            else f"no size beyond the last-level cache ({llc}) measured"
+            f"{gbps(dram)} beyond {where}" if dram is not None else f"no size beyond {where} measured"
         )
         for label, key in (
             ("at the largest size in cache", "floor_fraction"),

@@ -81,8 +81,8 @@ def plot_time_vs_bytes(points: list[FloorPoint], cost_model: dict[str, Any] | No
     """Log-log time per update against bytes moved, one marker per candidate and model, with the floor.
 
     ``cost_model`` is a record's ``cost_model[device]`` (:meth:`CostModel.as_dict`); its floor fit draws
-    the floor line per regime and its ``llc_bytes`` the last-level cache. Without it the measured floor
-    points of the models are joined instead.
+    the floor line per regime, split at its measured knee (else at the reported last-level cache).
+    Without it the measured floor points of the models are joined instead.
     """
     import matplotlib.pyplot as plt
     import numpy as np
@@ -109,9 +109,11 @@ def plot_time_vs_bytes(points: list[FloorPoint], cost_model: dict[str, Any] | No
     lo = min(p.traffic_bytes for p in points) / 2
     hi = max(p.traffic_bytes for p in points) * 2
     fit = (cost_model or {}).get("fits", {}).get("floor")
-    llc = (cost_model or {}).get("llc_bytes") or DEFAULT_LLC_BYTES
+    # The regimes split where the cost model did: at its measured knee, else at the reported cache.
+    cm = cost_model or {}
+    split = cm.get("split_bytes") or cm.get("llc_bytes") or DEFAULT_LLC_BYTES
     # The update's working set is EMA + model = 2/3 of its traffic; the regimes split on it.
-    llc_traffic = 1.5 * llc
+    llc_traffic = 1.5 * split
     if fit and fit.get("bandwidth_gbps"):
         over = fit["overhead_per_op_us"] * 1e-3
         # One line per fitted regime, each drawn only over the sizes where it holds.
@@ -130,12 +132,14 @@ def plot_time_vs_bytes(points: list[FloorPoint], cost_model: dict[str, Any] | No
             "k-",
             label="floor (measured)",
         )
-    known = cost_model is not None and cost_model.get("llc_bytes")
+    if cm.get("knee_bytes"):
+        what = "the measured knee"
+    elif cm.get("llc_bytes"):
+        what = "the last-level cache as reported"
+    else:
+        what = "an assumed last-level cache"
     ax.axvline(
-        llc_traffic / 2**20,
-        color="grey",
-        ls=":",
-        label=f"EMA + model = last-level cache ({llc / 2**20:.0f} MiB{'' if known else ', assumed'})",
+        llc_traffic / 2**20, color="grey", ls=":", label=f"EMA + model = {what} ({split / 2**20:.0f} MiB)"
     )
     ax.set_xscale("log")
     ax.set_yscale("log")

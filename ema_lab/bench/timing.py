@@ -11,15 +11,30 @@ one.
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch.utils.benchmark import Timer
 
-__all__ = ["time_candidates", "synchronize", "cold_vs_warm", "unsynced_vs_synced"]
+__all__ = ["time_candidates", "synchronize", "cold_vs_warm", "unsynced_vs_synced", "progress_bar"]
+
+
+def progress_bar(**kwargs: Any) -> Any:
+    """A tqdm bar (``kwargs`` go to tqdm): a widget in Jupyter where ipywidgets is installed, else text.
+
+    ``tqdm.auto`` without ipywidgets prints a warning into the notebook before falling back to text;
+    asking for text directly shows the same bar without it.
+    """
+    if importlib.util.find_spec("ipywidgets") is not None:
+        from tqdm.auto import tqdm
+    else:
+        from tqdm import tqdm
+    return tqdm(**kwargs)
 
 
 def synchronize(device: str) -> None:
@@ -86,11 +101,13 @@ def time_candidates(
     warmup: int = 3,
     threads: int = 1,
     on_round: Callable[[int], None] | None = None,
+    progress: bool = False,
 ) -> dict[str, TimingResult]:
     """Time every candidate ``rounds`` times, interleaved; return per-call median and IQR for each.
 
     ``threads`` is the intra-op thread count during measurement (recorded in each result).
-    ``target_s`` sizes each measurement (``number`` calls); ``on_round(i)`` reports progress.
+    ``target_s`` sizes each measurement (``number`` calls); ``on_round(i)`` reports progress, and
+    ``progress=True`` shows a bar whose steps are the rounds (for a notebook cell that runs long).
     """
     if not candidates:
         raise ValueError("time_candidates needs at least one candidate")
@@ -106,12 +123,14 @@ def time_candidates(
         }
         names = list(candidates)
         times: dict[str, list[float]] = {k: [] for k in names}
-        for r in range(rounds):
-            # Rotate the order each round so no candidate always runs right after the same neighbour.
-            for k in names[r % len(names) :] + names[: r % len(names)]:
-                times[k].append(timers[k].timeit(numbers[k]).mean)
-            if on_round is not None:
-                on_round(r)
+        with progress_bar(total=rounds, disable=not progress, unit="round", desc="timing") as bar:
+            for r in range(rounds):
+                # Rotate the order each round so no candidate always runs right after the same neighbour.
+                for k in names[r % len(names) :] + names[: r % len(names)]:
+                    times[k].append(timers[k].timeit(numbers[k]).mean)
+                if on_round is not None:
+                    on_round(r)
+                bar.update(1)
     finally:
         torch.set_num_threads(previous)
     out = {}
