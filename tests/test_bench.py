@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("numpy", reason="ema_lab.bench needs numpy, not installed (the bench extra)")
+pytest.importorskip("matplotlib", reason="matplotlib is not installed (the bench extra)")
+
 from ema_lab.__main__ import main
 from ema_lab.bench import sweep
 from ema_lab.bench.environment import available_devices

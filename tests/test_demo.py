@@ -2,6 +2,8 @@
 
 import pytest
 
+pytest.importorskip("numpy", reason="ema_lab.bench needs numpy, not installed (the bench extra)")
+
 from ema_lab.__main__ import main
 from ema_lab.ema import STRATEGIES
 

@@ -20,6 +20,8 @@ import pytest
 import torch
 from torch import nn
 
+pytest.importorskip("numpy", reason="ema_lab.bench needs numpy, not installed (the bench extra)")
+
 from ema_lab import ModelEMA, ShardedModelEMA
 from ema_lab.lessons import distributed as dist_demo
 from ema_lab.lessons.models import build

@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+pytest.importorskip("thop", reason="thop is not installed (the notebooks extra)")
+
 from ema_lab import ModelEMA, foreach_update, gated_update
 from ema_lab.lessons.float64_bug import leaked_keys, shared_act_leak, train_step
 from ema_lab.lessons.models import Conv, tiny_cnn, yolo

@@ -8,9 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jupytext
-import nbformat
 import pytest
+
+jupytext = pytest.importorskip("jupytext", reason="jupytext is not installed (the notebooks extra)")
+import nbformat  # jupytext depends on it
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"

@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+pytest.importorskip("thop", reason="thop is not installed (the notebooks extra)")
+
 from ema_lab.lessons.models import Conv, tiny_cnn, tiny_transformer
 from ema_lab.lessons.models import build as build_zoo
 from ema_lab.lessons.profiling import (

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import matplotlib
+import pytest
 
+pytest.importorskip("numpy", reason="ema_lab.bench needs numpy, not installed (the bench extra)")
+matplotlib = pytest.importorskip("matplotlib", reason="matplotlib is not installed (the bench extra)")
 matplotlib.use("Agg")
-
-import pytest  # noqa: E402
 
 from ema_lab.bench.roofline import floor_points, format_floor, plot_time_vs_bytes  # noqa: E402
 

@@ -157,6 +157,7 @@ def swap_on_conversion():
     torch.__future__.set_swap_module_params_on_conversion(before)
 
 
+@pytest.mark.requires_torch("2.3", "torch.utils.swap_tensors")
 @pytest.mark.parametrize("strategy", [s for s in STRATEGIES_ if s != "flat_model"])
 def test_swap_tensors_on_a_model_parameter_works_and_is_followed(strategy: str) -> None:
     model = models.build("tiny_cnn")
@@ -170,6 +171,7 @@ def test_swap_tensors_on_a_model_parameter_works_and_is_followed(strategy: str) 
     assert ema.rebuilds == 2  # the rebuilt step is cached and live
 
 
+@pytest.mark.requires_torch("2.3", "torch.utils.swap_tensors")
 def test_swap_tensors_on_a_flattened_model_is_followed_once_the_old_tensor_is_released() -> None:
     # flat_model checks its fused groups by the flat storage's reference count (O(1) per group): a swap
     # whose swapped-out tensor the caller keeps alive holds that count; documented in ema_lab.flat.
@@ -181,6 +183,7 @@ def test_swap_tensors_on_a_flattened_model_is_followed_once_the_old_tensor_is_re
     assert ema.rebuilds == 2
 
 
+@pytest.mark.requires_torch("2.3", "torch.__future__.set_swap_module_params_on_conversion")
 @pytest.mark.parametrize("strategy", STRATEGIES_)
 def test_swap_module_params_on_conversion_works_and_is_followed(strategy: str, swap_on_conversion) -> None:
     model = models.build("tiny_cnn")
@@ -232,6 +235,7 @@ def test_the_default_reads_every_1d_cat_tensor_live_and_checks_the_rest() -> Non
     assert len(state.check_ptrs) == len(state.watch[1]) - len(one_d) == 11
 
 
+@pytest.mark.requires_torch("2.1", "torch._C._storage_Use_Count")
 @pytest.mark.parametrize("how", ["data", "_parameters", "swap_tensors"])
 def test_a_live_slot_replaced_by_a_same_shape_tensor_is_followed_without_a_rebuild(how: str) -> None:
     model = models.build("tiny_cnn")
@@ -324,6 +328,7 @@ def test_a_tensor_reviewed_in_place_is_refused_by_the_strategies_that_read_modul
         assert torch.equal(v, before[k]), k
 
 
+@pytest.mark.requires_torch("2.1", "torch._C._storage_Use_Count")
 @pytest.mark.parametrize("strategy", ["auto", "flat"])
 @pytest.mark.parametrize("which", WHICH)
 def test_a_tensor_reviewed_in_place_is_averaged_as_its_memory_by_the_flat_default(
@@ -338,6 +343,7 @@ def test_a_tensor_reviewed_in_place_is_averaged_as_its_memory_by_the_flat_defaul
             assert torch.equal(v, before[k].lerp(now[k].reshape(v.shape), 0.5)), k
 
 
+@pytest.mark.requires_torch("2.4", "ShardedModelEMA (FSDP2's DTensor)")
 def test_sharded_ema_also_refuses_a_tensor_reshaped_in_place() -> None:
     from ema_lab.sharded import ShardedModelEMA
 

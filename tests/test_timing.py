@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+pytest.importorskip("numpy", reason="ema_lab.bench needs numpy, not installed (the bench extra)")
+
 from ema_lab.bench.costmodel import (
     BYTES_PER_ELEMENT,
     FIXED_ELEMENTS,
@@ -183,7 +185,7 @@ def test_two_regime_fit_recovers_each_bandwidth_and_fractions_are_time_ratios_to
 
 
 def test_regime_plot_draws_both_panels_and_the_cache_marks():
-    import matplotlib
+    matplotlib = pytest.importorskip("matplotlib", reason="matplotlib is not installed (the bench extra)")
 
     matplotlib.use("Agg")
     from ema_lab.bench.costmodel import plot_cost_regimes

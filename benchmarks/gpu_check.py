@@ -1,0 +1,231 @@
+"""The GPU check in one command: ``python3 benchmarks/gpu_check.py`` (from the checkout, any venv with torch).
+
+On a CUDA machine, within 8 minutes, it writes into ``results/gpu-<machine>/``:
+
+1. ``python -m ema_lab bench --device cuda --quick``: timings, op counts and kernel launches per candidate;
+2. ``kernel-launches.json``: the CUDA kernels one ``ModelEMA.update`` launches, per strategy and model;
+3. ``cuda-tests.xml`` / ``.log``: the CUDA tests (``pytest -k cuda``: a sync-free update under
+   ``torch.cuda.set_sync_debug_mode("error")``, an update captured in and replayed from a CUDA graph,
+   kernel launches of one foreach call);
+4. the notebooks that have CUDA sections (02, 04, 05) executed into that folder, when nbclient, jupytext
+   and ipykernel are importable;
+5. the full bench (``--device cuda``) in the time that is left;
+
+plus ``summary.json`` / ``summary.md``: what ran, how long it took, and what was skipped and why. A step
+that cannot run (a missing package, an error, the time limit) is recorded and the others still run.
+Without CUDA it prints one line saying what was skipped and why, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from unittest.mock import patch
+
+ROOT = Path(__file__).resolve().parents[1]
+# The device machine gives one command at most 10 minutes; 8 leave room to copy the results back.
+BUDGET_S = 8 * 60
+# Kept back from the last step (the full bench) for writing the summary.
+RESERVE_S = 20
+# A bench or pytest run given less than this cannot start, measure and write anything: it is skipped.
+MIN_STEP_S = 30
+NOTEBOOKS_WITH_CUDA = ("02_ema_strategies", "04_timing_cpu_cuda_mps", "05_beyond_foreach")
+
+
+def no_cuda_reason() -> str | None:
+    """Why the check cannot run here, or None on a usable CUDA machine."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"torch is not importable ({exc})"
+    if not torch.cuda.is_available():
+        return f"no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is False)"
+    return None
+
+
+def bench_missing() -> str | None:
+    """What the bench steps lack here (ema_lab.bench needs the bench extra), or None."""
+    missing = [m for m in ("numpy", "matplotlib", "tqdm") if importlib.util.find_spec(m) is None]
+    return f"skipped: {', '.join(missing)} not installed (the bench extra)" if missing else None
+
+
+def machine_folder(out: Path | None) -> Path:
+    """``<results>/gpu-<machine>``, named like the bench's result files (OS, CPU, cores, GPU)."""
+    import torch
+
+    if bench_missing():  # ema_lab.bench cannot be imported: the checkout's results/, the GPU's name
+        gpu = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower())
+        return (out or ROOT / "results") / f"gpu-{gpu}"
+    from ema_lab.bench.environment import environment
+    from ema_lab.bench.results import machine_label, results_dir
+
+    env = environment("cuda")
+    return (out or results_dir()) / f"gpu-{machine_label(env, [str(env['device_name'])])}"
+
+
+class Clock:
+    """The time left of the whole check's budget."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.end = time.monotonic() + budget_s
+
+    def left(self) -> float:
+        """Seconds left before the budget runs out."""
+        return self.end - time.monotonic()
+
+
+def run_command(cmd: list[str], log: Path, timeout_s: float) -> str:
+    """Run ``cmd`` from the checkout with its output in ``log``; "ok", or what went wrong."""
+    if timeout_s < MIN_STEP_S:
+        return f"skipped: {timeout_s:.0f} s left of the {BUDGET_S} s budget"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return f"stopped after {timeout_s:.0f} s (the budget); partial output in {log.name}"
+    return "ok" if rc == 0 else f"exit code {rc}; see {log.name}"
+
+
+def bench(cmd: list[str], log: Path, timeout_s: float) -> str:
+    """``python -m ema_lab bench ...`` where the bench extra is installed."""
+    return bench_missing() or run_command(cmd, log, timeout_s)
+
+
+def kernel_launches(folder: Path) -> str:
+    """CUDA kernels of one steady ``ModelEMA.update`` per strategy on the bench's quick models."""
+    if bench_missing():
+        return bench_missing()
+    import torch
+
+    from ema_lab import ModelEMA, flatten_model
+    from ema_lab.bench.counting import kernel_launches_or_reason
+    from ema_lab.bench.sweep import QUICK_MODELS
+    from ema_lab.ema import STRATEGIES
+    from ema_lab.lessons import models
+
+    def launches(model: torch.nn.Module, strategy: str) -> object:
+        ema = ModelEMA(model, strategy=strategy)
+        ema.update(model)  # the first update builds the cached step
+        counts = kernel_launches_or_reason(ema.update, model, device="cuda")
+        return counts if isinstance(counts, str) else {"total": sum(counts.values()), "kernels": counts}
+
+    table: dict[str, dict[str, object]] = {}
+    for name in QUICK_MODELS:
+        model = models.build(name).cuda()
+        table[name] = {strategy: launches(model, strategy) for strategy in STRATEGIES}
+        flatten_model(model)  # the floor's layout: the default EMA then runs one lerp_ per group
+        table[name]["auto, flatten_model"] = launches(model, "auto")
+        del model
+        torch.cuda.empty_cache()
+    (folder / "kernel-launches.json").write_text(json.dumps(table, indent=2) + "\n")
+    return "ok"
+
+
+def notebooks(folder: Path, clock: Clock) -> str:
+    """Execute the notebooks with CUDA sections (quick mode) into ``folder``; never the committed ones."""
+    missing = [m for m in ("nbclient", "jupytext", "ipykernel") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"skipped: {', '.join(missing)} not installed (notebooks need the notebooks extra)"
+    import jupytext
+    import nbformat
+    from nbclient import NotebookClient
+
+    sys.path.insert(0, str(ROOT / "notebooks"))
+    import execute  # notebooks/execute.py: its kernel runs in this interpreter
+
+    (folder / "notebooks").mkdir(exist_ok=True)
+    outcomes = []
+    with patch.dict(os.environ, EMA_LAB_QUICK="1", PYTHONPATH=str(ROOT)):  # what the kernels inherit
+        for stem in NOTEBOOKS_WITH_CUDA:
+            if clock.left() < 120:
+                outcomes.append(f"{stem} skipped (the budget)")
+                continue
+            nb = jupytext.read(ROOT / "notebooks" / f"{stem}.py")
+            nb.metadata["kernelspec"] = dict(execute.KERNELSPEC)
+            # cwd notebooks/, as when a reader runs it; the executed copy goes to folder/notebooks/
+            where = {"metadata": {"path": str(ROOT / "notebooks")}}
+            km = execute.kernel_manager()
+            client = NotebookClient(nb, km=km, timeout=int(clock.left()), resources=where)
+            try:
+                client.execute()
+                outcomes.append(f"{stem} ok")
+            except Exception as exc:  # a failing notebook is reported; the next one still runs
+                outcomes.append(f"{stem} error: {type(exc).__name__}: {str(exc).strip().splitlines()[-1]}")
+            nbformat.write(nb, folder / "notebooks" / f"{stem}.ipynb")
+    return "ok" if all(o.endswith(" ok") for o in outcomes) else "; ".join(outcomes)
+
+
+def step(summary: dict[str, dict], name: str, fn: Callable[[], str]) -> None:
+    """Run one step, recording its outcome and duration; an exception is recorded, not raised."""
+    t0 = time.monotonic()
+    try:
+        outcome = fn()
+    except Exception as exc:  # one broken step must not cost the others their device time
+        outcome = f"error: {type(exc).__name__}: {exc}"
+    summary[name] = {"outcome": outcome, "seconds": round(time.monotonic() - t0, 1)}
+    print(f"[gpu-check] {name}: {outcome} ({summary[name]['seconds']} s)", flush=True)
+
+
+def write_summary(folder: Path, summary: dict[str, dict]) -> None:
+    """summary.json and a short summary.md next to the results."""
+    import torch
+
+    header = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (folder / "summary.json").write_text(json.dumps({**header, "steps": summary}, indent=2) + "\n")
+    lines = [f"# GPU check: {header['gpu']}", "", ", ".join(f"{k} {v}" for k, v in header.items()), ""]
+    lines += [f"- {name}: {s['outcome']} ({s['seconds']} s)" for name, s in summary.items()]
+    (folder / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every step that this machine allows; 0 unless a step failed."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="results folder (default: ema_lab's results/)")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))  # this checkout's ema_lab, also when run as a plain script
+    reason = no_cuda_reason()
+    if reason:
+        print(f"gpu-check skipped (CUDA bench, kernel counts, CUDA tests, notebook CUDA cells): {reason}")
+        return 0
+    clock = Clock(BUDGET_S)
+    folder = machine_folder(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"[gpu-check] writing to {folder}", flush=True)
+    py = sys.executable
+    cmd = [py, "-m", "ema_lab", "bench", "--device", "cuda", "--no-progress", "--out", f"{folder}"]
+
+    def upto(seconds: float) -> float:
+        return min(seconds, clock.left() - RESERVE_S)
+
+    tests = [py, "-m", "pytest", "tests", "-k", "cuda", "-rs", "--junitxml", f"{folder}/cuda-tests.xml"]
+    summary: dict[str, dict] = {}
+    step(summary, "bench quick", lambda: bench([*cmd, "--quick"], folder / "bench-quick.log", upto(150)))
+    step(summary, "kernel launches", lambda: kernel_launches(folder))
+    step(summary, "CUDA tests", lambda: run_command(tests, folder / "cuda-tests.log", upto(120)))
+    step(summary, "notebooks", lambda: notebooks(folder, clock))
+    step(summary, "bench full", lambda: bench(cmd, folder / "bench-full.log", upto(BUDGET_S)))
+    write_summary(folder, summary)
+    failed = [n for n, s in summary.items() if not s["outcome"].startswith(("ok", "skipped"))]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

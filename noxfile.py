@@ -1,0 +1,42 @@
+"""The core tests on every torch ema_lab supports: ``nox`` (all versions) or ``nox -s "core(2.1.2)"``.
+
+Each session installs torch first, then ema_lab with no extras (what ``pip install ema_lab`` gives a user)
+plus pytest and hypothesis, and runs the test files that need torch alone. The venvs are 4-7 GB each for
+the PyPI torch wheels with their CUDA libraries, so they are kept between runs (pip's cache serves the
+wheels again). docs/compat.md records the last result.
+"""
+
+from __future__ import annotations
+
+import nox
+
+# The supported floor (pyproject's torch>=2.1), the CI's torch (its CPU wheel is on the CI machine's
+# disk) and the newest the project's machines allow (their pip constraint caps torch at 2.14.1).
+TORCH_VERSIONS = ["2.1.2", "2.13.0", "2.14.1"]
+
+# The test files of ema_lab's core; the others test the bench or the lessons and need their extras (numpy,
+# matplotlib, thop, jupytext, ...). test_flat.py counts ops with ema_lab.bench.counting, which imports
+# numpy through ema_lab.bench: it skips itself without numpy, as the table in docs/compat.md shows.
+CORE_TESTS = [
+    "tests/test_ema.py",
+    "tests/test_flat.py",
+    "tests/test_gates.py",
+    "tests/test_reference.py",
+    "tests/test_stale_cache.py",
+    "tests/test_training.py",
+    "tests/test_updates.py",
+]
+
+nox.options.sessions = ["core"]
+nox.options.reuse_venv = "yes"
+
+
+# torch 2.1 has wheels for Python 3.8-3.11 only: one interpreter that every version in the list supports.
+@nox.session(python="3.11")
+@nox.parametrize("torch", TORCH_VERSIONS, ids=TORCH_VERSIONS)
+def core(session: nox.Session, torch: str) -> None:
+    """Install torch==<version>, then ema_lab without extras, and run the core tests."""
+    session.install(f"torch=={torch}")
+    session.install("-e", ".", "pytest>=8", "hypothesis>=6")
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *CORE_TESTS, *session.posargs)

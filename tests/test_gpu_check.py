@@ -1,0 +1,85 @@
+"""benchmarks/gpu_check.py: one clean line without CUDA; its steps record failures instead of raising.
+Also the CUDA-graph test the check runs (``-k cuda``): a captured update replays like an eager one."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ema_lab import ModelEMA
+from ema_lab.lessons import models
+
+from .helpers import float_entries
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+# A script, not a package module: loaded from its file (benchmarks/ is not put on sys.path for everyone).
+_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+gpu_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the check itself, not its skip")
+def test_without_cuda_it_prints_one_line_writes_nothing_and_exits_0(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("\n") == 1
+    line = out.stdout.strip()
+    assert line.startswith("gpu-check skipped (CUDA bench, kernel counts, CUDA tests, notebook CUDA cells): ")
+    assert f"no CUDA device (torch {torch.__version__}" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failing_step_is_recorded_and_the_next_still_runs() -> None:
+    summary: dict[str, dict] = {}
+    gpu_check.step(summary, "broken", lambda: 1 / 0)
+    gpu_check.step(summary, "fine", lambda: "ok")
+    assert summary["broken"]["outcome"] == "error: ZeroDivisionError: division by zero"
+    assert summary["fine"]["outcome"] == "ok"
+
+
+def test_a_command_is_judged_by_its_exit_code_and_stopped_at_its_time_limit(tmp_path, monkeypatch) -> None:
+    log = tmp_path / "x.log"
+    assert gpu_check.run_command([sys.executable, "-c", "print('hi')"], log, 60) == "ok"
+    assert log.read_text() == "hi\n"
+    assert gpu_check.run_command([sys.executable, "-c", "raise SystemExit(3)"], log, 60).startswith(
+        "exit code 3"
+    )
+    assert gpu_check.run_command([sys.executable, "-c", "1"], log, 5).startswith("skipped: 5 s left")
+    monkeypatch.setattr(gpu_check, "MIN_STEP_S", 0)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    assert gpu_check.run_command(sleeper, log, 1).startswith("stopped after 1 s")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="skipped: no CUDA device")
+def test_cuda_graph_replays_the_default_update_with_new_weights_and_decay() -> None:
+    model = models.build("tiny_cnn").cuda()
+    ema = ModelEMA(model)
+    decay = torch.tensor(0.9, device="cuda")
+    side = torch.cuda.Stream()  # warm-up (builds the cached step) off the capture stream, as torch advises
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            ema.update(model, decay=decay)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ema.update(model, decay=decay)
+    before = {k: v.double() for k, v in float_entries(ema.ema).items()}
+    with torch.no_grad():
+        for i, v in enumerate(float_entries(model).values()):
+            v.fill_(1.0 + i)
+    decay.fill_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    live = float_entries(model)
+    for k, v in float_entries(ema.ema).items():
+        expected = 0.5 * before[k] + 0.5 * live[k].double()
+        torch.testing.assert_close(v.double(), expected, rtol=1e-6, atol=1e-6, msg=k)
