@@ -15,16 +15,11 @@ It is a container, not a runnable network: load it into an FSDP model with :meth
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 
-from . import pairs as _pairs
-from .ema import EMASchedule, check_arguments
-from .pairs import Slot, install_hooks, module_entries, shape_and_dtype, unwrap_model
-from .updates import Step, prepare
+from .ema import EMASchedule, check_arguments, unwrap_model
+from .steps import ListStep, collect_pairs, install_hooks, local_pairs, module_entries
 
 __all__ = ["ShardedModelEMA", "STRATEGIES"]
 
@@ -36,8 +31,11 @@ STRATEGIES = ("loop", "foreach", "gated", "auto")
 def _dtensor_cls() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.4 (DTensor was torch.distributed._tensor) or no distributed build
-        return None
+    except ImportError:
+        try:  # torch 2.4 (public from 2.5)
+            from torch.distributed._tensor import DTensor
+        except ImportError:  # torch < 2.4's DTensor lacks what FSDP2 needs, or no distributed build
+            return None
     return DTensor
 
 
@@ -50,35 +48,9 @@ def local_tensor(t: Tensor) -> Tensor:
     return t
 
 
-@dataclass
-class _Prepared:
-    """A validated update step plus what tells that the model still holds the same tensors and storage."""
-
-    step: Step
-    other_ema: list[Tensor]
-    other_model: list[Tensor]
-    slots: list[Slot]
-    objects: list[Tensor]
-    ptrs: list[int]
-    metas: list[tuple]  # (shape, dtype) of each local tensor: a re-view keeps data_ptr()
-    generation: int
-    model_ref: weakref.ref
-
-    def is_current(self, model: nn.Module) -> bool:
-        """True while ``model`` is the prepared one and every slot holds the same tensor and local storage."""
-        if self.generation != _pairs._generation or self.model_ref() is not model:
-            return False
-        try:
-            now = [d[k] for d, k in self.slots]
-        except KeyError:
-            return False
-        # FSDP2 swaps unsharded tensors in during forward/backward and the sharded ones back after.
-        # ``_local_tensor`` is what to_local() returns without grad, minus a dispatched view per tensor.
-        if not all(a is b for a, b in zip(now, self.objects)):
-            return False
-        local = [getattr(t, "_local_tensor", t) for t in now]
-        ptrs, metas = list(map(Tensor.data_ptr, local)), list(map(shape_and_dtype, local))
-        return ptrs == self.ptrs and metas == self.metas
+def _local_storage(t: Tensor) -> Tensor:
+    # What to_local() returns without grad, minus a dispatched view per tensor: the per-step check reads it.
+    return getattr(t, "_local_tensor", t)
 
 
 def _holder(entries: dict[str, Tensor]) -> nn.Module:
@@ -133,19 +105,6 @@ class ShardedModelEMA(EMASchedule):
                 entries[key] = copies[id(t)]
         self.ema = _holder(entries)
         self._init_schedule(decay, tau, updates, strategy)
-        self._keys = self._distinct_keys(entries)
-        self.rebuilds = 0  # how often the model-side cache was (re)built: once, unless tensors moved
-        self._cache: _Prepared | None = None
-
-    @staticmethod
-    def _distinct_keys(entries: dict[str, Tensor]) -> list[str]:
-        seen: set[int] = set()
-        keys = []
-        for key, t in entries.items():
-            if id(t) not in seen:
-                seen.add(id(t))
-                keys.append(key)
-        return keys
 
     @property
     def resolved_strategy(self) -> str:
@@ -154,27 +113,23 @@ class ShardedModelEMA(EMASchedule):
 
     def local_tensors(self) -> dict[str, Tensor]:
         """This rank's EMA tensors by state_dict key (shards of sharded entries), tied weights once."""
-        sd = self.ema.state_dict(keep_vars=True)
-        return {k: local_tensor(sd[k]) for k in self._keys}
+        seen: set[int] = set()
+        out = {}
+        for key, t in self.ema.state_dict(keep_vars=True).items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                out[key] = local_tensor(t)
+        return out
 
     def local_bytes(self) -> int:
         """Bytes of EMA memory this rank holds (its shards plus replicated entries)."""
         return sum(t.numel() * t.element_size() for t in self.local_tensors().values())
 
-    def _model_tensors(self, model: nn.Module) -> tuple[list[Slot], list[Tensor]]:
-        """The model's slots and tensors for this EMA's keys, checked to be laid out like the EMA's."""
-        slots = dict(module_entries(model))
-        ema = self.ema.state_dict(keep_vars=True)
-        if slots.keys() != ema.keys():
-            missing, extra = sorted(ema.keys() - slots.keys()), sorted(slots.keys() - ema.keys())
-            raise ValueError(
-                f"model does not hold the EMA's entries: missing {missing[:5]}, extra {extra[:5]}"
-            )
+    def _build(self, model: nn.Module) -> ListStep:
+        """The update step over this rank's shards, checked to be laid out like the EMA's."""
+        pairs = collect_pairs(self.ema, model)
         dtensor = _dtensor_cls()
-        out = []
-        for k in self._keys:
-            e, (d, name) = ema[k], slots[k]
-            m = d[name]
+        for k, e, m in zip(pairs.names, pairs.ema, pairs.model):
             if isinstance(e, dtensor) != isinstance(m, dtensor):
                 raise ValueError(
                     f"entry {k!r}: the EMA holds a {type(e).__name__} but the model now a "
@@ -185,53 +140,19 @@ class ShardedModelEMA(EMASchedule):
                     f"entry {k!r}: model {tuple(m.shape)} {m.placements} does not match "
                     f"EMA {tuple(e.shape)} {e.placements}"
                 )
-            out.append(m)
-        return [slots[k] for k in self._keys], out
-
-    def _prepared(self, model: nn.Module) -> _Prepared:
-        """The cached update step, rebuilt when the model's tensors or their local storage changed."""
-        if self._cache is not None and self._cache.is_current(model):
-            return self._cache
-        slots, tensors = self._model_tensors(model)
-        ema_local = list(self.local_tensors().values())
-        model_local = [local_tensor(t) for t in tensors]
-        floats = [i for i, e in enumerate(ema_local) if e.is_floating_point()]
-        others = [i for i, e in enumerate(ema_local) if not e.is_floating_point()]
-        for i in others:
-            if ema_local[i].shape != model_local[i].shape or model_local[i].is_floating_point():
-                raise ValueError(
-                    f"entry {self._keys[i]!r}: EMA {tuple(ema_local[i].shape)} {ema_local[i].dtype} does not "
-                    f"match model {tuple(model_local[i].shape)} {model_local[i].dtype}"
-                )
-        step = prepare(
-            self.resolved_strategy,
-            [ema_local[i] for i in floats],
-            [model_local[i] for i in floats],
-            [self._keys[i] for i in floats],
-        )
-        self._cache = _Prepared(
-            step=step,
-            other_ema=[ema_local[i] for i in others],
-            other_model=[model_local[i] for i in others],
-            slots=slots,
-            objects=tensors,
-            ptrs=[t.data_ptr() for t in model_local],
-            metas=list(map(shape_and_dtype, model_local)),
-            generation=_pairs._generation,
-            model_ref=weakref.ref(model),
-        )
+        step = ListStep(self.resolved_strategy, local_pairs(pairs, local_tensor), model, _local_storage)
         self.rebuilds += 1
-        return self._cache
+        return step
 
     def update(self, model: nn.Module) -> None:
         """Move this rank's EMA shards one step towards the model's (no communication)."""
         if not self.enabled:
             return
-        prep = self._prepared(unwrap_model(model))
-        prep.step(self.decay(self.updates + 1))
-        if prep.other_ema:  # non-float entries (BatchNorm's num_batches_tracked) are copied, not averaged
-            with torch.no_grad():
-                torch._foreach_copy_(prep.other_ema, prep.other_model)
+        model = unwrap_model(model)
+        if self._step is None or not self._step.current(model):
+            self._step = None
+            self._step = self._build(model)
+        self._step.apply(self.decay(self.updates + 1))
         self.updates += 1
 
     def sharded_state_dict(self) -> dict[str, Tensor]:

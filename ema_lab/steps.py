@@ -1,0 +1,405 @@
+"""One EMA step per strategy, built once per model layout: it knows whether it is still current and applies.
+
+``ModelEMA`` collects the (EMA, model) tensor pairs once instead of walking ``state_dict()`` twice per
+update. Such a cache is only safe if it notices when the modules stop using the cached memory:
+``model.to()``, ``.half()`` or ``.double()`` give tensors new storage, assigning a parameter swaps the
+object, ``p.data = ...`` and ``torch.utils.swap_tensors`` keep the object but not its memory. A step
+therefore reads the model through detached aliases made when it was built (same memory, no autograd,
+no reference to the module's tensor that would make ``swap_tensors`` refuse it) and, before each
+update, :class:`Watch` compares the ``data_ptr()`` of the tensor each module slot holds now with the
+one it was built from, plus a process-wide counter that torch's global parameter/buffer/module
+registration hooks bump (:func:`install_hooks`, on the first EMA made, never at import). A stale step
+is rebuilt; a new layout that no longer fits the EMA raises before anything is written. A tensor
+re-viewed in place (``p.data = p.view(new_shape)``: same memory) is averaged as that memory, in the
+EMA's shape, by every strategy: the aliases keep their shapes, so no update stops halfway through a list.
+
+The strategies: ``"loop"``, ``"foreach"`` and ``"gated"`` run :mod:`ema_lab.updates` over the aliases
+(:class:`ListStep`). ``"flat"`` (:class:`FlatStep`, the default) moves the EMA tensors of each
+(device, EMA dtype, model dtype) group into one buffer (the EMA module's tensors become views of it)
+and reads the model side by layout: ``fused`` (the model's tensors tile one storage, as after
+:func:`ema_lab.flatten_model`: one ``lerp_``, after one cast-copy if the dtypes differ), ``cast``
+(dtypes differ: one ``_foreach_copy_`` into a scratch buffer, one ``lerp_``), ``cat`` (small tensors:
+one ``torch.cat`` into scratch, one ``lerp_``), ``foreach`` (large tensors: one ``_foreach_lerp_``
+over views of the buffer), or ``cat+foreach``. A flat step checks its flat buffers (the EMA's, and a
+fused model's) by their storage reference counts, O(1) per group: any replacement drops a reference.
+When a count moved it takes the exact per-slot check once (a transient extra view is harmless).
+Limit: a fused tensor replaced while something else keeps a new view of the same buffer, or keeps
+the replaced tensor alive, between two updates keeps the count (``ModelEMA`` holds neither).
+
+A decay may be a 0-dim floating tensor with ``"flat"``: it is used as a tensor weight, no ``.item()``,
+so an update is sync-free and a changing decay under ``torch.compile`` is data, not a recompile.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from itertools import accumulate
+from operator import getitem
+
+import torch
+from torch import Tensor, nn
+
+from .flat import group, into_one_buffer, tiles_in_order, whole_storage
+from .gates import foreach_lerp_supported
+from .updates import PREPARERS, validate_pairs
+
+#: Below this many elements a model tensor is gathered by one ``torch.cat`` (about a third of the
+#: per-tensor cost of a foreach, plus one more pass over its elements); benchmarks/update_costs.py sweeps it.
+CAT_MAX_NUMEL = 2048
+#: ATen's ``GRAIN_SIZE``: a CPU ``torch.cat`` with a bigger result at 2+ threads copies each input on its
+#: own (about 1 us each), so a step built at 2+ threads gathers in runs under it (benchmarks/cat_runs.py).
+CAT_RUN_NUMEL = 32768
+
+# A private binding (present from torch 2.1 to at least 2.13). Without it every flat step takes the
+# exact per-slot check: slower, never unsafe.
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+_generation = 0  # bumped by torch's registration hooks on every new or replaced module entry
+_hooks: list = []
+
+
+def _count_registrations(table: str) -> Callable[[nn.Module, str, object], None]:
+    def hook(module: nn.Module, name: str, value: object) -> None:
+        global _generation
+        # ``self.step += 1`` on a buffer re-registers the same object (AveragedModel and ema-pytorch do it
+        # every update): not a replacement, so it must not make every cache in the process rebuild.
+        if module.__dict__.get(table, {}).get(name) is not value:
+            _generation += 1
+
+    return hook
+
+
+def install_hooks() -> None:
+    """Register torch's global parameter/buffer/module registration hooks, once per process."""
+    if _hooks:
+        return
+    for name, table in (
+        ("register_module_parameter_registration_hook", "_parameters"),
+        ("register_module_buffer_registration_hook", "_buffers"),
+        ("register_module_module_registration_hook", "_modules"),
+    ):
+        _hooks.append(getattr(nn.modules.module, name)(_count_registrations(table)))
+
+
+Slot = tuple[dict, str]  # (the module dict that holds an entry, its name): what the entry is *now*
+
+
+def module_entries(module: nn.Module) -> Iterator[tuple[str, Slot]]:
+    """Yield (state_dict key, slot) for every parameter and persistent buffer."""
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, t in mod._parameters.items():
+            if t is not None:
+                yield dot + name, (mod._parameters, name)
+        skip = mod._non_persistent_buffers_set
+        for name, t in mod._buffers.items():
+            if t is not None and name not in skip:
+                yield dot + name, (mod._buffers, name)
+
+
+@dataclass
+class Pairs:
+    """Matched entries of an EMA module and a model by state_dict key, tied weights once."""
+
+    names: list[str]  # keys of the floating-point pairs
+    ema: list[Tensor]
+    model: list[Tensor]
+    ema_counters: list[Tensor]  # non-float entries (BatchNorm's num_batches_tracked): copied, not averaged
+    model_counters: list[Tensor]
+    ema_slots: list[Slot]  # floats, then counters
+    model_slots: list[Slot]  # floats, then counters
+
+
+def collect_pairs(ema: nn.Module, model: nn.Module) -> Pairs:
+    """Match every parameter and persistent buffer of ``ema`` with ``model``'s by key (else a clear error)."""
+    install_hooks()  # before any step reads the generation: from here on every registration bumps it
+    ema_slots, model_slots = dict(module_entries(ema)), dict(module_entries(model))
+    if ema_slots.keys() != model_slots.keys():
+        missing = sorted(ema_slots.keys() - model_slots.keys())
+        extra = sorted(model_slots.keys() - ema_slots.keys())
+        raise ValueError(
+            f"EMA and model do not hold the same entries: missing in model {missing[:5]}, "
+            f"not in EMA {extra[:5]} ({len(missing)} and {len(extra)} in all)"
+        )
+    floats: list[tuple[str, Tensor, Tensor, Slot, Slot]] = []
+    counters: list[tuple[str, Tensor, Tensor, Slot, Slot]] = []
+    seen: set[int] = set()
+    for key, slot in ema_slots.items():
+        e, m = getitem(*slot), getitem(*model_slots[key])
+        if id(e) not in seen:  # tied weights: one tensor under two keys
+            seen.add(id(e))
+            (floats if e.is_floating_point() else counters).append((key, e, m, slot, model_slots[key]))
+    for key, e, m, _, _ in counters:
+        if e.shape != m.shape or e.device != m.device or m.is_floating_point():
+            raise ValueError(
+                f"entry {key!r}: EMA shape {tuple(e.shape)} {e.dtype} on {e.device} does not match "
+                f"model shape {tuple(m.shape)} {m.dtype} on {m.device}"
+            )
+    cols = list(zip(*floats)) or [[]] * 5
+    other = list(zip(*counters)) or [[]] * 5
+    return Pairs(
+        [*cols[0]],
+        [*cols[1]],
+        [*cols[2]],
+        [*other[1]],
+        [*other[2]],
+        [*cols[3], *other[3]],
+        [*cols[4], *other[4]],
+    )
+
+
+class Watch:
+    """Whether ``model`` is still the one a step was built for and its slots hold the same memory."""
+
+    def __init__(self, model: nn.Module, slots: list[Slot], local: Callable[[Tensor], Tensor] | None = None):
+        self.model_ref = weakref.ref(model)
+        self.generation = _generation
+        self.dicts, self.keys = (tuple(x) for x in zip(*slots)) if slots else ((), ())
+        self.local = local  # ShardedModelEMA: the local shard of a DTensor
+        self.ptrs = self.data_ptrs()
+
+    def data_ptrs(self) -> list[int]:
+        """``data_ptr()`` of the tensor each slot holds now; map() keeps the loop in C."""
+        tensors = map(getitem, self.dicts, self.keys)
+        return list(map(Tensor.data_ptr, tensors if self.local is None else map(self.local, tensors)))
+
+    def current(self, model: nn.Module) -> bool:
+        """True while no registration happened anywhere and every slot holds the memory it was built from."""
+        if self.generation != _generation or self.model_ref() is not model:
+            return False
+        try:
+            return self.data_ptrs() == self.ptrs
+        except (KeyError, AttributeError, TypeError):  # an entry was deleted or set to None
+            return False
+
+
+class Counters:
+    """The non-float entries, copied from the model: the EMA's of each (device, dtype) pair of dtypes are
+    views of one buffer, filled by one ``torch.cat`` of the model's (one ``copy_`` where the model's tile
+    one storage in the same order, as after ``flatten_model``); a strided counter by ``_foreach_copy_``."""
+
+    def __init__(self, ema: list[Tensor], model: list[Tensor]) -> None:
+        self.copies: list[tuple[Tensor, list[Tensor]]] = []  # (EMA buffer, 1-D model aliases or the storage)
+        strided = [i for i, m in enumerate(model) if not m.is_contiguous()]
+        self.strided = ([ema[i] for i in strided], [model[i].detach() for i in strided])
+        flat = [i for i, m in enumerate(model) if m.is_contiguous()]
+        for idx in group(flat, lambda i: (ema[i].device, ema[i].dtype, model[i].dtype)):
+            aliases = [model[i].detach().view(-1) for i in idx]
+            buf = into_one_buffer([ema[i] for i in idx])
+            self.copies.append((buf, [whole_storage(aliases[0])] if tiles_in_order(aliases) else aliases))
+
+    def __call__(self) -> None:
+        """Copy the model's counters into the EMA's."""
+        for buf, src in self.copies:
+            if len(src) == 1:
+                buf.copy_(src[0])
+            else:
+                torch.cat(src, out=buf)
+        if self.strided[0]:
+            torch._foreach_copy_(*self.strided)
+
+
+class ListStep:
+    """``"loop"``, ``"foreach"`` or ``"gated"``: the pure update of :mod:`ema_lab.updates` over aliases."""
+
+    modes: list[str] = []
+
+    def __init__(
+        self, strategy: str, pairs: Pairs, model: nn.Module, local: Callable[[Tensor], Tensor] | None = None
+    ) -> None:
+        same_dtype, prepare = PREPARERS[strategy]
+        validate_pairs(pairs.ema, pairs.model, pairs.names, same_dtype=same_dtype)
+        self.step = prepare([e.detach() for e in pairs.ema], [m.detach() for m in pairs.model])
+        self.counters = Counters(pairs.ema_counters, pairs.model_counters)
+        self.current = Watch(model, pairs.ema_slots + pairs.model_slots, local).current
+
+    def apply(self, decay: float) -> None:
+        """One update of the EMA, then the counters."""
+        self.step(decay)
+        self.counters()
+
+
+class FusedGroup:
+    """The model's tensors of the group tile one storage: one ``lerp_`` (after one cast-copy if needed)."""
+
+    mode = "fused"
+
+    def __init__(self, ema: list[Tensor], model: list[Tensor]) -> None:
+        self.model = whole_storage(model[0])
+        order = sorted(range(len(model)), key=lambda i: model[i].storage_offset())
+        self.ema = into_one_buffer([ema[i] for i in order])  # the model's layout: one lerp_ covers all
+        self.scratch = torch.empty_like(self.ema) if model[0].dtype != ema[0].dtype else None
+
+    def apply(self, w: float | Tensor) -> None:
+        src = self.model
+        if self.scratch is not None:  # bf16/fp16 model, fp32 EMA
+            src = self.scratch.copy_(src)
+        self.ema.lerp_(src, w)
+
+
+class CastGroup:
+    """Model dtype differs from the EMA's: one ``_foreach_copy_`` casts into scratch, then one ``lerp_``."""
+
+    mode = "cast"
+
+    def __init__(self, ema: list[Tensor], model: list[Tensor]) -> None:
+        self.ema = into_one_buffer(ema)
+        self.scratch = torch.empty_like(self.ema)
+        off = [0, *accumulate(e.numel() for e in ema)]
+        self.scratch_views = [self.scratch[a:b].view(e.shape) for a, b, e in zip(off, off[1:], ema)]
+        self.model = [m.detach() for m in model]
+
+    def apply(self, w: float | Tensor) -> None:
+        torch._foreach_copy_(self.scratch_views, self.model)
+        self.ema.lerp_(self.scratch, w)
+
+
+class SplitGroup:
+    """Same dtype: the small tensors (first in the buffer) by ``torch.cat`` runs, the large by one foreach.
+
+    The small 1-D tensors (BatchNorm's vectors, biases) are read live from their module slots by
+    :meth:`gather`, with no ``data_ptr()`` check: whatever a slot holds now is what is read, and one that
+    changed size, dtype or device fails the gather, before anything is written.
+    """
+
+    def __init__(self, ema: list[Tensor], model: list[Tensor], slots: list[Slot], cat_max_numel: int) -> None:
+        small = [i for i, m in enumerate(model) if m.numel() < cat_max_numel and m.is_contiguous()]
+        small.sort(key=lambda i: model[i].dim() != 1)  # the live 1-D ones first
+        large = [i for i in range(len(model)) if i not in set(small)]
+        live = {i for i in small if model[i].dim() == 1}
+        self.checked_slots = [slots[i] for i in range(len(model)) if i not in live]
+        self.mode = "cat+foreach" if small and large else "cat" if small else "foreach"
+        self.ema = into_one_buffer([ema[i] for i in small + large])
+        numels = [model[i].numel() for i in small]
+        ends = [0, *accumulate(numels)]
+        # One cat at one thread (or off the CPU); at 2+ threads runs under CAT_RUN_NUMEL (see above).
+        threaded = self.ema.device.type == "cpu" and torch.get_num_threads() > 1
+        runs = _runs(numels, CAT_RUN_NUMEL) if threaded else [range(len(small))] if small else []
+        self.runs = []
+        for r in runs:
+            members = [small[k] for k in r]
+            read = [slots[i] for i in members if i in live]
+            dicts, keys = (tuple(x) for x in zip(*read)) if read else ((), ())
+            aliases = [model[i].detach().view(-1) for i in members if i not in live]
+            self.runs.append((self.ema[ends[r.start] : ends[r.stop]], dicts, keys, aliases))
+        self.sources: list[Tensor] = []  # the runs' model values, read by gather()
+        self.views = [ema[i].detach() for i in large]  # aliases of the buffer's views, our own objects
+        self.model = [model[i].detach() for i in large]
+        self.foreach = foreach_lerp_supported(None, self.ema.device.type)
+
+    def gather(self) -> None:
+        """Read the small tensors into :attr:`sources`; raises if a slot read live no longer fits."""
+        self.sources = []
+        for ema, dicts, keys, aliases in self.runs:
+            src = torch.cat([*map(getitem, dicts, keys), *aliases])
+            if src.shape != ema.shape or src.dtype != ema.dtype or src.device != ema.device:
+                raise ValueError(f"the model's tensors gather to {src.numel()} {src.dtype} on {src.device}")
+            self.sources.append(src)
+
+    def apply(self, w: float | Tensor) -> None:
+        for (ema, *_), src in zip(self.runs, self.sources):
+            ema.lerp_(src, w)
+        if not self.model:
+            return
+        if not self.foreach:  # mps before 2.4, npu: the gate says per tensor
+            for v, m in zip(self.views, self.model):
+                v.lerp_(m, w)
+        else:
+            torch._foreach_lerp_(self.views, self.model, w if isinstance(w, float) else [w] * len(self.model))
+
+
+def _runs(numels: list[int], limit: int) -> list[range]:
+    """Consecutive tensors (by element count) in runs under ``limit`` elements; a bigger one runs alone."""
+    runs, start, total = [], 0, 0
+    for i, n in enumerate(numels):
+        if total + n >= limit and i > start:
+            runs.append(range(start, i))
+            start, total = i, 0
+        total += n
+    return [*runs, range(start, len(numels))] if numels else []
+
+
+class FlatStep:
+    """``"flat"``: one buffer per (device, EMA dtype, model dtype) group; modes in the module docstring."""
+
+    def __init__(self, pairs: Pairs, model: nn.Module, cat_max_numel: int = CAT_MAX_NUMEL) -> None:
+        validate_pairs(pairs.ema, pairs.model, pairs.names)
+        ema, mod = pairs.ema, [m.detach() for m in pairs.model]
+        self.groups: list[FusedGroup | CastGroup | SplitGroup] = []
+        self.reading: list[SplitGroup] = []  # the groups that read slots live (gathered by current())
+        checked: list[Slot] = []
+        for idx in group(range(len(ema)), lambda i: (ema[i].device, ema[i].dtype, mod[i].dtype)):
+            es, ms, slots = [ema[i] for i in idx], [mod[i] for i in idx], [pairs.model_slots[i] for i in idx]
+            if tiles_in_order(sorted(ms, key=Tensor.storage_offset)):
+                self.groups.append(FusedGroup(es, ms))  # watched by the storage's reference count
+            elif ms[0].dtype != es[0].dtype:
+                self.groups.append(CastGroup(es, ms))
+                checked += slots
+            else:
+                self.groups.append(SplitGroup(es, ms, slots, cat_max_numel))
+                self.reading.append(self.groups[-1])
+                checked += self.groups[-1].checked_slots
+        self.counters = Counters(pairs.ema_counters, pairs.model_counters)
+        self.modes = [g.mode for g in self.groups]
+        self.devices = [g.ema.device for g in self.groups]
+        # Every read slot that is not a view of a watched buffer is checked per step (counters included).
+        self.watch = Watch(model, checked + pairs.model_slots[len(ema) :])
+        self.exact = Watch(model, pairs.ema_slots + pairs.model_slots)  # when a reference count moved
+        self.storages = [g.ema.untyped_storage() for g in self.groups]
+        self.storages += [g.model.untyped_storage() for g in self.groups if g.mode == "fused"]
+        self.counts = self.use_counts()
+
+    def use_counts(self) -> list[int]:
+        """How many tensors (views included) hold each flat storage now; [] if torch cannot say."""
+        return [] if _USE_COUNT is None else [_USE_COUNT(s._cdata) for s in self.storages]
+
+    def current(self, model: nn.Module) -> bool:
+        """Per-slot check of the checked reads, O(1) per flat buffer (the exact check if a count moved),
+        then the live reads: :meth:`apply` updates from what this read."""
+        if not self.watch.current(model):
+            return False
+        if _USE_COUNT is None or self.use_counts() != self.counts:
+            if not self.exact.current(model):
+                return False
+            self.counts = self.use_counts()  # a view made or dropped elsewhere: the new intact state
+        try:
+            with torch.no_grad():
+                for g in self.reading:
+                    g.gather()
+        except (TypeError, RuntimeError, ValueError):  # a live slot holds None, or another size/dtype/device
+            return False
+        return True
+
+    def apply(self, decay: float | Tensor) -> None:
+        """One update of every group, then the counters; ``decay`` is a float or a checked 0-dim tensor."""
+        with torch.no_grad():
+            if isinstance(decay, float):
+                weights = [1.0 - decay] * len(self.groups)
+            else:  # no host sync; the weight in each buffer's dtype (torch < 2.10 wants them equal)
+                for device in self.devices:
+                    if decay.device != device:
+                        raise ValueError(f"decay is on {decay.device} but the EMA group is on {device}")
+                weights = [(1 - decay).to(g.ema.dtype) for g in self.groups]
+            for g, w in zip(self.groups, weights):
+                g.apply(w)
+            self.counters()
+
+
+def build_step(strategy: str, pairs: Pairs, model: nn.Module, cat_max_numel: int) -> FlatStep | ListStep:
+    """The step of ``strategy`` over ``pairs``, checked against ``model``."""
+    if strategy == "flat":
+        return FlatStep(pairs, model, cat_max_numel)
+    return ListStep(strategy, pairs, model)
+
+
+def local_pairs(pairs: Pairs, local: Callable[[Tensor], Tensor]) -> Pairs:
+    """``pairs`` with every tensor replaced by ``local(tensor)`` (ShardedModelEMA: the local shards)."""
+    return replace(
+        pairs,
+        **{
+            k: [local(t) for t in getattr(pairs, k)]
+            for k in ("ema", "model", "ema_counters", "model_counters")
+        },
+    )
