@@ -47,7 +47,7 @@ def candidates(name: str, baseline: ModuleType) -> dict[str, object]:
     ema_lab.flatten_model(flat)
     old, new, fused = baseline.ModelEMA(model), ema_lab.ModelEMA(model), ema_lab.ModelEMA(flat)
     n = sum(t.numel() for t in model.state_dict().values() if t.is_floating_point())
-    a, b = torch.rand(n), torch.rand(n)
+    (a,), (b,) = (ema_lab.flatten_tensors([torch.rand(n)]) for _ in range(2))  # memory as the EMA's
     out = {
         "baseline": lambda: old.update(model),
         "new": lambda: new.update(model),
@@ -62,7 +62,7 @@ def candidates(name: str, baseline: ModuleType) -> dict[str, object]:
 def time_interleaved(
     fns: dict[str, Callable[[], object]], rounds: int, target_s: float = 0.05
 ) -> dict[str, float]:
-    """Median CPU seconds per call of each function, the functions interleaved in rotating order each round."""
+    """Median CPU seconds per call of each function, interleaved in a rotating order each round."""
     numbers = {}
     for k, fn in fns.items():
         start = time.thread_time()

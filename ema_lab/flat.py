@@ -12,6 +12,8 @@ the BatchNorm counters. Flatten before building the optimizer's foreach/fused st
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -28,10 +30,29 @@ def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]
     return list(out.values())
 
 
+#: The transparent huge page of x86-64 (and of arm64 with 4 KiB pages): buffers from this size up get a
+#: mapping of their own, aligned to it. One TLB entry then covers 2 MiB of the stream an update reads,
+#: not 4 KiB: a lerp_ over 10-100 MB buffers ran 3-4% faster side by side (benchmarks/cat_runs.py).
+HUGE_PAGE = 2 << 20
+
+
+def empty_flat(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+    """An uninitialised 1-D buffer; on Linux CPU, from 2 MiB up, in transparent huge pages where granted."""
+    device = torch.device(device)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(numel, dtype=dtype, device=device)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # a kernel without THP: the mapping is still good memory
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=-start % HUGE_PAGE)
+
+
 def into_one_buffer(tensors: Sequence[Tensor]) -> Tensor:
     """A new 1-D buffer holding ``tensors`` back to back (one dtype and device); each becomes a view of it."""
     first = tensors[0]
-    buf = torch.empty(sum(t.numel() for t in tensors), dtype=first.dtype, device=first.device)
+    buf = empty_flat(sum(t.numel() for t in tensors), first.dtype, first.device)
     off = 0
     with torch.no_grad():
         for t in tensors:

@@ -41,7 +41,7 @@ from operator import getitem
 import torch
 from torch import Tensor, nn
 
-from .flat import group, into_one_buffer, tiles_in_order, whole_storage
+from .flat import empty_flat, group, into_one_buffer, tiles_in_order, whole_storage
 from .gates import foreach_lerp_supported
 from .updates import PREPARERS, validate_pairs
 
@@ -230,7 +230,11 @@ class FusedGroup:
         self.model = whole_storage(model[0])
         order = sorted(range(len(model)), key=lambda i: model[i].storage_offset())
         self.ema = into_one_buffer([ema[i] for i in order])  # the model's layout: one lerp_ covers all
-        self.scratch = torch.empty_like(self.ema) if model[0].dtype != ema[0].dtype else None
+        self.scratch = (
+            empty_flat(self.ema.numel(), self.ema.dtype, self.ema.device)
+            if model[0].dtype != ema[0].dtype
+            else None
+        )
 
     def apply(self, w: float | Tensor) -> None:
         src = self.model
@@ -246,7 +250,7 @@ class CastGroup:
 
     def __init__(self, ema: list[Tensor], model: list[Tensor]) -> None:
         self.ema = into_one_buffer(ema)
-        self.scratch = torch.empty_like(self.ema)
+        self.scratch = empty_flat(self.ema.numel(), self.ema.dtype, self.ema.device)
         off = [0, *accumulate(e.numel() for e in ema)]
         self.scratch_views = [self.scratch[a:b].view(e.shape) for a, b, e in zip(off, off[1:], ema)]
         self.model = [m.detach() for m in model]

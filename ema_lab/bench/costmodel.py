@@ -19,7 +19,8 @@ The bytes term has one bandwidth per regime: *cache* while the working set (EMA 
 half the LLC, *DRAM* from twice the LLC on; points in between are measured and plotted but not
 fitted (part of them hits the cache). Each fit is a non-negative least-squares fit without
 intercept, weighted by 1/time so small and large points count alike. ``floor`` is one ``lerp_``
-over two contiguous buffers: the best an EMA update of that many elements can do, and
+over two contiguous buffers (allocated as ema_lab allocates its own: :func:`ema_lab.flat.empty_flat`,
+2 MiB pages where the kernel grants them): the best an EMA update of that many elements can do, and
 the reference of :attr:`CostModel.floor_fraction`: floor time over a strategy's time on the same
 elements, measured interleaved (the same op over the same bytes, so no byte-counting convention
 enters; 1.0 means as fast as the floor, and values a little above 1 are timing noise).
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..flat import empty_flat
 from ..updates import prepare
 from .counting import count_ops
 from .timing import time_candidates
@@ -290,7 +292,7 @@ def run_cost_model(
             meta[key]["units"] = units
     # The single-kernel references at every total size of the sweep, so they are fitted alike.
     for total in sorted({total for _, _, total in plan}):
-        a, b = (torch.empty(total, dtype=torch.float32, device=device).uniform_() for _ in range(2))
+        a, b = (empty_flat(total, torch.float32, device).uniform_() for _ in range(2))  # as ema_lab's buffers
         refs = {"copy": lambda a=a, b=b: a.copy_(b), "floor": lambda a=a, b=b: a.lerp_(b, 1 - decay)}
         for k, fn in refs.items():
             candidates[f"{k}/reference/1/{total}"] = fn

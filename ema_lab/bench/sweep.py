@@ -7,7 +7,8 @@ For each (device, model) it builds one set of candidates and times them interlea
   walking ``state_dict()`` per call;
 - every strategy of :data:`ema_lab.ema.STRATEGIES` through ``ModelEMA(model, strategy=s).update``;
 - ``flat_model``: the default ``ModelEMA`` of a twin of the model after ``ema_lab.flatten_model``;
-- ``floor``: one ``lerp_`` over two contiguous buffers holding as many floats as the model (the best
+- ``floor``: one ``lerp_`` over two contiguous buffers holding as many floats as the model, allocated
+  as ema_lab's own flat buffers are (:func:`ema_lab.flat.empty_flat`: 2 MiB pages where granted; the best
   any EMA update of that model can do; every row's ``floor_fraction`` is the floor's median time over
   the row's, on the same device, model and thread count), and ``copy``: one ``copy_`` of those bytes,
   a reference of what copying them costs (on a CPU the copy's store also reads its destination,
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from ..ema import STRATEGIES, ModelEMA
-from ..flat import flatten_model
+from ..flat import empty_flat, flatten_model
 from ..lessons import models as zoo
 from ..lessons.seed import seed_after, seed_before
 from .costmodel import run_cost_model
@@ -91,8 +92,10 @@ def candidates(
     floats = [v for v in model.state_dict().values() if v.is_floating_point()]
     flat = {}
     if set(REFERENCES) & set(names):
+        # In the memory ema_lab's own flat buffers get (2 MiB pages where granted), so no strategy beats it.
         values = torch.cat([v.reshape(-1).float() for v in floats])
-        flat["model"], flat["ema"] = values, values.clone()
+        flat["model"] = empty_flat(values.numel(), values.dtype, values.device).copy_(values)
+        flat["ema"] = empty_flat(values.numel(), values.dtype, values.device).copy_(values)
     for name in names:
         if name == "seed_before":
             out[name] = lambda: seed_before(seed_ema, model, decay)
