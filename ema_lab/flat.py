@@ -30,9 +30,8 @@ def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]
     return list(out.values())
 
 
-#: The transparent huge page of x86-64 (and of arm64 with 4 KiB pages): buffers from this size up get a
-#: mapping of their own, aligned to it. One TLB entry then covers 2 MiB of the stream an update reads,
-#: not 4 KiB: a lerp_ over 10-100 MB buffers ran 3-4% faster side by side (benchmarks/cat_runs.py).
+#: The transparent huge page of x86-64 (and arm64 with 4 KiB pages): buffers from this size up get a mapping
+#: of their own, so one TLB entry covers 2 MiB of the stream an update reads (benchmarks/cat_runs.py).
 HUGE_PAGE = 2 << 20
 
 
@@ -76,9 +75,9 @@ def tiles_in_order(tensors: Sequence[Tensor]) -> bool:
     first, end = tensors[0], 0
     ptr = first.untyped_storage().data_ptr()
     for t in tensors:
-        if t.dtype != first.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != ptr:
+        if t.dtype != first.dtype or not t.is_contiguous() or t.storage_offset() != end:
             return False
-        if t.storage_offset() != end:
+        if t.untyped_storage().data_ptr() != ptr:
             return False
         end += t.numel()
     return end * first.element_size() == first.untyped_storage().nbytes()

@@ -1,25 +1,23 @@
 """``ShardedModelEMA``: the EMA of an FSDP2 (``fully_shard``) model, kept as this rank's shards only.
 
-``ModelEMA`` deep-copies the model, which a ``fully_shard``-ed module refuses ("FSDP does not support
-deepcopy"; ``ModelEMA`` checks first and raises a TypeError pointing here), and a full copy per
-rank would cost the memory FSDP exists to save. The EMA is
-elementwise, so each rank can average just the shard it owns: ``ema_shard = lerp(ema_shard,
-param.to_local(), 1 - d)``. That needs no communication and, for one dtype, one foreach call over
-the local tensors. Only a checkpoint needs the whole EMA: ``full_state_dict()`` gathers it with
-``torch.distributed.checkpoint.state_dict.get_model_state_dict``, the same call one uses for the model.
-
-The EMA shards live in ``.ema``, a module holding them as DTensor parameters (same mesh, placements
-and fully qualified names as the model's), so torch's state-dict tools treat it like the model.
-It is a container, not a runnable network: load it into an FSDP model with :meth:`copy_to` to evaluate.
+``ModelEMA`` deep-copies the model, which a ``fully_shard``-ed module refuses (``ModelEMA`` checks first and
+points here), and a full copy per rank would cost the memory FSDP exists to save. The EMA is elementwise, so
+each rank averages just the shard it owns: ``lerp(ema_shard, param.to_local(), 1 - d)``, no communication.
+Only a checkpoint needs the whole EMA: ``full_state_dict()`` gathers it with torch's ``get_model_state_dict``.
+The shards live in ``.ema``, a module holding them as DTensor parameters (same mesh, placements and names as
+the model's), so torch's state-dict tools treat it like the model. It is a container, not a runnable
+network: load it into an FSDP model with :meth:`copy_to` to evaluate.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
 from .ema import EMASchedule, check_arguments, unwrap_model
-from .steps import ListStep, collect_pairs, install_hooks, local_pairs, module_entries
+from .steps import ListStep, collect_pairs, install_hooks, module_entries
 
 __all__ = ["ShardedModelEMA", "STRATEGIES"]
 
@@ -40,16 +38,8 @@ def _dtensor_cls() -> type | None:
 
 
 def local_tensor(t: Tensor) -> Tensor:
-    """This rank's part of ``t``: the local shard of a DTensor (a view, no copy), else ``t`` itself."""
-    dtensor = _dtensor_cls()
-    if dtensor is not None and isinstance(t, dtensor):
-        with torch.no_grad():  # without grad, to_local() is a view of the shard, not an autograd node
-            return t.to_local()
-    return t
-
-
-def _local_storage(t: Tensor) -> Tensor:
-    # What to_local() returns without grad, minus a dispatched view per tensor: the per-step check reads it.
+    """This rank's part of ``t``: the local shard of a DTensor (no copy), else ``t`` itself."""
+    # What to_local() returns without grad, minus a dispatched view: the per-step check reads it too.
     return getattr(t, "_local_tensor", t)
 
 
@@ -140,7 +130,11 @@ class ShardedModelEMA(EMASchedule):
                     f"entry {k!r}: model {tuple(m.shape)} {m.placements} does not match "
                     f"EMA {tuple(e.shape)} {e.placements}"
                 )
-        step = ListStep(self.resolved_strategy, local_pairs(pairs, local_tensor), model, _local_storage)
+        local = {
+            k: [local_tensor(t) for t in getattr(pairs, k)]
+            for k in ("ema", "model", "ema_counters", "model_counters")
+        }
+        step = ListStep(self.resolved_strategy, replace(pairs, **local), model, local_tensor)
         self.rebuilds += 1
         return step
 

@@ -1,40 +1,32 @@
-"""One EMA step per strategy, built once per model layout: it knows whether it is still current and applies.
+"""One EMA step per strategy, built once per model layout: it tells whether it is still current and applies.
 
 ``ModelEMA`` collects the (EMA, model) tensor pairs once instead of walking ``state_dict()`` twice per
-update. Such a cache is only safe if it notices when the modules stop using the cached memory:
-``model.to()``, ``.half()`` or ``.double()`` give tensors new storage, assigning a parameter swaps the
-object, ``p.data = ...`` and ``torch.utils.swap_tensors`` keep the object but not its memory. A step
-therefore reads the model through detached aliases made when it was built (same memory, no autograd,
-no reference to the module's tensor that would make ``swap_tensors`` refuse it) and, before each
-update, :class:`Watch` compares the ``data_ptr()`` of the tensor each module slot holds now with the
-one it was built from, plus a process-wide counter that torch's global parameter/buffer/module
-registration hooks bump (:func:`install_hooks`, on the first EMA made, never at import). A stale step
-is rebuilt; a new layout that no longer fits the EMA raises before anything is written. A tensor
-re-viewed in place (``p.data = p.view(new_shape)``: same memory) is averaged as that memory, in the
-EMA's shape, by every strategy: the aliases keep their shapes, so no update stops halfway through a list.
+update. That cache is only safe if it notices when the modules stop using the cached memory: ``.to()``,
+``.half()``, a reassigned parameter, ``p.data = ...``, ``torch.utils.swap_tensors``. A step reads the model
+through detached aliases (same memory, no autograd, no reference that would make ``swap_tensors`` refuse)
+and before each update :class:`Watch` compares the ``data_ptr()`` each module slot holds now with the one
+it was built from, plus a counter bumped by torch's global registration hooks (:func:`install_hooks`, on
+the first EMA made, never at import). A stale step is rebuilt; a layout that no longer fits the EMA
+raises before anything is written. A tensor re-viewed in place (``p.data = p.view(shape)``, same memory)
+is averaged as that memory in the EMA's shape: the aliases keep theirs, so no foreach stops halfway.
 
-The strategies: ``"loop"``, ``"foreach"`` and ``"gated"`` run :mod:`ema_lab.updates` over the aliases
-(:class:`ListStep`). ``"flat"`` (:class:`FlatStep`, the default) moves the EMA tensors of each
-(device, EMA dtype, model dtype) group into one buffer (the EMA module's tensors become views of it)
-and reads the model side by layout: ``fused`` (the model's tensors tile one storage, as after
-:func:`ema_lab.flatten_model`: one ``lerp_``, after one cast-copy if the dtypes differ), ``cast``
-(dtypes differ: one ``_foreach_copy_`` into a scratch buffer, one ``lerp_``), ``cat`` (small tensors:
-one ``torch.cat`` into scratch, one ``lerp_``), ``foreach`` (large tensors: one ``_foreach_lerp_``
-over views of the buffer), or ``cat+foreach``. A flat step checks its flat buffers (the EMA's, and a
-fused model's) by their storage reference counts, O(1) per group: any replacement drops a reference.
-When a count moved it takes the exact per-slot check once (a transient extra view is harmless).
-Limit: a fused tensor replaced while something else keeps a new view of the same buffer, or keeps
-the replaced tensor alive, between two updates keeps the count (``ModelEMA`` holds neither).
-
-A decay may be a 0-dim floating tensor with ``"flat"``: it is used as a tensor weight, no ``.item()``,
-so an update is sync-free and a changing decay under ``torch.compile`` is data, not a recompile.
+``"loop"``, ``"foreach"``, ``"gated"``: :mod:`ema_lab.updates` over the aliases (:class:`ListStep`).
+``"flat"`` (:class:`FlatStep`): the EMA tensors of each (device, EMA dtype, model dtype) group move into
+one buffer, and the model side is read by layout: ``fused`` (the model's tensors tile one storage, as
+after :func:`ema_lab.flatten_model`: one ``lerp_``, after one cast-copy if dtypes differ), ``cast`` (one
+``_foreach_copy_`` into scratch, one ``lerp_``), ``cat`` (small tensors: one ``torch.cat``, one ``lerp_``),
+``foreach`` (large ones: one ``_foreach_lerp_`` over views of the buffer) or ``cat+foreach``. Its flat
+buffers (the EMA's, a fused model's) are checked by their storages' reference counts, O(1) each: a
+replacement drops a reference; when a count moved, the exact per-slot check runs once. Limit: a fused
+tensor replaced while something else keeps a new view of its buffer, or the replaced tensor, alive.
+A 0-dim tensor decay is a tensor weight (no ``.item()``): sync-free, and data under ``torch.compile``.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import accumulate
 from operator import getitem
 
@@ -43,13 +35,13 @@ from torch import Tensor, nn
 
 from .flat import empty_flat, group, into_one_buffer, tiles_in_order, whole_storage
 from .gates import foreach_lerp_supported
-from .updates import PREPARERS, validate_pairs
+from .updates import prepare, validate_pairs
 
 #: Below this many elements a model tensor is gathered by one ``torch.cat`` (about a third of the
 #: per-tensor cost of a foreach, plus one more pass over its elements); benchmarks/update_costs.py sweeps it.
 CAT_MAX_NUMEL = 2048
-#: ATen's ``GRAIN_SIZE``: a CPU ``torch.cat`` with a bigger result at 2+ threads copies each input on its
-#: own (about 1 us each), so a step built at 2+ threads gathers in runs under it (benchmarks/cat_runs.py).
+#: ATen's ``GRAIN_SIZE``: a CPU ``torch.cat`` with a bigger result at 2+ threads copies input by input, so
+#: a step built at 2+ threads gathers in runs under it (benchmarks/cat_runs.py).
 CAT_RUN_NUMEL = 32768
 
 # A private binding (present from torch 2.1 to at least 2.13). Without it every flat step takes the
@@ -137,17 +129,8 @@ def collect_pairs(ema: nn.Module, model: nn.Module) -> Pairs:
                 f"entry {key!r}: EMA shape {tuple(e.shape)} {e.dtype} on {e.device} does not match "
                 f"model shape {tuple(m.shape)} {m.dtype} on {m.device}"
             )
-    cols = list(zip(*floats)) or [[]] * 5
-    other = list(zip(*counters)) or [[]] * 5
-    return Pairs(
-        [*cols[0]],
-        [*cols[1]],
-        [*cols[2]],
-        [*other[1]],
-        [*other[2]],
-        [*cols[3], *other[3]],
-        [*cols[4], *other[4]],
-    )
+    f, c = (list(zip(*x)) or [()] * 5 for x in (floats, counters))
+    return Pairs([*f[0]], [*f[1]], [*f[2]], [*c[1]], [*c[2]], [*f[3], *c[3]], [*f[4], *c[4]])
 
 
 class Watch:
@@ -209,9 +192,9 @@ class ListStep:
     def __init__(
         self, strategy: str, pairs: Pairs, model: nn.Module, local: Callable[[Tensor], Tensor] | None = None
     ) -> None:
-        same_dtype, prepare = PREPARERS[strategy]
-        validate_pairs(pairs.ema, pairs.model, pairs.names, same_dtype=same_dtype)
-        self.step = prepare([e.detach() for e in pairs.ema], [m.detach() for m in pairs.model])
+        self.step = prepare(
+            strategy, [e.detach() for e in pairs.ema], [m.detach() for m in pairs.model], pairs.names
+        )
         self.counters = Counters(pairs.ema_counters, pairs.model_counters)
         self.current = Watch(model, pairs.ema_slots + pairs.model_slots, local).current
 
@@ -230,11 +213,8 @@ class FusedGroup:
         self.model = whole_storage(model[0])
         order = sorted(range(len(model)), key=lambda i: model[i].storage_offset())
         self.ema = into_one_buffer([ema[i] for i in order])  # the model's layout: one lerp_ covers all
-        self.scratch = (
-            empty_flat(self.ema.numel(), self.ema.dtype, self.ema.device)
-            if model[0].dtype != ema[0].dtype
-            else None
-        )
+        cast = model[0].dtype != ema[0].dtype
+        self.scratch = empty_flat(self.ema.numel(), self.ema.dtype, self.ema.device) if cast else None
 
     def apply(self, w: float | Tensor) -> None:
         src = self.model
@@ -271,7 +251,7 @@ class SplitGroup:
     def __init__(self, ema: list[Tensor], model: list[Tensor], slots: list[Slot], cat_max_numel: int) -> None:
         small = [i for i, m in enumerate(model) if m.numel() < cat_max_numel and m.is_contiguous()]
         small.sort(key=lambda i: model[i].dim() != 1)  # the live 1-D ones first
-        large = [i for i in range(len(model)) if i not in set(small)]
+        large = sorted(set(range(len(model))) - set(small))
         live = {i for i in small if model[i].dim() == 1}
         self.checked_slots = [slots[i] for i in range(len(model)) if i not in live]
         self.mode = "cat+foreach" if small and large else "cat" if small else "foreach"
@@ -389,21 +369,3 @@ class FlatStep:
             for g, w in zip(self.groups, weights):
                 g.apply(w)
             self.counters()
-
-
-def build_step(strategy: str, pairs: Pairs, model: nn.Module, cat_max_numel: int) -> FlatStep | ListStep:
-    """The step of ``strategy`` over ``pairs``, checked against ``model``."""
-    if strategy == "flat":
-        return FlatStep(pairs, model, cat_max_numel)
-    return ListStep(strategy, pairs, model)
-
-
-def local_pairs(pairs: Pairs, local: Callable[[Tensor], Tensor]) -> Pairs:
-    """``pairs`` with every tensor replaced by ``local(tensor)`` (ShardedModelEMA: the local shards)."""
-    return replace(
-        pairs,
-        **{
-            k: [local(t) for t in getattr(pairs, k)]
-            for k in ("ema", "model", "ema_counters", "model_counters")
-        },
-    )

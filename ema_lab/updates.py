@@ -32,9 +32,11 @@ from .gates import foreach_lerp_supported
 __all__ = ["loop_update", "foreach_update", "gated_update", "prepare"]
 
 Step = Callable[[float], None]
+Tensors = Sequence[Tensor]
+Names = Sequence[str] | None
 
 
-def _label(i: int, names: Sequence[str] | None) -> str:
+def _label(i: int, names: Names) -> str:
     return f"entry {i} ({names[i]!r})" if names is not None else f"entry {i}"
 
 
@@ -61,13 +63,7 @@ def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tenso
     return d
 
 
-def validate_pairs(
-    ema: Sequence[Tensor],
-    model: Sequence[Tensor],
-    names: Sequence[str] | None = None,
-    *,
-    same_dtype: bool = False,
-) -> None:
+def validate_pairs(ema: Tensors, model: Tensors, names: Names = None, *, same_dtype: bool = False) -> None:
     """Raise ``ValueError`` naming the first bad pair; touch nothing.
 
     Checks: equal list lengths, tensors on both sides, floating dtypes, equal shapes and devices,
@@ -155,12 +151,7 @@ PREPARERS: dict[str, tuple[bool, Callable[[list[Tensor], list[Tensor]], Step]]] 
 }
 
 
-def prepare(
-    strategy: str,
-    ema_tensors: Sequence[Tensor],
-    model_tensors: Sequence[Tensor],
-    names: Sequence[str] | None = None,
-) -> Step:
+def prepare(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, names: Names = None) -> Step:
     """Validate the pairs once and return ``step(decay)`` that applies ``strategy`` without re-checking."""
     if strategy not in PREPARERS:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(PREPARERS)}")
@@ -169,38 +160,20 @@ def prepare(
     return build(list(ema_tensors), list(model_tensors))
 
 
-def loop_update(
-    ema_tensors: Sequence[Tensor],
-    model_tensors: Sequence[Tensor],
-    decay: float,
-    names: Sequence[str] | None = None,
-) -> None:
+def loop_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, names: Names = None) -> None:
     """The pre-change update: per pair ``v *= d; v += (1 - d) * m`` (mul_, mul, add_), promoting dtypes."""
-    d = check_decay(decay)
-    prepare("loop", ema_tensors, model_tensors, names)(d)
+    prepare("loop", ema_tensors, model_tensors, names)(check_decay(decay))
 
 
-def foreach_update(
-    ema_tensors: Sequence[Tensor],
-    model_tensors: Sequence[Tensor],
-    decay: float,
-    names: Sequence[str] | None = None,
-) -> None:
+def foreach_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, names: Names = None) -> None:
     """The post-change fast path: one ``torch._foreach_lerp_(ema, model, 1 - d)`` call.
 
     Every pair must agree in dtype (``_foreach_lerp_`` raises otherwise, after updating the
     pairs before the bad one); this checks that first and raises ``ValueError`` instead.
     """
-    d = check_decay(decay)
-    prepare("foreach", ema_tensors, model_tensors, names)(d)
+    prepare("foreach", ema_tensors, model_tensors, names)(check_decay(decay))
 
 
-def gated_update(
-    ema_tensors: Sequence[Tensor],
-    model_tensors: Sequence[Tensor],
-    decay: float,
-    names: Sequence[str] | None = None,
-) -> None:
+def gated_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, names: Names = None) -> None:
     """The post-change update behind its gate, made robust (grouped, mixed dtypes, empty input)."""
-    d = check_decay(decay)
-    prepare("gated", ema_tensors, model_tensors, names)(d)
+    prepare("gated", ema_tensors, model_tensors, names)(check_decay(decay))
