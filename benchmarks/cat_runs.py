@@ -4,9 +4,9 @@
 
 1. A CPU ``torch.cat`` whose result has at least ``at::internal::GRAIN_SIZE`` (32768) elements and runs on
    more than one thread does not take the serial kernel: it copies input by input through
-   ``narrow().copy_()``. This times, at 1 and 2 intra-op threads, one ``torch.cat`` of a zoo model's small
-   float tensors (those the default gathers: under ``ModelEMA``'s ``cat_max_numel``) against the same
-   tensors gathered in runs under 32768 elements (what a step built at 2+ threads does).
+   ``narrow().copy_()``. A default ``ModelEMA`` built at 2+ threads therefore gathers its small tensors
+   in runs under 32768 elements, one built at 1 thread in one ``torch.cat``. This times ``update()`` of
+   both (each on its own copy of a zoo model) at 1 and 2 intra-op threads.
 2. The floor (one ``lerp_`` over two flat buffers of the model's size) in ordinary memory and in the
    buffers ``ema_lab.flatten_tensors`` allocates (2 MiB transparent huge pages where the kernel grants them).
 
@@ -16,9 +16,9 @@ Interleaved, medians of ``--rounds`` (:func:`ema_lab.bench.timing.time_candidate
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
+from copy import deepcopy
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -29,19 +29,17 @@ from ema_lab.bench.environment import environment
 from ema_lab.bench.timing import time_candidates
 from ema_lab.lessons import models
 
-GRAIN = 32768  # ATen's at::internal::GRAIN_SIZE
-CAT_MAX_NUMEL = inspect.signature(ModelEMA).parameters["cat_max_numel"].default
 
-
-def runs_under(numels: list[int], limit: int = GRAIN) -> list[range]:
-    """Consecutive tensors (by element count) in runs under ``limit`` elements; a bigger one runs alone."""
-    runs, start, total = [], 0, 0
-    for i, n in enumerate(numels):
-        if total + n >= limit and i > start:
-            runs.append(range(start, i))
-            start, total = i, 0
-        total += n
-    return [*runs, range(start, len(numels))] if numels else []
+def built_at(threads: int, model: torch.nn.Module) -> ModelEMA:
+    """A default ``ModelEMA`` whose step was built at ``threads`` intra-op threads (one cat, or runs)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ema = ModelEMA(model)
+        ema.update(model)
+    finally:
+        torch.set_num_threads(before)
+    return ema
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,20 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    floats = [
-        t.detach().reshape(-1)
-        for t in models.build(args.model).state_dict().values()
-        if t.is_floating_point()
-    ]
-    small = [t for t in floats if t.numel() < CAT_MAX_NUMEL]
-    runs = [small[r.start : r.stop] for r in runs_under([t.numel() for t in small])]
-    elements = sum(t.numel() for t in small)
-    n = sum(t.numel() for t in floats)
+    base = models.build(args.model)
+    one_model, runs_model = deepcopy(base), deepcopy(base)
+    one, runs = built_at(1, one_model), built_at(2, runs_model)
+    n = sum(t.numel() for t in base.state_dict().values() if t.is_floating_point())
     a, b = torch.rand(n), torch.rand(n)
     (ha,), (hb,) = flatten_tensors([a.clone()]), flatten_tensors([b.clone()])
     fns = {
-        "one torch.cat": lambda: torch.cat(small),
-        f"{len(runs)} runs": lambda: [torch.cat(r) for r in runs],
+        "update(), built at 1 thread (one cat)": lambda: one.update(one_model),
+        "update(), built at 2 threads (runs)": lambda: runs.update(runs_model),
         "floor, ordinary memory": lambda: a.lerp_(b, 1e-4),
         "floor, flatten_tensors memory": lambda: ha.lerp_(hb, 1e-4),
     }
@@ -85,10 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         ["| threads | candidate | median ms (IQR) |", "|---|---|---|"]
         + [f"| {r['threads']} | {r['candidate']} | {r['median_ms']:.3f} ({r['iqr_ms']:.3f}) |" for r in rows]
     )
-    header = (
-        f"{args.model}: {len(small)} small float tensors, {elements} elements, "
-        f"{len(runs)} runs under {GRAIN}; floor over {n} floats"
-    )
+    header = f"{args.model}: modes {one.modes}; floor over {n} floats"
     print(header + "\n\n" + table)
     if args.out:
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
