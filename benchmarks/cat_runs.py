@@ -1,13 +1,16 @@
-"""Why the default gathers its small tensors in runs under 32768 elements at 2+ threads: CPU ``torch.cat``.
+"""Two layout choices of the default ``ModelEMA``, timed side by side: cat runs and 2 MiB pages.
 
-    PYTHONPATH=. python benchmarks/cat_runs.py [--model yolo_like] [--out results]
+    PYTHONPATH=. python benchmarks/cat_runs.py [--model yolo] [--out results]
 
-A CPU ``torch.cat`` whose result has at least ``at::internal::GRAIN_SIZE`` (32768) elements and runs on
-more than one thread does not take the serial kernel: it copies input by input through
-``narrow().copy_()``. This times, at 1 and 2 intra-op threads, one ``torch.cat`` of a model's small float
-tensors (those the default's ``cat`` part gathers, under ``ema_lab.flat.CAT_MAX_NUMEL`` elements) against
-the same tensors gathered in runs under 32768 elements (:func:`ema_lab.flat.cat_runs`), interleaved,
-medians of ``--rounds``. Runs in the project venv (zoo models) or the peers venv (also ``yolo26n``).
+1. A CPU ``torch.cat`` whose result has at least ``at::internal::GRAIN_SIZE`` (32768) elements and runs on
+   more than one thread does not take the serial kernel: it copies input by input through
+   ``narrow().copy_()``. A default ``ModelEMA`` built at 2+ threads therefore gathers its small tensors
+   in runs under 32768 elements, one built at 1 thread in one ``torch.cat``. This times ``update()`` of
+   both (each on its own copy of a zoo model) at 1 and 2 intra-op threads.
+2. The floor (one ``lerp_`` over two flat buffers of the model's size) in ordinary memory and in the
+   buffers ``ema_lab.flatten_tensors`` allocates (2 MiB transparent huge pages where the kernel grants them).
+
+Interleaved, medians of ``--rounds`` (:func:`ema_lab.bench.timing.time_candidates`).
 """
 
 from __future__ import annotations
@@ -15,17 +18,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from copy import deepcopy
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from ema_lab import ModelEMA, flatten_tensors
 from ema_lab.bench.environment import environment
 from ema_lab.bench.timing import time_candidates
-from ema_lab.flat import CAT_MAX_NUMEL, cat_runs
+from ema_lab.lessons import models
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import build  # noqa: E402 - the benchmark models live in the sibling script
+
+def built_at(threads: int, model: torch.nn.Module) -> ModelEMA:
+    """A default ``ModelEMA`` whose step was built at ``threads`` intra-op threads (one cat, or runs)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ema = ModelEMA(model)
+        ema.update(model)
+    finally:
+        torch.set_num_threads(before)
+    return ema
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,20 +47,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="yolo_like")
+    parser.add_argument("--model", default="yolo", choices=sorted(models.ZOO))
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    small = [
-        t.detach().reshape(-1)
-        for t in build(args.model).state_dict().values()
-        if t.is_floating_point() and t.numel() < CAT_MAX_NUMEL
-    ]
-    runs = [small[r.start : r.stop] for r in cat_runs([t.numel() for t in small])]
-    elements = sum(t.numel() for t in small)
+    base = models.build(args.model)
+    one_model, runs_model = deepcopy(base), deepcopy(base)
+    one, runs = built_at(1, one_model), built_at(2, runs_model)
+    n = sum(t.numel() for t in base.state_dict().values() if t.is_floating_point())
+    a, b = torch.rand(n), torch.rand(n)
+    (ha,), (hb,) = flatten_tensors([a.clone()]), flatten_tensors([b.clone()])
     fns = {
-        "one torch.cat": lambda: torch.cat(small),
-        f"{len(runs)} runs": lambda: [torch.cat(r) for r in runs],
+        "update(), built at 1 thread (one cat)": lambda: one.update(one_model),
+        "update(), built at 2 threads (runs)": lambda: runs.update(runs_model),
+        "floor, ordinary memory": lambda: a.lerp_(b, 1e-4),
+        "floor, flatten_tensors memory": lambda: ha.lerp_(hb, 1e-4),
     }
     rows = []
     for threads in (1, 2):
@@ -63,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         ["| threads | candidate | median ms (IQR) |", "|---|---|---|"]
         + [f"| {r['threads']} | {r['candidate']} | {r['median_ms']:.3f} ({r['iqr_ms']:.3f}) |" for r in rows]
     )
-    header = (
-        f"{args.model}: {len(small)} small float tensors, {elements} elements, {len(runs)} runs under 32768"
-    )
+    header = f"{args.model}: modes {one.modes}; floor over {n} floats"
     print(header + "\n\n" + table)
     if args.out:
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -76,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         stem.parent.mkdir(parents=True, exist_ok=True)
         stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
         stem.with_suffix(".md").write_text(
-            f"# One torch.cat vs runs\n\n`PYTHONPATH=. python {command}`\n\n{env['cpu']} ({env['cpu_count']} "
+            f"# One torch.cat vs runs, ordinary vs huge-page floor\n\n`PYTHONPATH=. python {command}`\n\n"
+            f"{env['cpu']} ({env['cpu_count']} "
             f"cores), torch {env['torch']}, {created}, {args.rounds} rounds\n\n{header}\n\n{table}\n"
         )
         print(f"wrote {stem}.json and {stem}.md")

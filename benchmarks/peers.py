@@ -9,10 +9,11 @@ the pinned thop. Models: ``yolo26n`` (ultralytics' ``DetectionModel("yolo26n.yam
 skipped where ultralytics is not installed), ``yolo_like`` (99 Conv+BN+SiLU blocks of 32 channels,
 alternating 3x3 and 1x1: 495 float tensors, 0.52M elements) and the zoo's ``yolo``, ``resnet50``,
 ``gpt2``, ``tiny_tensors``. Candidates: the floor (one ``lerp_`` over two flat buffers, as
-torch allocates them, and again in 2 MiB pages as :func:`ema_lab.flat.empty_flat` allocates ema_lab's own),
-``ModelEMA(model)`` (the default), ``flat_model``, ultralytics' live ``ModelEMA``, timm's ModelEmaV3,
-torch's AveragedModel and ema-pytorch. timm's ModelEmaV3 is loaded from its own source file
-(``timm/utils/model_ema.py`` imports only torch), so a missing torchvision cannot skip it.
+torch allocates them, and again as ``ema_lab.flatten_tensors`` allocates ema_lab's own, 2 MiB pages),
+``ModelEMA(model)`` (the default), ``flat_model`` (the default after ``ema_lab.flatten_model``),
+ultralytics' live ``ModelEMA``, timm's ModelEmaV3, torch's AveragedModel and ema-pytorch. timm's
+ModelEmaV3 is loaded from its own source file (``timm/utils/model_ema.py`` imports only torch), so a
+missing torchvision cannot skip it.
 
 Everything is timed in one process, interleaved, medians of rounds, with
 :func:`ema_lab.bench.timing.time_candidates`, at each ``--threads`` count in turn (intra-op threads: a flat
@@ -38,10 +39,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ema_lab import ModelEMA
+from ema_lab import ModelEMA, flatten_model, flatten_tensors
 from ema_lab.bench.environment import environment
 from ema_lab.bench.timing import quantiles, time_candidates
-from ema_lab.flat import empty_flat
 from ema_lab.lessons import models
 
 DECAY = 0.9999
@@ -110,12 +110,14 @@ def peer_candidates(name: str) -> tuple[dict[str, Callable[[], object]], dict[st
     a, b = torch.randn(n), torch.randn(n)
     fns[FLOOR] = lambda: a.lerp_(b, 1 - DECAY)
     # The same two buffers where ema_lab allocates its own: 2 MiB pages where the kernel grants them.
-    ah, bh = empty_flat(n, torch.float32).copy_(a), empty_flat(n, torch.float32).copy_(b)
+    (ah,), (bh,) = flatten_tensors([a.clone()]), flatten_tensors([b.clone()])
     fns[FLOOR_HUGE] = lambda: ah.lerp_(bh, 1 - DECAY)
 
     def ours(strategy: str) -> Callable[[], object]:
         model = deepcopy(base)
-        ema = ModelEMA(model) if strategy == "default" else ModelEMA(model, strategy=strategy)
+        if strategy == "flat_model":
+            flatten_model(model)
+        ema = ModelEMA(model, strategy=strategy if strategy == "gated" else "auto")
         ema.updates = 10_000
         return lambda: ema.update(model)
 

@@ -12,21 +12,17 @@ updated from the same model at every step, the two ``update()`` calls back to ba
 order: the paired timing is the one to read (the separate runs are minutes apart and carry the
 machine's drift). It checks that the final EMAs' float entries are bitwise equal (ultralytics never
 updates ``num_batches_tracked``; ema_lab copies it, so those are not compared), that the checkpoint
-(``deepcopy(ema).half()``) loads, and that an interrupted ema_lab run resumes to the end. ``--parts``
-adds one more paired training in which ema_lab's update is timed in its three parts (the validity
-check, the step, the integer-counter copy), next to the stock class's whole update in that training.
+(``deepcopy(ema).half()``) loads, and that an interrupted ema_lab run resumes to the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -90,37 +86,6 @@ def paired(ours_cls: type, stock_cls: type, ours_t: list[float], stock_t: list[f
     return Paired
 
 
-@contextlib.contextmanager
-def parts_timed(parts: dict[str, list[float]]) -> Iterator[None]:
-    """While active, ema_lab's update appends the wall time of its check, step and counter copy to ``parts``.
-
-    Wraps three class attributes (the validity check ``_Prepared.live``, ``FlatStep.__call__`` and
-    ``CounterCopy.__call__``) and puts them back on exit; each wrapper adds one ``perf_counter`` pair.
-    """
-    from ema_lab import ema, flat
-
-    targets = [(ema._Prepared, "live", "check"), (flat.FlatStep, "__call__", "step")]
-    targets.append((flat.CounterCopy, "__call__", "counter copy"))
-    saved = [(cls, name, cls.__dict__[name]) for cls, name, _ in targets]
-
-    def wrap(fn: Callable, times: list[float]) -> Callable:
-        def timed_fn(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - any signature
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            times.append(time.perf_counter() - t0)
-            return out
-
-        return timed_fn
-
-    for cls, name, label in targets:
-        setattr(cls, name, wrap(cls.__dict__[name], parts.setdefault(label, [])))
-    try:
-        yield
-    finally:
-        for cls, name, fn in saved:
-            setattr(cls, name, fn)
-
-
 def train(
     data: Path, project: Path, name: str, ema_cls: type, epochs: int, times: list[float], **kw
 ) -> object:
@@ -150,11 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "results"))
     parser.add_argument("--suffix", default="", help="appended to the file stem, keeps older runs")
-    parser.add_argument(
-        "--parts",
-        action="store_true",
-        help="one more paired training with ema_lab's check, step and counter copy timed apart",
-    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     import ultralytics
@@ -183,11 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     c, d = both.ema.ema.state_dict(), both.ema.shadow.ema.state_dict()
     pair_differ = [k for k in floats if not (torch.equal(c[k], d[k]) and torch.equal(c[k], b[k]))]
     ratios = [o / s for o, s in zip(pair_ours, pair_stock)]
-    parts: dict[str, list[float]] = {}
-    parts_stock: list[float] = []
-    if args.parts:  # its own training: the wrappers' cost stays out of the paired timing above
-        with parts_timed(parts):
-            train(data, root, "parts", paired(ModelEMA, StockEMA, [], parts_stock), args.epochs, [])
     ckpt = torch.load(Path(ours.save_dir) / "weights" / "last.pt", weights_only=False)
     saved = ckpt["ema"] if ckpt.get("ema") is not None else ckpt["model"]  # a finished run strips "ema"
     ckpt_ok = next(saved.parameters()).dtype == torch.float16
@@ -258,8 +213,6 @@ def main(argv: list[str] | None = None) -> int:
             "median_ratio_ema_lab_over_stock": statistics.median(ratios),
             "bitwise_equal_to_stock_shadow_and_ema_lab_run": not pair_differ,
         },
-        "parts_median_ms": {k: 1e3 * statistics.median(v) for k, v in parts.items() if v},
-        "parts_stock_median_ms": 1e3 * statistics.median(parts_stock) if parts_stock else None,
         "checkpoint_half_ema_ok": ckpt_ok,
         "resume": {"interrupted": interrupted, "resumed_to_the_end": resume_ok},
     }
@@ -270,13 +223,6 @@ def main(argv: list[str] | None = None) -> int:
     m = record["median_update_ms"]
     pr = record["paired"]
     pm = pr["median_update_ms"]
-    parts_line = ""
-    if record["parts_median_ms"]:
-        each = ", ".join(f"{k} {v:.3f} ms" for k, v in record["parts_median_ms"].items())
-        parts_line = (
-            f"- ema_lab's update in parts (another paired training, medians): {each}; the stock class's "
-            f"whole update in that run {record['parts_stock_median_ms']:.3f} ms\n"
-        )
     stem.with_suffix(".md").write_text(
         f"# ema_lab.ModelEMA inside ultralytics' trainer\n\n`PYTHONPATH=. python {record['command']}`\n\n"
         f"torch {record['torch']}, ultralytics {record['ultralytics']}, {record['threads']} thread, "
@@ -289,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         f"stock {pm['stock']:.3f} ms, ema_lab {pm['ema_lab']:.3f} ms; median per-step ratio ema_lab/stock "
         f"{pr['median_ratio_ema_lab_over_stock']:.3f} ({pr['updates']} steps); the two EMAs bitwise equal "
         f"to each other and to the ema_lab run: {pr['bitwise_equal_to_stock_shadow_and_ema_lab_run']}\n"
-        f"{parts_line}- checkpoint deepcopy(ema).half() written and loaded: {ckpt_ok}\n"
+        f"- checkpoint deepcopy(ema).half() written and loaded: {ckpt_ok}\n"
         f"- resume: {interrupted}, resumed to the end: {resume_ok}\n"
     )
     print(stem.with_suffix(".md").read_text())

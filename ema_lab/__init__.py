@@ -12,17 +12,6 @@ from .updates import foreach_update, gated_update, loop_update
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ModelEMA",
-    "ShardedModelEMA",
-    "STRATEGIES",
-    "loop_update",
-    "foreach_update",
-    "gated_update",
-    "foreach_lerp_supported",
-    "flatten_model",
-    "unflatten_model",
-    "flatten_tensors",
-    "unflatten_tensors",
-    "__version__",
-]
+__all__ = ["ModelEMA", "ShardedModelEMA", "STRATEGIES", "loop_update", "foreach_update", "gated_update"]
+__all__ += ["foreach_lerp_supported", "flatten_model", "unflatten_model", "flatten_tensors"]
+__all__ += ["unflatten_tensors", "__version__"]

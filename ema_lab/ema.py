@@ -1,87 +1,27 @@
-"""``ModelEMA``: a drop-in for ultralytics' class, a thin stateful wrapper over :mod:`ema_lab.updates`."""
+"""``ModelEMA``: a drop-in for ultralytics' class that holds the cached step and nothing strategy-specific."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from copy import deepcopy
-from dataclasses import dataclass
-from operator import getitem
 
 import torch
 from torch import Tensor, nn
 
-from . import pairs as _pairs
-from .flat import FlatStep, GroupPlan, Picker, StaleInputs, picker, prepare_counter_copy
-from .pairs import ModulePairs, Slot, install_hooks, unwrap_model
-from .updates import PREPARERS, Step, check_decay, prepare
+from .steps import CAT_MAX_NUMEL, FlatStep, ListStep, collect_pairs, install_hooks
+from .updates import PREPARERS, check_decay
 
 __all__ = ["ModelEMA", "STRATEGIES"]
 
-STRATEGIES = (*PREPARERS, "auto")
-#: strategies that accept a 0-dim tensor decay (sync-free, compile-stable)
-TENSOR_DECAY = ("flat", "flat_model")
+STRATEGIES = (*PREPARERS, "flat", "auto")
 
 
-def choose_strategy(ema_tensors: Sequence[Tensor], model_tensors: Sequence[Tensor]) -> str:
-    """The "auto" rule: "flat" for dense strided tensors, else "gated".
-
-    "flat" is never slower than "gated" in the bench: on a group of ordinary tensors it runs the
-    same ``_foreach_lerp_`` (over views of one EMA buffer) with a cheaper staleness check; it gathers
-    many tiny tensors with one ``torch.cat``; a bf16/fp16 model into an fp32 EMA is one cast-copy
-    plus one ``lerp_`` per group instead of gated's per-tensor path; and a model flattened by
-    ``"flat_model"`` (or :func:`ema_lab.flat.flatten_tensors`) is one ``lerp_`` per group. It never
-    flattens the model itself: that stays opt-in. Sparse, meta or other non-strided tensors cannot
-    be views of a flat buffer, so those go to "gated".
-    """
-    for t in (*ema_tensors, *model_tensors):
-        if t.layout != torch.strided or t.device.type == "meta":
-            return "gated"
-    return "flat"
-
-
-@dataclass
-class _Prepared:
-    """A cached step and what decides whether it is still valid for the model."""
-
-    pairs: ModulePairs
-    step: Step
-    strategy: str
-    watch: tuple[tuple[dict, ...], tuple[str, ...]]  # flat: (dicts, keys) of the model slots read per step
-    check: Picker | None  # picks from what ``watch`` holds now the tensors whose data_ptr() must not move
-    check_ptrs: list[int]
-    copy_other: Callable[[], None]  # copies the non-float entries (BatchNorm's num_batches_tracked)
-
-    def live(self, model: nn.Module) -> list[Tensor] | None:
-        """What the watched model slots hold now (``[]`` for non-flat steps); None once the step is stale."""
-        if not isinstance(self.step, FlatStep):
-            return [] if self.pairs.is_current(model) else None
-        if self.pairs.generation != _pairs._generation or self.pairs.model_ref() is not model:
-            return None
-        if not self.step.refs_unchanged():
-            # A flat storage gained or lost a view: exact check; a live extra view is harmless.
-            if not self.pairs.is_current(model):
-                return None
-            self.step.baseline()
-        try:
-            live = list(map(getitem, *self.watch))
-            if self.check is not None and list(map(Tensor.data_ptr, self.check(live))) != self.check_ptrs:
-                return None
-        except (KeyError, AttributeError, TypeError):  # an entry was deleted or set to None
-            return None
-        return live
-
-    def is_current(self, model: nn.Module) -> bool:
-        """True while every tensor the step touches is still the module's memory."""
-        return self.live(model) is not None
-
-    def run(self, decay: float | Tensor, live: list[Tensor]) -> None:
-        """One update of the EMA from ``live`` (see :meth:`live`), then the non-float entries."""
-        if isinstance(self.step, FlatStep):
-            self.step(decay, live)
-        else:
-            self.step(decay)
-        self.copy_other()
+def choose_strategy(tensors: Sequence[Tensor]) -> str:
+    """The "auto" rule: "flat" (a superset of "gated"'s fast paths) unless a tensor cannot be a view of a
+    flat buffer (sparse, meta or otherwise not strided): then "gated"."""
+    ok = all(t.layout == torch.strided and t.device.type != "meta" for t in tensors)
+    return "flat" if ok else "gated"
 
 
 def check_arguments(
@@ -100,12 +40,30 @@ def check_arguments(
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {tuple(strategies)}")
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain module inside DataParallel/DistributedDataParallel and ``torch.compile`` wrappers."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+            continue
+        # torch.compile's wrapper holds the module as "_orig_mod"; a dict lookup, as getattr of a missing
+        # name goes through Module.__getattr__ and builds an AttributeError on every update.
+        inner = model._modules.get("_orig_mod")
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
 def _is_fully_sharded(model: nn.Module) -> bool:
-    # FSDP2 swaps each sharded module's class for a subclass of FSDPModule (torch >= 2.6 public path).
+    # FSDP2 swaps each sharded module's class for a subclass of FSDPModule: public from torch 2.6,
+    # under torch.distributed._composable.fsdp in 2.4 and 2.5.
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
-        return False
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return False
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
@@ -126,10 +84,16 @@ class EMASchedule:
         self.tau = float(tau)
         self.strategy = strategy
         self.enabled = True
+        self.rebuilds = 0  # how many times the cached step was (re)built
+        self._step: FlatStep | ListStep | None = None
 
     def decay(self, n: int) -> float:
         """The decay used at update number ``n``: ramps from 0 to ``max_decay``, time constant tau."""
         return self.max_decay * (1 - math.exp(-n / self.tau))
+
+    def __getstate__(self) -> dict:
+        # The cached step holds weak references and module dicts: dropped, the next update() rebuilds it.
+        return {**self.__dict__, "_step": None}
 
 
 class ModelEMA(EMASchedule):
@@ -137,26 +101,16 @@ class ModelEMA(EMASchedule):
 
     Compatible with ``ultralytics.utils.torch_utils.ModelEMA``: ``.ema`` (a deep copy in eval mode,
     no grad), ``.updates``, ``.decay(n)``, ``.update(model)``, ``.update_attr(model)``, ``.enabled``.
-    Unlike it, the (EMA, model) tensor pairs are collected once and rebuilt when the model's or the
-    EMA's tensors are replaced (``.to()``, ``.half()``, a new parameter), non-float entries are
-    copied from the model, tied weights are averaged once, and a failed update changes nothing.
+    Unlike it, the (EMA, model) pairs are collected once into a step that is rebuilt when the model's
+    or the EMA's tensors are replaced (``.to()``, ``.half()``, ``p.data = ...``, ``swap_tensors``, a new
+    parameter), non-float entries are copied from the model, tied weights are averaged once, and a failed
+    update changes nothing (:mod:`ema_lab.steps`). It holds no view of a module tensor, so torch's
+    ``swap_tensors`` and ``set_swap_module_params_on_conversion(True)`` keep working.
 
-    Never in the way of torch's own tensor swaps: it holds no view of a module tensor, so
-    ``torch.utils.swap_tensors`` and ``set_swap_module_params_on_conversion(True)`` work, and the EMA
-    follows the swapped-in tensors (a rebuild, as after any replacement; none is needed for the 1-D
-    tensors the flat strategies read live from the module slots, see :mod:`ema_lab.flat`).
-
-    With the flat strategies (the default "auto" included) the EMA module's float tensors (and its
-    integer counters) are views of one buffer per group (on a Linux CPU, from 2 MiB up, in huge pages
-    where the kernel grants them: :func:`ema_lab.flat.empty_flat`): ``torch.save(ema.ema.state_dict())``
-    stores each buffer once, but saving a *subset* of the entries stores the whole buffer they share;
-    clone the subset first (``{k: v.clone() for k, v in ...}``) to save only what it holds.
-
-    Public seams: :attr:`rebuilds`, :attr:`prepared_step`, :attr:`plan`, :attr:`modes`,
-    :attr:`resolved_strategy`.
-
-    Making the first one registers torch's global parameter/buffer/module registration hooks
-    (:func:`ema_lab.pairs.install_hooks`, once per process); importing ema_lab registers nothing.
+    With "flat" (the default "auto" picks it for ordinary tensors) the EMA module's float tensors (and its
+    integer counters) are views of one buffer per group: ``torch.save(ema.ema.state_dict())`` stores each
+    buffer once, but saving a *subset* of the entries stores the whole buffer; clone the subset first.
+    ``cat_max_numel``: model tensors under this many elements are gathered by ``torch.cat``.
     """
 
     def __init__(
@@ -166,127 +120,57 @@ class ModelEMA(EMASchedule):
         tau: float = 2000,
         updates: int = 0,
         strategy: str = "auto",
+        *,
+        cat_max_numel: int = CAT_MAX_NUMEL,
     ) -> None:
         check_arguments(model, decay, tau, updates, strategy, STRATEGIES)
         if _is_fully_sharded(unwrap_model(model)):
             raise TypeError(
                 "model is sharded with FSDP2 (fully_shard): a deep copy of it is not possible; "
-                "use ema_lab.sharded.ShardedModelEMA, which keeps the EMA of the local shards"
+                "use ema_lab.ShardedModelEMA, which keeps the EMA of the local shards"
             )
-        install_hooks()  # torch's global registration hooks: first EMA made, once per process
+        install_hooks()  # torch's global registration hooks: on the first EMA made, once per process
         self.ema = deepcopy(unwrap_model(model)).eval()
         for p in self.ema.parameters():
             p.requires_grad_(False)
         self._init_schedule(decay, tau, updates, strategy)
-        self._state: _Prepared | None = None
-        self._auto: str | None = None  # the cached "auto" choice
-        self.rebuilds = 0  # how many times the cached pairs and step were (re)built
-
-    @property
-    def resolved_strategy(self) -> str:
-        """The strategy actually run ("auto" resolved by :func:`choose_strategy`, chosen once and cached)."""
-        if self.strategy != "auto":
-            return self.strategy
-        if self._auto is None:
-            ts = [t for t in (*self.ema.parameters(), *self.ema.buffers()) if t.is_floating_point()]
-            self._auto = choose_strategy(ts, ts)
-        return self._auto
-
-    @property
-    def prepared_step(self) -> Step | None:
-        """The cached update step (a :class:`ema_lab.flat.FlatStep` for the flat strategies), None before
-        the first update and after pickling; call it with a decay to run one update of the EMA alone,
-        unchecked, reading the model through the tensors it was built from (``update()`` reads the slots)."""
-        return None if self._state is None else self._state.step
-
-    @property
-    def plan(self) -> tuple[GroupPlan, ...]:
-        """Per flat group: mode and how many pairs take each path; ``()`` for other strategies or unbuilt."""
-        step = self.prepared_step
-        return step.plan if isinstance(step, FlatStep) else ()
+        self.cat_max_numel = cat_max_numel
+        floats = [t for t in (*self.ema.parameters(), *self.ema.buffers()) if t.is_floating_point()]
+        self.resolved_strategy = choose_strategy(floats) if strategy == "auto" else strategy
 
     @property
     def modes(self) -> list[str]:
-        """Each flat group's mode (``fused``, ``cast``, ``cat``, ``foreach``, ``cat+foreach``), in order."""
-        return [g.mode for g in self.plan]
-
-    def _build(self, model: nn.Module) -> _Prepared:
-        """Collect the pairs, prepare the step and record what each update checks; cached in ``_state``."""
-        self._state = None  # a failed rebuild must not leave the old (stale) step behind
-        pairs = ModulePairs.collect(self.ema, model)
-        if self.strategy == "auto" and self._auto is None:
-            self._auto = choose_strategy(pairs.ema, pairs.model)
-        strategy = self.resolved_strategy
-        step = prepare(strategy, pairs.ema, pairs.model, pairs.names)
-        watch: list[Slot] = []
-        checked: list[int] = []
-        copy_other = pairs.copy_other
-        if isinstance(step, FlatStep):
-            counter_fused = [False] * len(pairs.other_ema)
-            if pairs.other_ema:  # the EMA's counters into one buffer too: one cat per step, not a foreach
-                # flat_model flattens the model's counters as well: one copy_ and an O(1) check per group.
-                counters = prepare_counter_copy(
-                    pairs.other_ema, pairs.other_model, flatten_model=strategy == "flat_model"
-                )
-                step.watched += counters.buffers
-                step.watched += [f for f in counters.model_flat if f is not None]
-                counter_fused = counters.fused_pairs
-                pairs.other_ema, pairs.other_model, copy_other = [], [], counters
-            pairs.refresh()  # the EMA tensors (and with flat_model the model's) moved into flat buffers
-            # Per step every model slot that is not a flat view is read (counters included). Its data_ptr()
-            # is checked, which also sees torch.utils.swap_tensors and ``p.data = ...`` (an identity check
-            # would not: the Parameter object stays), except for the slots the step reads live and
-            # unchecked (FlatStep.live_pairs): what they hold now is what the step reads.
-            floats = [i for i, f in enumerate(step.fused_pairs) if not f]
-            watch = [pairs.model_slots[i] for i in floats]
-            watch += [s for s, f in zip(pairs.other_slots[1::2], counter_fused) if not f]
-            step.bind({i: k for k, i in enumerate(floats)}, len(watch))
-            checked = [k for k, i in enumerate(floats) if i not in step.live_pairs]
-            checked += range(len(floats), len(watch))
-            # A reference held here to a tensor that is a view of a flat buffer would hide its
-            # replacement from the reference count: drop them (model ones only when there are any).
-            pairs.release_ema()
-            if any(step.fused_pairs):
-                pairs.model = []
-            step.baseline()
-        dicts, keys = (tuple(x) for x in zip(*watch)) if watch else ((), ())
-        live = list(map(getitem, dicts, keys))
-        check = picker(checked) if checked else None
-        ptrs = list(map(Tensor.data_ptr, check(live))) if check else []
-        state = _Prepared(pairs, step, strategy, (dicts, keys), check, ptrs, copy_other)
-        self._state = state
-        self.rebuilds += 1
-        return state
+        """Each flat group's mode: ``fused``, ``cast``, ``cat``, ``foreach`` or ``cat+foreach``."""
+        return [] if self._step is None else self._step.modes
 
     def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:
         """Move the EMA one step towards ``model`` (wrapped models are unwrapped).
 
-        ``decay`` overrides the ramp for this step; with the flat strategies (and "auto" resolving to
-        them) it may be a 0-dim tensor on the model's device: no host sync, no recompiles.
+        ``decay`` overrides the ramp for this step; with "flat" it may be a 0-dim tensor on the model's
+        device: no host sync, no recompiles.
         """
         if not self.enabled:
             return
         if decay is None:
             decay = self.decay(self.updates + 1)
-        elif isinstance(decay, Tensor):
-            if self.resolved_strategy not in TENSOR_DECAY:
-                raise TypeError(
-                    f"a tensor decay needs one of the strategies {TENSOR_DECAY}, "
-                    f"this ModelEMA runs {self.resolved_strategy!r}"
-                )
         else:
-            decay = check_decay(decay)
+            decay = check_decay(decay, tensor_ok=self.resolved_strategy == "flat")
         model = unwrap_model(model)
-        state = self._state
-        live = None if state is None else state.live(model)
-        if live is None:
-            state = self._build(model)
-            live = state.live(model)
-        try:
-            state.run(decay, live)
-        except StaleInputs:  # a slot read live changed size, dtype or device; nothing was written
-            state = self._build(model)
-            state.run(decay, state.live(model))
+        step = self._step
+        if step is None or not step.current(model):
+            self._step = None  # a failed rebuild must not leave the stale step behind
+            pairs = collect_pairs(self.ema, model)
+            flat = self.resolved_strategy == "flat"
+            step = (
+                FlatStep(pairs, model, self.cat_max_numel)
+                if flat
+                else ListStep(self.resolved_strategy, pairs, model)
+            )
+            if not step.current(model):  # reads the model; only a model changed meanwhile fails here
+                raise RuntimeError("the model changed while its EMA step was being built")
+            self._step = step
+            self.rebuilds += 1
+        step.apply(decay)
         self.updates += 1
 
     def update_attr(
@@ -295,12 +179,6 @@ class ModelEMA(EMASchedule):
         """Copy the model's plain attributes to the EMA module (names, strides, ...)."""
         if self.enabled:
             copy_attr(self.ema, model, include, exclude)
-
-    def __getstate__(self) -> dict:
-        # The cache holds weak references and module dicts: drop it, the next update() rebuilds it.
-        state = self.__dict__.copy()
-        state["_state"] = None
-        return state
 
     def __repr__(self) -> str:
         return (

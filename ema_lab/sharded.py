@@ -1,30 +1,23 @@
 """``ShardedModelEMA``: the EMA of an FSDP2 (``fully_shard``) model, kept as this rank's shards only.
 
-``ModelEMA`` deep-copies the model, which a ``fully_shard``-ed module refuses ("FSDP does not support
-deepcopy"; ``ModelEMA`` checks first and raises a TypeError pointing here), and a full copy per
-rank would cost the memory FSDP exists to save. The EMA is
-elementwise, so each rank can average just the shard it owns: ``ema_shard = lerp(ema_shard,
-param.to_local(), 1 - d)``. That needs no communication and, for one dtype, one foreach call over
-the local tensors. Only a checkpoint needs the whole EMA: ``full_state_dict()`` gathers it with
-``torch.distributed.checkpoint.state_dict.get_model_state_dict``, the same call one uses for the model.
-
-The EMA shards live in ``.ema``, a module holding them as DTensor parameters (same mesh, placements
-and fully qualified names as the model's), so torch's state-dict tools treat it like the model.
-It is a container, not a runnable network: load it into an FSDP model with :meth:`copy_to` to evaluate.
+``ModelEMA`` deep-copies the model, which a ``fully_shard``-ed module refuses (``ModelEMA`` checks first and
+points here), and a full copy per rank would cost the memory FSDP exists to save. The EMA is elementwise, so
+each rank averages just the shard it owns: ``lerp(ema_shard, param.to_local(), 1 - d)``, no communication.
+Only a checkpoint needs the whole EMA: ``full_state_dict()`` gathers it with torch's ``get_model_state_dict``.
+The shards live in ``.ema``, a module holding them as DTensor parameters (same mesh, placements and names as
+the model's), so torch's state-dict tools treat it like the model. It is a container, not a runnable
+network: load it into an FSDP model with :meth:`copy_to` to evaluate.
 """
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
-from . import pairs as _pairs
-from .ema import EMASchedule, check_arguments
-from .pairs import Slot, install_hooks, module_entries, shape_and_dtype, unwrap_model
-from .updates import Step, prepare
+from .ema import EMASchedule, check_arguments, unwrap_model
+from .steps import ListStep, collect_pairs, install_hooks, module_entries
 
 __all__ = ["ShardedModelEMA", "STRATEGIES"]
 
@@ -36,49 +29,18 @@ STRATEGIES = ("loop", "foreach", "gated", "auto")
 def _dtensor_cls() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.4 (DTensor was torch.distributed._tensor) or no distributed build
-        return None
+    except ImportError:
+        try:  # torch 2.4 (public from 2.5)
+            from torch.distributed._tensor import DTensor
+        except ImportError:  # torch < 2.4's DTensor lacks what FSDP2 needs, or no distributed build
+            return None
     return DTensor
 
 
 def local_tensor(t: Tensor) -> Tensor:
-    """This rank's part of ``t``: the local shard of a DTensor (a view, no copy), else ``t`` itself."""
-    dtensor = _dtensor_cls()
-    if dtensor is not None and isinstance(t, dtensor):
-        with torch.no_grad():  # without grad, to_local() is a view of the shard, not an autograd node
-            return t.to_local()
-    return t
-
-
-@dataclass
-class _Prepared:
-    """A validated update step plus what tells that the model still holds the same tensors and storage."""
-
-    step: Step
-    other_ema: list[Tensor]
-    other_model: list[Tensor]
-    slots: list[Slot]
-    objects: list[Tensor]
-    ptrs: list[int]
-    metas: list[tuple]  # (shape, dtype) of each local tensor: a re-view keeps data_ptr()
-    generation: int
-    model_ref: weakref.ref
-
-    def is_current(self, model: nn.Module) -> bool:
-        """True while ``model`` is the prepared one and every slot holds the same tensor and local storage."""
-        if self.generation != _pairs._generation or self.model_ref() is not model:
-            return False
-        try:
-            now = [d[k] for d, k in self.slots]
-        except KeyError:
-            return False
-        # FSDP2 swaps unsharded tensors in during forward/backward and the sharded ones back after.
-        # ``_local_tensor`` is what to_local() returns without grad, minus a dispatched view per tensor.
-        if not all(a is b for a, b in zip(now, self.objects)):
-            return False
-        local = [getattr(t, "_local_tensor", t) for t in now]
-        ptrs, metas = list(map(Tensor.data_ptr, local)), list(map(shape_and_dtype, local))
-        return ptrs == self.ptrs and metas == self.metas
+    """This rank's part of ``t``: the local shard of a DTensor (no copy), else ``t`` itself."""
+    # What to_local() returns without grad, minus a dispatched view: the per-step check reads it too.
+    return getattr(t, "_local_tensor", t)
 
 
 def _holder(entries: dict[str, Tensor]) -> nn.Module:
@@ -133,19 +95,6 @@ class ShardedModelEMA(EMASchedule):
                 entries[key] = copies[id(t)]
         self.ema = _holder(entries)
         self._init_schedule(decay, tau, updates, strategy)
-        self._keys = self._distinct_keys(entries)
-        self.rebuilds = 0  # how often the model-side cache was (re)built: once, unless tensors moved
-        self._cache: _Prepared | None = None
-
-    @staticmethod
-    def _distinct_keys(entries: dict[str, Tensor]) -> list[str]:
-        seen: set[int] = set()
-        keys = []
-        for key, t in entries.items():
-            if id(t) not in seen:
-                seen.add(id(t))
-                keys.append(key)
-        return keys
 
     @property
     def resolved_strategy(self) -> str:
@@ -154,27 +103,23 @@ class ShardedModelEMA(EMASchedule):
 
     def local_tensors(self) -> dict[str, Tensor]:
         """This rank's EMA tensors by state_dict key (shards of sharded entries), tied weights once."""
-        sd = self.ema.state_dict(keep_vars=True)
-        return {k: local_tensor(sd[k]) for k in self._keys}
+        seen: set[int] = set()
+        out = {}
+        for key, t in self.ema.state_dict(keep_vars=True).items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                out[key] = local_tensor(t)
+        return out
 
     def local_bytes(self) -> int:
         """Bytes of EMA memory this rank holds (its shards plus replicated entries)."""
         return sum(t.numel() * t.element_size() for t in self.local_tensors().values())
 
-    def _model_tensors(self, model: nn.Module) -> tuple[list[Slot], list[Tensor]]:
-        """The model's slots and tensors for this EMA's keys, checked to be laid out like the EMA's."""
-        slots = dict(module_entries(model))
-        ema = self.ema.state_dict(keep_vars=True)
-        if slots.keys() != ema.keys():
-            missing, extra = sorted(ema.keys() - slots.keys()), sorted(slots.keys() - ema.keys())
-            raise ValueError(
-                f"model does not hold the EMA's entries: missing {missing[:5]}, extra {extra[:5]}"
-            )
+    def _build(self, model: nn.Module) -> ListStep:
+        """The update step over this rank's shards, checked to be laid out like the EMA's."""
+        pairs = collect_pairs(self.ema, model)
         dtensor = _dtensor_cls()
-        out = []
-        for k in self._keys:
-            e, (d, name) = ema[k], slots[k]
-            m = d[name]
+        for k, e, m in zip(pairs.names, pairs.ema, pairs.model):
             if isinstance(e, dtensor) != isinstance(m, dtensor):
                 raise ValueError(
                     f"entry {k!r}: the EMA holds a {type(e).__name__} but the model now a "
@@ -185,53 +130,23 @@ class ShardedModelEMA(EMASchedule):
                     f"entry {k!r}: model {tuple(m.shape)} {m.placements} does not match "
                     f"EMA {tuple(e.shape)} {e.placements}"
                 )
-            out.append(m)
-        return [slots[k] for k in self._keys], out
-
-    def _prepared(self, model: nn.Module) -> _Prepared:
-        """The cached update step, rebuilt when the model's tensors or their local storage changed."""
-        if self._cache is not None and self._cache.is_current(model):
-            return self._cache
-        slots, tensors = self._model_tensors(model)
-        ema_local = list(self.local_tensors().values())
-        model_local = [local_tensor(t) for t in tensors]
-        floats = [i for i, e in enumerate(ema_local) if e.is_floating_point()]
-        others = [i for i, e in enumerate(ema_local) if not e.is_floating_point()]
-        for i in others:
-            if ema_local[i].shape != model_local[i].shape or model_local[i].is_floating_point():
-                raise ValueError(
-                    f"entry {self._keys[i]!r}: EMA {tuple(ema_local[i].shape)} {ema_local[i].dtype} does not "
-                    f"match model {tuple(model_local[i].shape)} {model_local[i].dtype}"
-                )
-        step = prepare(
-            self.resolved_strategy,
-            [ema_local[i] for i in floats],
-            [model_local[i] for i in floats],
-            [self._keys[i] for i in floats],
-        )
-        self._cache = _Prepared(
-            step=step,
-            other_ema=[ema_local[i] for i in others],
-            other_model=[model_local[i] for i in others],
-            slots=slots,
-            objects=tensors,
-            ptrs=[t.data_ptr() for t in model_local],
-            metas=list(map(shape_and_dtype, model_local)),
-            generation=_pairs._generation,
-            model_ref=weakref.ref(model),
-        )
+        local = {
+            k: [local_tensor(t) for t in getattr(pairs, k)]
+            for k in ("ema", "model", "ema_counters", "model_counters")
+        }
+        step = ListStep(self.resolved_strategy, replace(pairs, **local), model, local_tensor)
         self.rebuilds += 1
-        return self._cache
+        return step
 
     def update(self, model: nn.Module) -> None:
         """Move this rank's EMA shards one step towards the model's (no communication)."""
         if not self.enabled:
             return
-        prep = self._prepared(unwrap_model(model))
-        prep.step(self.decay(self.updates + 1))
-        if prep.other_ema:  # non-float entries (BatchNorm's num_batches_tracked) are copied, not averaged
-            with torch.no_grad():
-                torch._foreach_copy_(prep.other_ema, prep.other_model)
+        model = unwrap_model(model)
+        if self._step is None or not self._step.current(model):
+            self._step = None
+            self._step = self._build(model)
+        self._step.apply(self.decay(self.updates + 1))
         self.updates += 1
 
     def sharded_state_dict(self) -> dict[str, Tensor]:

@@ -7,35 +7,36 @@ Every strategy computes ``ema = decay * ema + (1 - decay) * model`` for each pai
 - :func:`foreach_update`: the code after it, one ``torch._foreach_lerp_`` call.
 - :func:`gated_update`: the after-code behind its torch-version/device gate, made robust: one
   foreach call per (device, dtype) group, a per-tensor path for pairs whose dtypes differ.
-- ``"flat"`` / ``"flat_model"`` (:mod:`ema_lab.flat`): the EMA (and, opt-in, the model) in one
-  contiguous buffer per group, so the update approaches one ``lerp_`` per group.
+- ``"flat"`` (:mod:`ema_lab.steps`): the EMA in one contiguous buffer per group, so the update
+  approaches one ``lerp_`` per group (exactly one after :func:`ema_lab.flatten_model`).
 
 All of them validate the whole input before touching any tensor, so a bad input raises a
 ``ValueError`` and leaves the EMA bit-for-bit unchanged. That matters because a failed
 ``torch._foreach_lerp_`` is not atomic: the pairs before the bad one are already updated.
 
 :func:`prepare` splits the two halves: validate once, then apply many times. ``ModelEMA`` caches
-the prepared step for as long as the tensors keep their memory.
+the prepared step for as long as the tensors keep their memory (:mod:`ema_lab.steps`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from .flat import prepare_flat, prepare_flat_model
 from .gates import foreach_lerp_supported
 
 __all__ = ["loop_update", "foreach_update", "gated_update", "prepare"]
 
 Step = Callable[[float], None]
+Tensors = Sequence[Tensor]
+Names = Sequence[str] | None
 
 
-def _label(i: int, names: Sequence[str] | None) -> str:
+def _label(i: int, names: Names) -> str:
     return f"entry {i} ({names[i]!r})" if names is not None else f"entry {i}"
 
 
@@ -43,23 +44,26 @@ def _describe(t: Tensor) -> str:
     return f"shape {tuple(t.shape)}, {t.dtype}, {t.device}"
 
 
-def check_decay(decay: float) -> float:
-    """Return ``decay`` as a float after checking it is a finite number in [0, 1]."""
+def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tensor:
+    """A finite number in [0, 1] as a float, or (``tensor_ok``) a 0-dim floating tensor, never synced."""
     if isinstance(decay, Tensor):
-        raise TypeError(f"decay must be a Python number for this strategy, got a {type(decay).__name__}")
+        if not tensor_ok:
+            raise TypeError(
+                "decay must be a Python number for this strategy (a 0-dim tensor decay needs 'flat', "
+                f"which the default 'auto' picks), got a {type(decay).__name__}"
+            )
+        if decay.dim() != 0 or not decay.is_floating_point():
+            raise ValueError(
+                f"a tensor decay must be a 0-dim floating tensor, got {tuple(decay.shape)} {decay.dtype}"
+            )
+        return decay
     d = float(decay)
     if not (math.isfinite(d) and 0.0 <= d <= 1.0):
         raise ValueError(f"decay must be a finite number in [0, 1], got {decay!r}")
     return d
 
 
-def validate_pairs(
-    ema: Sequence[Tensor],
-    model: Sequence[Tensor],
-    names: Sequence[str] | None = None,
-    *,
-    same_dtype: bool = False,
-) -> None:
+def validate_pairs(ema: Tensors, model: Tensors, names: Names = None, *, same_dtype: bool = False) -> None:
     """Raise ``ValueError`` naming the first bad pair; touch nothing.
 
     Checks: equal list lengths, tensors on both sides, floating dtypes, equal shapes and devices,
@@ -93,43 +97,6 @@ def validate_pairs(
             seen[ptr] = i
 
 
-@dataclass
-class PairGroups:
-    """Validated pairs split into homogeneous (device, dtype) groups plus pairs whose dtypes differ."""
-
-    groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = field(
-        default_factory=dict
-    )
-    mixed: list[tuple[Tensor, Tensor]] = field(default_factory=list)
-
-    def apply(self, decay: float) -> None:
-        """Update every pair: one foreach call per group where the gate allows, else per tensor."""
-        w = 1.0 - decay
-        with torch.no_grad():
-            for (device, _), (ema, model) in self.groups.items():
-                if foreach_lerp_supported(None, device.type):
-                    torch._foreach_lerp_(ema, model, w)
-                else:
-                    for v, m in zip(ema, model):
-                        v.mul_(decay).add_(m, alpha=w)
-            # add_ computes in the promoted dtype and casts back, as the pre-change loop did.
-            for v, m in self.mixed:
-                v.mul_(decay).add_(m, alpha=w)
-
-
-def group_pairs(ema_tensors: Sequence[Tensor], model_tensors: Sequence[Tensor]) -> PairGroups:
-    """Split already validated pairs by (device, dtype); pairs whose two dtypes differ go to ``mixed``."""
-    out = PairGroups()
-    for v, m in zip(ema_tensors, model_tensors):
-        if v.dtype != m.dtype:
-            out.mixed.append((v, m))
-        else:
-            ema, model = out.groups.setdefault((v.device, v.dtype), ([], []))
-            ema.append(v)
-            model.append(m)
-    return out
-
-
 def _prepare_loop(ema: list[Tensor], model: list[Tensor]) -> Step:
     def step(d: float) -> None:
         with torch.no_grad():
@@ -150,25 +117,41 @@ def _prepare_foreach(ema: list[Tensor], model: list[Tensor]) -> Step:
 
 
 def _prepare_gated(ema: list[Tensor], model: list[Tensor]) -> Step:
-    return group_pairs(ema, model).apply
+    same = [i for i, (v, m) in enumerate(zip(ema, model)) if v.dtype == m.dtype]
+    mixed = [(v, m) for v, m in zip(ema, model) if v.dtype != m.dtype]
+    groups = (
+        _group_tensors_by_device_and_dtype([[ema[i] for i in same], [model[i] for i in same]]) if same else {}
+    )
+    runs = [
+        (foreach_lerp_supported(None, device.type), es, ms) for (device, _), ([es, ms], _) in groups.items()
+    ]
+
+    def step(d: float) -> None:
+        w = 1.0 - d
+        with torch.no_grad():
+            for foreach, es, ms in runs:
+                if foreach:
+                    torch._foreach_lerp_(es, ms, w)
+                else:  # behind the gate (mps before 2.4, npu): per tensor
+                    for v, m in zip(es, ms):
+                        v.mul_(d).add_(m, alpha=w)
+            # add_ computes in the promoted dtype and casts back, as the pre-change loop did.
+            for v, m in mixed:
+                v.mul_(d).add_(m, alpha=w)
+
+    return step
 
 
-#: strategy name -> (needs equal dtypes in every pair, builder of a step over validated lists)
+#: strategy name -> (needs equal dtypes in every pair, builder of a step over validated lists); "flat" is
+#: :class:`ema_lab.steps.FlatStep`, which owns its EMA buffers.
 PREPARERS: dict[str, tuple[bool, Callable[[list[Tensor], list[Tensor]], Step]]] = {
     "loop": (False, _prepare_loop),
     "foreach": (True, _prepare_foreach),
     "gated": (False, _prepare_gated),
-    "flat": (False, prepare_flat),
-    "flat_model": (False, prepare_flat_model),  # opt-in: re-points the model's tensors into flat buffers
 }
 
 
-def prepare(
-    strategy: str,
-    ema_tensors: Sequence[Tensor],
-    model_tensors: Sequence[Tensor],
-    names: Sequence[str] | None = None,
-) -> Step:
+def prepare(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, names: Names = None) -> Step:
     """Validate the pairs once and return ``step(decay)`` that applies ``strategy`` without re-checking."""
     if strategy not in PREPARERS:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(PREPARERS)}")
@@ -177,38 +160,20 @@ def prepare(
     return build(list(ema_tensors), list(model_tensors))
 
 
-def loop_update(
-    ema_tensors: Sequence[Tensor],
-    model_tensors: Sequence[Tensor],
-    decay: float,
-    names: Sequence[str] | None = None,
-) -> None:
+def loop_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, names: Names = None) -> None:
     """The pre-change update: per pair ``v *= d; v += (1 - d) * m`` (mul_, mul, add_), promoting dtypes."""
-    d = check_decay(decay)
-    prepare("loop", ema_tensors, model_tensors, names)(d)
+    prepare("loop", ema_tensors, model_tensors, names)(check_decay(decay))
 
 
-def foreach_update(
-    ema_tensors: Sequence[Tensor],
-    model_tensors: Sequence[Tensor],
-    decay: float,
-    names: Sequence[str] | None = None,
-) -> None:
+def foreach_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, names: Names = None) -> None:
     """The post-change fast path: one ``torch._foreach_lerp_(ema, model, 1 - d)`` call.
 
     Every pair must agree in dtype (``_foreach_lerp_`` raises otherwise, after updating the
     pairs before the bad one); this checks that first and raises ``ValueError`` instead.
     """
-    d = check_decay(decay)
-    prepare("foreach", ema_tensors, model_tensors, names)(d)
+    prepare("foreach", ema_tensors, model_tensors, names)(check_decay(decay))
 
 
-def gated_update(
-    ema_tensors: Sequence[Tensor],
-    model_tensors: Sequence[Tensor],
-    decay: float,
-    names: Sequence[str] | None = None,
-) -> None:
+def gated_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, names: Names = None) -> None:
     """The post-change update behind its gate, made robust (grouped, mixed dtypes, empty input)."""
-    d = check_decay(decay)
-    prepare("gated", ema_tensors, model_tensors, names)(d)
+    prepare("gated", ema_tensors, model_tensors, names)(check_decay(decay))

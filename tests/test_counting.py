@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from copy import deepcopy
 
@@ -52,7 +53,8 @@ def test_count_ops_passes_arguments_and_is_deterministic():
 def _expected(name: str, stats: models.ModelStats, distinct: int, other: int, numels: list[int]) -> Counter:
     """Op counts of one steady-state update, from the model's entry counts."""
     f, e = stats.float_tensors, stats.entries
-    copy_other = Counter({"aten._foreach_copy_.default": 1} if other else {})
+    # Every strategy keeps the EMA's counters in one buffer: one cat of the model's fills it.
+    copy_other = Counter({"aten.cat.out": 1} if other else {})
     if (
         name == "seed_before"
     ):  # v *= d; v += (1 - d) * msd[k].detach(); two state_dict() walks detach each entry
@@ -71,18 +73,14 @@ def _expected(name: str, stats: models.ModelStats, distinct: int, other: int, nu
         return Counter(dict.fromkeys(per, distinct)) + copy_other
     if name in {"foreach", "gated", "auto"}:  # every zoo model is one (cpu, float32) group
         return Counter({"aten._foreach_lerp_.Scalar": 1}) + copy_other
-    # The flat strategies keep the EMA's counters in one buffer too: one cat fills it, not a foreach copy.
-    flat_other = Counter({"aten.cat.out": 1} if other else {})
     if name == "flat_model":  # the model flattened too (its counters included): one lerp_, one copy_
         return Counter({"aten.lerp_.Scalar": 1}) + Counter({"aten.copy_.default": 1} if other else {})
     if name == "flat":  # small tensors: a cat gathers them as the slots hold them now, a lerp_ per cat;
-        from ema_lab.flat import CAT_MAX_NUMEL  # large ones: one foreach
-
-        small = [n for n in numels if n < CAT_MAX_NUMEL]
+        small = [n for n in numels if n < inspect.signature(ModelEMA).parameters["cat_max_numel"].default]
         runs = _cat_runs(small) if torch.get_num_threads() > 1 else 1
         cat = Counter({"aten.cat.default": runs, "aten.lerp_.Scalar": runs} if small else {})
         large = Counter({"aten._foreach_lerp_.Scalar": 1} if len(small) < len(numels) else {})
-        return cat + large + flat_other
+        return cat + large + copy_other
     raise AssertionError(f"no expected op count for strategy {name!r}: add it to _expected")
 
 

@@ -299,7 +299,7 @@ def test_sharded_ema_refuses_unsharded_parameters_and_changes_nothing(mesh: obje
         ema.update(model)
     assert ema.updates == 0
     assert all(torch.equal(before[k], v) for k, v in ema.local_tensors().items())
-    with pytest.raises(ValueError, match="does not hold the EMA's entries"):
+    with pytest.raises(ValueError, match="EMA and model do not hold the same entries"):
         ema.update(dist_demo.shard_model(build("tiny_cnn"), mesh))
 
 

@@ -6,13 +6,27 @@ import pytest
 import torch
 from torch import nn
 
-from ema_lab import ModelEMA
+from ema_lab import ModelEMA, flatten_model
 from ema_lab.lessons import models
 from ema_lab.lessons.seed import CachedListEMA
 from ema_lab.lessons.staleness import CONVERSIONS, follows_after
-from ema_lab.pairs import ModulePairs
+from ema_lab.steps import Watch, collect_pairs
 
 from .helpers import float_entries
+
+
+def _watch(ema: nn.Module, model: nn.Module) -> Watch:
+    """The per-slot check over every entry of both modules, as a rebuilt step records it."""
+    pairs = collect_pairs(ema, model)
+    return Watch(model, pairs.ema_slots + pairs.model_slots)
+
+
+def _ema(model: nn.Module, strategy: str) -> ModelEMA:
+    """``"flatten_model"``: the model flattened first, then the default EMA."""
+    if strategy == "flatten_model":
+        flatten_model(model)
+        strategy = "auto"
+    return ModelEMA(model, strategy=strategy)
 
 
 def _shift(model: nn.Module, by: float) -> None:
@@ -58,9 +72,9 @@ def test_model_ema_keeps_moving_after_ema_half() -> None:
     model = models.build("tiny_cnn")
     ema = ModelEMA(model, decay=0.9, tau=1)
     ema.update(model)
-    pairs = ModulePairs.collect(ema.ema, model)
+    watch = _watch(ema.ema, model)
     ema.ema.half()
-    assert not pairs.is_current(model)
+    assert not watch.current(model)
     before = _snapshot(ema)
     _shift(model, 0.5)
     ema.update(model)
@@ -104,13 +118,13 @@ def test_model_ema_follows_the_model_after_model_double() -> None:
 def test_is_current_detects_conversions() -> None:
     model = models.build("tiny_cnn")
     ema = ModelEMA(model).ema
-    pairs = ModulePairs.collect(ema, model)
-    assert pairs.is_current(model)
+    watch = _watch(ema, model)
+    assert watch.current(model)
     model.double()
-    assert not pairs.is_current(model)
-    pairs = ModulePairs.collect(ema, model)
+    assert not watch.current(model)
+    watch = _watch(ema, model)
     ema.half()
-    assert not pairs.is_current(model)
+    assert not watch.current(model)
 
 
 @pytest.mark.parametrize("conversion", sorted(CONVERSIONS))
@@ -129,12 +143,12 @@ def test_follows_after_rejects_unknown_conversion() -> None:
 
 # --- torch's own tensor swaps: the EMA must never block them, and must follow the new tensors -------------
 
-STRATEGIES_ = ("auto", "flat", "flat_model", "gated", "foreach", "loop")
+STRATEGIES_ = ("auto", "flat", "flatten_model", "gated", "foreach", "loop")
 
 
 def _fill(model: nn.Module) -> None:
     # A function of its own: no alias of a model tensor outlives it (one left alive across a replacement
-    # would hold the flat storage's reference count, the documented limit of flat_model's fused groups).
+    # would hold the flat storage's reference count, the documented limit of a flattened model's groups).
     with torch.no_grad():
         for i, v in enumerate(float_entries(model).values()):
             v.fill_(3.0 + i % 7)
@@ -158,10 +172,10 @@ def swap_on_conversion():
 
 
 @pytest.mark.requires_torch("2.3", "torch.utils.swap_tensors")
-@pytest.mark.parametrize("strategy", [s for s in STRATEGIES_ if s != "flat_model"])
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES_ if s != "flatten_model"])
 def test_swap_tensors_on_a_model_parameter_works_and_is_followed(strategy: str) -> None:
     model = models.build("tiny_cnn")
-    ema = ModelEMA(model, strategy=strategy)
+    ema = _ema(model, strategy)
     ema.update(model)
     new = nn.Parameter(torch.randn_like(model[0].conv.weight))
     torch.utils.swap_tensors(model[0].conv.weight, new)  # raised "Expected use_count ... got 3" before
@@ -173,10 +187,10 @@ def test_swap_tensors_on_a_model_parameter_works_and_is_followed(strategy: str) 
 
 @pytest.mark.requires_torch("2.3", "torch.utils.swap_tensors")
 def test_swap_tensors_on_a_flattened_model_is_followed_once_the_old_tensor_is_released() -> None:
-    # flat_model checks its fused groups by the flat storage's reference count (O(1) per group): a swap
-    # whose swapped-out tensor the caller keeps alive holds that count; documented in ema_lab.flat.
+    # A flattened model's fused groups are checked by the flat storage's reference count (O(1) per group):
+    # a swap whose swapped-out tensor the caller keeps alive holds that count; documented in ema_lab.steps.
     model = models.build("tiny_cnn")
-    ema = ModelEMA(model, strategy="flat_model")
+    ema = _ema(model, "flatten_model")
     ema.update(model)
     torch.utils.swap_tensors(model[0].conv.weight, nn.Parameter(torch.randn_like(model[0].conv.weight)))
     _follows(ema, model)
@@ -187,7 +201,7 @@ def test_swap_tensors_on_a_flattened_model_is_followed_once_the_old_tensor_is_re
 @pytest.mark.parametrize("strategy", STRATEGIES_)
 def test_swap_module_params_on_conversion_works_and_is_followed(strategy: str, swap_on_conversion) -> None:
     model = models.build("tiny_cnn")
-    ema = ModelEMA(model, strategy=strategy)
+    ema = _ema(model, strategy)
     ema.update(model)
     params = list(model.parameters())
     model.half()  # raised "_apply(): Couldn't swap Conv2d.weight" before
@@ -203,7 +217,7 @@ def test_swap_module_params_on_conversion_works_and_is_followed(strategy: str, s
 @pytest.mark.parametrize("entry", ["_parameters", "_buffers", "counter"])
 def test_direct_slot_assignment_is_followed(strategy: str, entry: str) -> None:
     model = models.build("tiny_cnn")
-    ema = ModelEMA(model, strategy=strategy)
+    ema = _ema(model, strategy)
     ema.update(model)
     bn = model[0].bn
     if entry == "_parameters":  # no registration hook fires for a direct dict write
@@ -219,20 +233,15 @@ def test_direct_slot_assignment_is_followed(strategy: str, entry: str) -> None:
 # --- live reads: the 1-D tensors of a cat part are read through the module slots, unchecked ------------
 
 
-def _live_names(ema: ModelEMA) -> set[str]:
-    names = ema._state.pairs.names
-    return {names[i] for i in ema.prepared_step.live_pairs}
-
-
 def test_the_default_reads_every_1d_cat_tensor_live_and_checks_the_rest() -> None:
     model = models.build("tiny_cnn")
     ema = ModelEMA(model)
     ema.update(model)
     one_d = {k for k, v in float_entries(model).items() if v.dim() == 1}
-    assert _live_names(ema) == one_d  # BatchNorm's four vectors per layer and the Linear bias
-    state = ema._state
+    (group,) = ema._step.groups
+    assert sum(len(keys) for _, _, keys, _ in group.runs) == len(one_d)  # BatchNorm's vectors, Linear bias
     # data_ptr() checked: the 5 conv weights and the Linear weight (foreach or N-D), and the 5 counters
-    assert len(state.check_ptrs) == len(state.watch[1]) - len(one_d) == 11
+    assert len(ema._step.watch.keys) == len(float_entries(model)) - len(one_d) + 5 == 11
 
 
 @pytest.mark.requires_torch("2.1", "torch._C._storage_Use_Count")
@@ -259,7 +268,7 @@ def _two_live_groups() -> tuple[nn.Module, ModelEMA]:
     model[3].half()
     ema = ModelEMA(model)
     ema.update(model)
-    assert [(g.ema_dtype, g.mode) for g in ema.plan] == [
+    assert [(g.ema.dtype, g.mode) for g in ema._step.groups] == [
         (torch.float32, "cat+foreach"),
         (torch.float16, "cat+foreach"),
     ]
@@ -315,26 +324,12 @@ def _reviewed_in_place(strategy: str, which: str) -> tuple[nn.Module, ModelEMA, 
 WHICH = ["large (foreach)", "small N-D (cat alias)"]
 
 
-@pytest.mark.parametrize("strategy", ["gated", "foreach", "loop"])
+@pytest.mark.parametrize("strategy", ["auto", "flat", "gated", "foreach", "loop"])
 @pytest.mark.parametrize("which", WHICH)
-def test_a_tensor_reviewed_in_place_is_refused_by_the_strategies_that_read_module_tensors(
+def test_a_tensor_reviewed_in_place_is_averaged_as_its_memory_by_every_strategy(
     strategy: str, which: str
 ) -> None:
-    """They read the module's tensor itself: a foreach over it would fail halfway through its list."""
-    model, ema, before, entry = _reviewed_in_place(strategy, which)
-    with pytest.raises(ValueError, match=rf"'{entry}'.*does not match model shape"):
-        ema.update(model, decay=0.5)
-    for k, v in ema.ema.state_dict().items():
-        assert torch.equal(v, before[k]), k
-
-
-@pytest.mark.requires_torch("2.1", "torch._C._storage_Use_Count")
-@pytest.mark.parametrize("strategy", ["auto", "flat"])
-@pytest.mark.parametrize("which", WHICH)
-def test_a_tensor_reviewed_in_place_is_averaged_as_its_memory_by_the_flat_default(
-    strategy: str, which: str
-) -> None:
-    """The flat step reads foreach parts and N-D tensors through aliases shaped like the EMA: all move."""
+    """Every step reads the model through aliases shaped like the EMA: all pairs move, none halfway."""
     model, ema, before, _ = _reviewed_in_place(strategy, which)
     ema.update(model, decay=0.5)
     now = model.state_dict()
@@ -344,16 +339,17 @@ def test_a_tensor_reviewed_in_place_is_averaged_as_its_memory_by_the_flat_defaul
 
 
 @pytest.mark.requires_torch("2.4", "ShardedModelEMA (FSDP2's DTensor)")
-def test_sharded_ema_also_refuses_a_tensor_reshaped_in_place() -> None:
+def test_sharded_ema_also_averages_a_tensor_reshaped_in_place_as_its_memory() -> None:
     from ema_lab.sharded import ShardedModelEMA
 
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))  # plain tensors: averaged whole, one process
-    ema = ShardedModelEMA(model)
+    ema = ShardedModelEMA(model, decay=0.5, tau=1e-9)
     ema.update(model)
     before = {k: v.clone() for k, v in ema.ema.state_dict().items()}
     _shift(model, 1.0)
     model[1].weight.data = model[1].weight.data.view(32, 128)
-    with pytest.raises(ValueError, match=r"'1.weight'.*does not match model shape"):
-        ema.update(model)
+    ema.update(model)
+    now = model.state_dict()
     for k, v in ema.ema.state_dict().items():
-        assert torch.equal(v, before[k]), k
+        assert torch.equal(v, before[k].lerp(now[k].reshape(v.shape), 0.5)), k
+    assert ema.rebuilds == 1

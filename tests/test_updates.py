@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ema_lab import updates
 from ema_lab.lessons import models
-from ema_lab.updates import foreach_update, gated_update, group_pairs, loop_update
+from ema_lab.updates import foreach_update, gated_update, loop_update
 
 from .helpers import float_entries, reference_step
 
@@ -174,20 +174,20 @@ def test_empty_input_is_a_no_op(strategy: str) -> None:
     STRATEGIES[strategy]([], [], 0.9)  # _foreach_lerp_([], [], w) itself would raise
 
 
-def test_grouping_by_device_and_dtype() -> None:
+def test_gated_groups_by_device_and_dtype_and_promotes_mixed_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    foreach = torch._foreach_lerp_
+    monkeypatch.setattr(torch, "_foreach_lerp_", lambda e, m, w: calls.append(len(e)) or foreach(e, m, w))
     ema = [torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(1), torch.zeros(1)]
     model = [
-        torch.zeros(1),
-        torch.zeros(1, dtype=torch.float64),
-        torch.zeros(1),
-        torch.zeros(1, dtype=torch.bfloat16),
+        torch.ones(1),
+        torch.ones(1, dtype=torch.float64),
+        torch.ones(1),
+        torch.ones(1, dtype=torch.bfloat16),
     ]
-    groups = group_pairs(ema, model)
-    assert {k: len(v[0]) for k, v in groups.groups.items()} == {
-        (torch.device("cpu"), torch.float32): 2,
-        (torch.device("cpu"), torch.float64): 1,
-    }
-    assert len(groups.mixed) == 1
+    gated_update(ema, model, 0.75)
+    assert sorted(calls) == [1, 2]  # one foreach per (device, dtype) group; the mixed pair per tensor
+    assert all(e.item() == 0.25 for e in ema)
 
 
 def test_gate_closed_takes_the_per_tensor_path(monkeypatch: pytest.MonkeyPatch) -> None:

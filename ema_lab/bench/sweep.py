@@ -6,6 +6,7 @@ For each (device, model) it builds one set of candidates and times them interlea
 - ``seed_before`` (the baseline) and ``seed_after``: ultralytics PR #25315's before- and after-code,
   walking ``state_dict()`` per call;
 - every strategy of :data:`ema_lab.ema.STRATEGIES` through ``ModelEMA(model, strategy=s).update``;
+- ``flat_model``: the default ``ModelEMA`` of a twin of the model after ``ema_lab.flatten_model``;
 - ``floor``: one ``lerp_`` over two contiguous buffers holding as many floats as the model, allocated
   as ema_lab's own flat buffers are (:func:`ema_lab.flat.empty_flat`: 2 MiB pages where granted; the best
   any EMA update of that model can do; every row's ``floor_fraction`` is the floor's median time over
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from ..ema import STRATEGIES, ModelEMA
-from ..flat import empty_flat
+from ..flat import empty_flat, flatten_model
 from ..lessons import models as zoo
 from ..lessons.seed import seed_after, seed_before
 from .costmodel import run_cost_model
@@ -59,12 +60,13 @@ DEFAULT_MODELS = ("yolo", "resnet50", "tiny_tensors")
 QUICK_MODELS = ("yolo", "tiny_tensors")  # the two launch-bound models; copying 100-340 MB models dominates
 BASELINE = "seed_before"
 REFERENCES = ("floor", "copy")
+FLAT_MODEL = "flat_model"  # the default ModelEMA of the model after flatten_model
 RAMP_UPDATES = 20_000  # ModelEMA's ramp gives decay 0.9999 * (1 - exp(-10)) = 0.99986 here
 
 
 def candidate_names() -> list[str]:
     """Every candidate name, baseline first; ``ModelEMA`` strategies are read from STRATEGIES at call time."""
-    return [BASELINE, "seed_after", *STRATEGIES, *REFERENCES]
+    return [BASELINE, "seed_after", *STRATEGIES, FLAT_MODEL, *REFERENCES]
 
 
 def resolve_devices(device: str) -> dict[str, str | None]:
@@ -85,12 +87,9 @@ def candidates(
     """Zero-argument update functions for each candidate on ``model``; ``rebuild()`` makes a fresh twin."""
     decay = ModelEMA(torch.nn.Linear(1, 1)).decay(RAMP_UPDATES)
     out: dict[str, Callable[[], object]] = {}
-    shared = {"model": model}
-    # ModelEMA strategies first: one that re-points the shared model's tensors keeps that model.
     for name in names:
         if name not in {BASELINE, "seed_after", *REFERENCES}:
-            out[name] = _model_ema_step(shared, name, rebuild)
-    model = shared["model"]
+            out[name] = _model_ema_step(model, name, rebuild)
     seed_ema = deepcopy(model).eval() if {"seed_before", "seed_after"} & set(names) else None
     floats = [v for v in model.state_dict().values() if v.is_floating_point()]
     flat = {}
@@ -111,28 +110,17 @@ def candidates(
     return {k: out[k] for k in names}
 
 
-def _layout(model: torch.nn.Module) -> list[int]:
-    return [t.data_ptr() for t in model.state_dict().values()]
-
-
 def _model_ema_step(
-    shared: dict[str, torch.nn.Module], strategy: str, rebuild: Callable[[], torch.nn.Module]
+    model: torch.nn.Module, name: str, rebuild: Callable[[], torch.nn.Module]
 ) -> Callable[[], object]:
-    """``ModelEMA(..., strategy).update`` on the shared model, unless the strategy re-points it.
-
-    A strategy such as ``flat_model`` moves the model's tensors into its own buffers. It keeps that
-    model to itself and the other candidates get a freshly built twin, so that every other candidate
-    reads the model's original memory layout (the ones built earlier re-collect their pairs once).
-    """
-    model = shared["model"]
-    before = _layout(model)
-    ema = ModelEMA(model, strategy=strategy)
+    """``ModelEMA(model, strategy=name).update``; for ``flat_model`` the default EMA of a flattened twin."""
+    if name == FLAT_MODEL:
+        model = rebuild()  # flattening re-points the model's tensors: the others keep the original layout
+        flatten_model(model)
+    ema = ModelEMA(model, strategy="auto" if name == FLAT_MODEL else name)
     ema.update(model)
     ema.updates = RAMP_UPDATES
-    if _layout(model) != before:
-        shared["model"] = rebuild()
-        return lambda: ema.update(model)
-    return lambda: ema.update(shared["model"])
+    return lambda: ema.update(model)
 
 
 def count_candidate_ops(model_name: str, names: Sequence[str] | None = None) -> dict[str, Counter[str]]:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ema import STRATEGIES, ModelEMA
-from ..pairs import ModulePairs
+from ..steps import collect_pairs
 from ..updates import foreach_update, gated_update, loop_update
 
 __all__ = ["strategy_errors"]
@@ -51,7 +51,7 @@ def strategy_errors(
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     model = deepcopy(model)
-    pairs = ModulePairs.collect(deepcopy(model), model)
+    pairs = collect_pairs(deepcopy(model), model)
     emas = {name: [t.detach().clone() for t in pairs.ema] for name in STRATEGY_FUNCTIONS}
     ref = [t.detach().double() for t in pairs.ema]
     gen = torch.Generator().manual_seed(seed)
@@ -77,13 +77,13 @@ def model_ema_errors(
     model = deepcopy(model)
     # tau -> 0 makes the ramp a constant ``decay``, so the reference needs no schedule.
     emas = {name: ModelEMA(model, decay=decay, tau=1e-9, strategy=name) for name in strategies}
-    ref = [t.detach().double() for t in ModulePairs.collect(deepcopy(model), model).ema]
+    ref = [t.detach().double() for t in collect_pairs(deepcopy(model), model).ema]
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        # Collected each step: "flat_model" moves the model's tensors into a buffer of its own.
-        model_tensors = ModulePairs.collect(model, model).model
+        # Collected each step: a model may have been flattened (its tensors moved into one buffer).
+        model_tensors = collect_pairs(model, model).model
         _walk(model_tensors, gen, noise)
         for ema in emas.values():
             ema.update(model)
         _reference_step(ref, model_tensors, decay)
-    return {name: _max_error(ModulePairs.collect(e.ema, model).ema, ref) for name, e in emas.items()}
+    return {name: _max_error(collect_pairs(e.ema, model).ema, ref) for name, e in emas.items()}
