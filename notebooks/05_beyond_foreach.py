@@ -417,7 +417,7 @@ print(
 )
 
 # %% [markdown]
-# The count stops growing after the first call: the decay changes, the graphs stay. (An update's
+# The count stops growing after the first few calls: the decay changes, the graphs stay. (An update's
 # Python-side checks split it into a few graphs; that is fine.)
 #
 # <details><summary>Why the counts depend on the torch version</summary>
