@@ -7,6 +7,7 @@
     python dev.py notebooks      execute every notebook in place (refreshes the committed outputs)
     python dev.py lab            open JupyterLab on notebooks/
     python dev.py demo           a short demo of every EMA strategy on a built-in model
+    python dev.py gpu-check      on a CUDA machine: bench, kernel counts, CUDA tests (benchmarks/gpu_check.py)
 
 Only the standard library is used here, so it runs on a bare Python >= 3.10.
 Set EMA_LAB_TORCH to choose the torch requirement installed first (default: torch==2.13.0,
@@ -96,6 +97,8 @@ def main(argv: list[str]) -> int:
         env["EMA_LAB_QUICK"] = env.get("EMA_LAB_QUICK", "1")
         rc |= run(PY, "-m", "pytest", "tests", "notebooks", *NBVAL_ARGS, *rest, env=env)
         return rc
+    if job == "gpu-check":
+        return run(PY, ROOT / "benchmarks" / "gpu_check.py", *rest, env=env)
     if job == "notebooks":
         return run(PY, ROOT / "notebooks" / "execute.py", *rest, env=env)
     if job == "lab":

@@ -15,8 +15,7 @@ import nox
 TORCH_VERSIONS = ["2.1.2", "2.13.0", "2.14.1"]
 
 # The test files of ema_lab's core; the others test the bench or the lessons and need their extras (numpy,
-# matplotlib, thop, jupytext, ...). test_flat.py counts ops with ema_lab.bench.counting, which imports
-# numpy through ema_lab.bench: it skips itself without numpy, as the table in docs/compat.md shows.
+# matplotlib, thop, jupytext, ...); test_flat.py counts ops with ema_lab.bench.counting (torch alone).
 CORE_TESTS = [
     "tests/test_ema.py",
     "tests/test_flat.py",

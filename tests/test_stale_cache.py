@@ -245,7 +245,14 @@ def test_the_default_reads_every_1d_cat_tensor_live_and_checks_the_rest() -> Non
 
 
 @pytest.mark.requires_torch("2.1", "torch._C._storage_Use_Count")
-@pytest.mark.parametrize("how", ["data", "_parameters", "swap_tensors"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "data",
+        "_parameters",
+        pytest.param("swap_tensors", marks=pytest.mark.requires_torch("2.3", "torch.utils.swap_tensors")),
+    ],
+)
 def test_a_live_slot_replaced_by_a_same_shape_tensor_is_followed_without_a_rebuild(how: str) -> None:
     model = models.build("tiny_cnn")
     ema = ModelEMA(model)

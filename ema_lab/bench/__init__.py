@@ -7,6 +7,13 @@ is named for the roofline idea (time against the best the memory allows); its ce
 one ``lerp_`` over two flat buffers of the same elements, not a bandwidth figure.
 """
 
-from .sweep import DEFAULT_MODELS, compare, count_candidate_ops, run_bench, write_results
-
 __all__ = ["DEFAULT_MODELS", "compare", "count_candidate_ops", "run_bench", "write_results"]
+
+
+def __getattr__(name: str) -> object:
+    # The sweep (numpy, matplotlib) loads on first use: ``ema_lab.bench.counting`` needs torch alone.
+    if name in __all__:
+        from . import sweep
+
+        return getattr(sweep, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
