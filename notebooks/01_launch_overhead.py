@@ -113,7 +113,7 @@ plt.show()
 
 # %% [markdown]
 # The flat `lerp_` stays level: the work is the same at every `n`. The loop climbs with the number of
-# tensors: past a few dozen, its time is the fixed price of each op, not arithmetic. That price is
+# tensors: past a few dozen, its time is mostly the fixed price of each op, not arithmetic. That price is
 # called launch overhead (on a CPU, per-op overhead; section 2 says why). `_foreach_lerp_` climbs
 # too, but more slowly.
 #

@@ -129,8 +129,8 @@ for name, ema_t in emas.items():
 
 # %% [markdown]
 # All three give the same EMA, to float32 rounding (not bit for bit: a `lerp` rounds differently
-# from a multiply and an add). What differs is the number of ops they dispatch, counted with
-# `count_ops` from notebook 01:
+# from a multiply and an add). What differs is the number of ops they call from Python, counted
+# with `count_ops` from notebook 01:
 
 # %%
 from ema_lab.bench.counting import count_ops
@@ -140,8 +140,8 @@ for f in (loop_update, foreach_update, gated_update):
     print(f"{f.__name__:<15}", dict(count_ops(f, emas[f.__name__], model_t, 0.9)))
 
 # %% [markdown]
-# The loop dispatches several ops per tensor; the other two, one `_foreach_lerp_` for the whole
-# list. Each dispatched op has a fixed price (notebook 01), so the foreach versions pay most of it once.
+# The loop calls several ops per tensor; the other two, one `_foreach_lerp_` for the whole list. Each
+# op called from Python has a fixed price (notebook 01), so the foreach versions pay most of it once.
 #
 # ## 3. The gate
 #
@@ -263,7 +263,7 @@ plt.show()
 #
 # - The EMA step is `ema.lerp_(model, 1 - d)` per float tensor, with `d(n) = decay * (1 - exp(-n / tau))`.
 # - The ramp keeps the early EMA close to the model; `tau` sets how long.
-# - Loop, foreach and gated updates give the same EMA; foreach dispatches one op per list.
+# - Loop, foreach and gated updates give the same EMA; foreach calls one op per list.
 # - The gate allows `_foreach_lerp_` from torch 2.0, on MPS from 2.4.
 # - Cached tensor lists go stale when the model gets new memory; check them, or the EMA freezes.
 

@@ -319,7 +319,8 @@ plt.show()
 # ## Solutions (click to expand)
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
-# 1. One call builds the update; after it, only noise is left.
+# 1. One: the first call builds the update (rebuilds stays 1) and costs many times more; later calls
+#    differ from each other far less.
 net = models.build("tiny_tensors")
 fresh = ModelEMA(net)
 for call in range(1, 6):
@@ -338,7 +339,7 @@ for name in ("yolo", "resnet50", "gpt2", "tiny_tensors"):
 
 # %% [markdown] jupyter={"source_hidden": true}
 # resnet50 and gpt2 hold almost everything in large tensors, so every update that works tensor by
-# tensor with few ops (`foreach`) can use a second thread there. yolo's 28 large tensors hold about two
+# tensor with few ops (`foreach`) can use a second thread there. yolo's 28 large tensors hold almost two
 # thirds; tiny_tensors has none, so only an update over one flat buffer (like `floor`) gives a second
 # thread something to split.
 
