@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..updates import prepare
 from .counting import count_ops
 from .timing import progress_bar, time_candidates
 
@@ -357,28 +358,6 @@ def _split(total: int, n: int, device: str) -> list[torch.Tensor]:
     return [torch.rand(base + (i < extra), device=device) for i in range(n)]
 
 
-def _loop_step(ema: list[torch.Tensor], model: list[torch.Tensor]) -> Callable[[float], None]:
-    """The per-tensor update before the PR: ``v *= d; v += (1 - d) * m`` for each pair."""
-
-    def step(d: float) -> None:
-        with torch.no_grad():
-            for v, m in zip(ema, model):
-                v *= d
-                v += (1 - d) * m.detach()
-
-    return step
-
-
-def _foreach_step(ema: list[torch.Tensor], model: list[torch.Tensor]) -> Callable[[float], None]:
-    """The PR's update: one ``_foreach_lerp_`` over every pair."""
-
-    def step(d: float) -> None:
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, model, 1 - d)
-
-    return step
-
-
 def _step_weight(total: int, splits: list[int], rounds: int, target_s: float) -> float:
     """A size's expected seconds, for the progress bar only: every candidate's warm-up, sizing and rounds.
 
@@ -410,8 +389,8 @@ def _time_size(
     meta: dict[str, dict[str, Any]] = {}
     for sweep, n in splits:
         ema, model = _split(total, n, device), _split(total, n, device)
-        for strategy, make in (("loop", _loop_step), ("foreach", _foreach_step)):
-            step = make(ema, model)
+        for strategy in ("loop", "foreach"):
+            step = prepare(strategy, ema, model)  # the library's own steps: what the bench times
             key = f"{strategy}/{sweep}/{n}/{total}"
             candidates[key] = lambda step=step: step(decay)
             ops = sum(count_ops(step, decay).values())
