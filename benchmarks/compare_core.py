@@ -3,11 +3,12 @@
 Each zoo model gets three candidates, interleaved at one thread: the baseline's default ``ModelEMA``,
 this checkout's, and this checkout's on the model after ``ema_lab.flatten_model`` (plus the floor: one
 ``lerp_`` over two flat buffers of the model's size). The baseline is another copy of the core package
-under its own import name, e.g. main's, exported with::
+under its own import name, e.g. the core before its redesign, exported with::
 
     mkdir -p /tmp/ema_lab_main/ema_lab_main
-    for f in __init__ ema flat gates pairs sharded updates; do
-        git show main:ema_lab/$f.py > /tmp/ema_lab_main/ema_lab_main/$f.py; done
+    base=daa5a08  # the last commit before the core redesign
+    for f in $(git ls-tree --name-only $base ema_lab/ | grep '\.py$'); do
+        git show $base:$f > /tmp/ema_lab_main/ema_lab_main/$(basename $f); done
     python benchmarks/compare_core.py --baseline /tmp/ema_lab_main/ema_lab_main
 
 Prints a markdown table of medians (us per update) and ratios. Times are the thread's CPU time
