@@ -7,7 +7,7 @@ under its own import name, e.g. the core before its redesign, exported with::
 
     mkdir -p /tmp/ema_lab_main/ema_lab_main
     base=daa5a08  # the last commit before the core redesign
-    for f in $(git ls-tree --name-only $base ema_lab/ | grep '\.py$'); do
+    for f in $(git ls-tree --name-only $base ema_lab/ | grep 'py$'); do
         git show $base:$f > /tmp/ema_lab_main/ema_lab_main/$(basename $f); done
     python benchmarks/compare_core.py --baseline /tmp/ema_lab_main/ema_lab_main
 
