@@ -7,9 +7,9 @@ On a CUDA machine, within 8 minutes, it writes into ``results/gpu-<machine>/``:
 3. ``cuda-tests.xml`` / ``.log``: the CUDA tests (``pytest -k cuda``: a sync-free update under
    ``torch.cuda.set_sync_debug_mode("error")``, an update captured in and replayed from a CUDA graph,
    kernel launches of one foreach call);
-4. the notebooks that have CUDA sections (02, 04, 05) executed into that folder, when nbclient, jupytext
-   and ipykernel are importable;
-5. the full bench (``--device cuda``) in the time that is left;
+4. the full bench (``--device cuda``), leaving ``NOTEBOOKS_S`` of the budget to:
+5. the notebooks that have CUDA cells (01's kernel counts, 04's bench on every device) executed in quick
+   mode into that folder, when nbclient, jupytext and ipykernel are importable;
 
 plus ``summary.json`` / ``summary.md``: what ran, how long it took, and what was skipped and why. A step
 that cannot run (a missing package, an error, the time limit) is recorded and the others still run.
@@ -37,7 +37,14 @@ BUDGET_S = 8 * 60
 RESERVE_S = 20
 # A bench or pytest run given less than this cannot start, measure and write anything: it is skipped.
 MIN_STEP_S = 30
-NOTEBOOKS_WITH_CUDA = ("02_ema_strategies", "04_timing_cpu_cuda_mps", "05_beyond_foreach")
+# Left to the notebooks (two, in quick mode) after the full bench.
+NOTEBOOKS_S = 150
+NOTEBOOKS_WITH_CUDA = ("01_launch_overhead", "04_timing_cpu_cuda_mps")
+
+
+def pythonpath() -> str:
+    """This checkout first, then whatever PYTHONPATH already holds (packages carried in, say)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 
 def no_cuda_reason() -> str | None:
@@ -85,8 +92,8 @@ class Clock:
 def run_command(cmd: list[str], log: Path, timeout_s: float) -> str:
     """Run ``cmd`` from the checkout with its output in ``log``; "ok", or what went wrong."""
     if timeout_s < MIN_STEP_S:
-        return f"skipped: {timeout_s:.0f} s left of the {BUDGET_S} s budget"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+        return f"skipped: {timeout_s:.0f} s left of the budget"
+    env = dict(os.environ, PYTHONPATH=pythonpath())
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
         try:
@@ -147,9 +154,9 @@ def notebooks(folder: Path, clock: Clock) -> str:
 
     (folder / "notebooks").mkdir(exist_ok=True)
     outcomes = []
-    with patch.dict(os.environ, EMA_LAB_QUICK="1", PYTHONPATH=str(ROOT)):  # what the kernels inherit
+    with patch.dict(os.environ, EMA_LAB_QUICK="1", PYTHONPATH=pythonpath()):  # what the kernels inherit
         for stem in NOTEBOOKS_WITH_CUDA:
-            if clock.left() < 120:
+            if clock.left() < 2 * MIN_STEP_S:
                 outcomes.append(f"{stem} skipped (the budget)")
                 continue
             nb = jupytext.read(ROOT / "notebooks" / f"{stem}.py")
@@ -199,13 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run every step that this machine allows; 0 unless a step failed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="results folder (default: ema_lab's results/)")
+    parser.add_argument(
+        "--budget-s", type=float, default=BUDGET_S, help="seconds for all steps (default: 480)"
+    )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))  # this checkout's ema_lab, also when run as a plain script
     reason = no_cuda_reason()
     if reason:
         print(f"gpu-check skipped (CUDA bench, kernel counts, CUDA tests, notebook CUDA cells): {reason}")
         return 0
-    clock = Clock(BUDGET_S)
+    clock = Clock(args.budget_s)
     folder = machine_folder(args.out)
     folder.mkdir(parents=True, exist_ok=True)
     print(f"[gpu-check] writing to {folder}", flush=True)
@@ -220,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     step(summary, "bench quick", lambda: bench([*cmd, "--quick"], folder / "bench-quick.log", upto(150)))
     step(summary, "kernel launches", lambda: kernel_launches(folder))
     step(summary, "CUDA tests", lambda: run_command(tests, folder / "cuda-tests.log", upto(120)))
+    step(
+        summary, "bench full", lambda: bench(cmd, folder / "bench-full.log", upto(clock.left() - NOTEBOOKS_S))
+    )
     step(summary, "notebooks", lambda: notebooks(folder, clock))
-    step(summary, "bench full", lambda: bench(cmd, folder / "bench-full.log", upto(BUDGET_S)))
     write_summary(folder, summary)
     failed = [n for n, s in summary.items() if not s["outcome"].startswith(("ok", "skipped"))]
     return 1 if failed else 0

@@ -132,6 +132,10 @@ def test_compare_plots_result_files_and_skips_other_tools_json(quick_run, tmp_pa
     assert "seed_before" in printed
     # bench_files() keeps other tools' JSON out by design (no note at all), broken bench files in
     assert bench_files(tmp_path) == [] and bench_files(out) == [Path(files[0])]
+    machine = tmp_path / "gpu-some-machine"  # a machine's folder, one level down, is searched too
+    machine.mkdir()
+    (machine / "run.json").write_text(Path(files[0]).read_text())
+    assert bench_files(tmp_path) == [machine / "run.json"]
 
 
 def test_committed_results_load_and_stay_intact():

@@ -18,6 +18,7 @@ from ema_lab.bench.costmodel import (
     SIDES_ALIVE,
     CostModel,
     available_memory_bytes,
+    device_cache_bytes,
     fit_cost,
     last_level_cache_bytes,
     measured_knee,
@@ -155,6 +156,14 @@ def test_last_level_cache_is_the_highest_data_level_in_sysfs(tmp_path):
         (d / "size").write_text(f"{size}\n")
     size, source = last_level_cache_bytes(tmp_path)
     assert size == 32 << 20 and "(L3)" in source
+
+
+def test_the_cache_before_memory_is_the_cpus_last_level_or_cudas_l2_else_unknown():
+    assert device_cache_bytes("cpu") == last_level_cache_bytes()
+    assert device_cache_bytes("mps") == (None, "unknown for mps")
+    if torch.cuda.is_available():
+        size, source = device_cache_bytes("cuda")
+        assert size == torch.cuda.get_device_properties(0).L2_cache_size and "L2_cache_size" in source
 
 
 def test_two_regime_fit_recovers_each_bandwidth_and_fractions_are_time_ratios_to_the_floor():

@@ -57,6 +57,7 @@ __all__ = [
     "sweep_plan",
     "measured_knee",
     "available_memory_bytes",
+    "device_cache_bytes",
     "last_level_cache_bytes",
 ]
 
@@ -110,6 +111,16 @@ def last_level_cache_bytes(
         if size and size > 0:
             return int(size), f"os.sysconf({name!r})"
     return None, "unknown (no sysfs cache entries, no sysconf value)"
+
+
+def device_cache_bytes(device: str) -> tuple[int | None, str]:
+    """The last cache level before ``device``'s memory, in bytes, and where it was read (None if unknown)."""
+    if device == "cpu":
+        return last_level_cache_bytes()
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) if device == "cuda" else 0
+    if l2:
+        return int(l2), "torch.cuda.get_device_properties(0).L2_cache_size"
+    return None, f"unknown for {device}"
 
 
 @dataclass(frozen=True)
@@ -285,7 +296,7 @@ class CostModel:
     threads: int
     fits: dict[str, CostFit]  # "loop", "foreach", and the single-kernel references "floor" and "copy"
     points: list[dict[str, object]] = field(default_factory=list)
-    llc_bytes: int | None = None  # as reported by the OS (sysfs or sysconf), not measured
+    llc_bytes: int | None = None  # as reported by the OS (sysfs or sysconf) or by CUDA, not measured
     llc_source: str = ""
     knee_bytes: int | None = None  # working set where the floor's bandwidth stepped down; None: no step seen
     max_side_bytes: int | None = None  # the largest side the sweep reached
@@ -439,18 +450,16 @@ def run_cost_model(
 ) -> CostModel:
     """Run both sweeps on ``device``, one size at a time (its candidates interleaved), and fit the model.
 
-    ``llc_bytes`` defaults to :func:`last_level_cache_bytes` on CPU (on an accelerator pass its own
-    cache size, or leave None for ``DEFAULT_LLC_BYTES``); ``available_bytes`` to
+    ``llc_bytes`` defaults to :func:`device_cache_bytes` (the CPU's last-level cache, a CUDA GPU's L2;
+    ``DEFAULT_LLC_BYTES`` where unknown); ``available_bytes`` to
     :func:`available_memory_bytes`; with ``cap_bytes`` they bound the sweep (:func:`sweep_limit`).
     ``progress`` shows a bar that advances by each size's expected work, so its ETA is honest.
     """
     decay = 0.9999
     rounds = rounds or (3 if quick else 9)
     source = "given"
-    if llc_bytes is None and device == "cpu":
-        llc_bytes, source = last_level_cache_bytes()
-    elif llc_bytes is None:
-        source = f"unknown for {device}"
+    if llc_bytes is None:
+        llc_bytes, source = device_cache_bytes(device)
     if available_bytes is None:
         available_bytes = available_memory_bytes()[0]
     plan = sweep_plan(quick, llc_bytes, available_bytes, cap_bytes)
@@ -561,7 +570,12 @@ def plot_cost_regimes(cost: dict[str, Any]) -> Any:
     if knee:
         right.axvline(knee / 2**20, color="C3", ls="-", lw=1, label=f"measured knee {knee / 2**20:.0f} MiB")
     if llc:
-        label = f"last-level cache as reported by the OS: {llc / 2**20:.0f} MiB"
+        by = (
+            "last-level cache as reported by the OS"
+            if cost.get("device", "cpu") == "cpu"
+            else "L2 cache as reported by CUDA"
+        )
+        label = f"{by}: {llc / 2**20:.0f} MiB"
         right.axvline(llc / 2**20, color="grey", ls=":", label=label)
     right.set_xscale("log")
     floor = fits["floor"]

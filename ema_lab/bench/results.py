@@ -270,14 +270,15 @@ def load_many(paths: list[str | Path]) -> tuple[list[tuple[Path, dict[str, Any]]
 
 
 def bench_files(folder: str | Path) -> list[Path]:
-    """The ``*.json`` files in ``folder`` that declare the bench schema, sorted by name.
+    """The ``*.json`` files in ``folder`` and its subfolders one level down (a machine's folder such as
+    ``results/gpu-<machine>/``) that declare the bench schema, sorted by path.
 
     ``results/`` also holds other tools' JSON (``benchmarks/peers.py``, ``benchmarks/trainer.py``);
     they are left out here by design (their own ``.md`` beside them shows them). A file that claims the
     bench schema but is broken is still listed, so that :func:`load` reports it.
     """
     found = []
-    for path in sorted(Path(folder).glob("*.json")):
+    for path in sorted([*Path(folder).glob("*.json"), *Path(folder).glob("*/*.json")]):
         try:
             schema = json.loads(path.read_text()).get("schema")
         except (OSError, ValueError, AttributeError):
