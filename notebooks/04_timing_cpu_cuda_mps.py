@@ -80,16 +80,25 @@ for device, reason in available_devices().items():
         print(f"{device}: {reason}")
         continue
     net = models.build("yolo").to(device)
-    step = partial(ModelEMA(net).update, net)
-    step()  # warm-up
-    ms = {s: statistics.median(clock_ms(step, device, s) for _ in range(9)) for s in (False, True)}
-    print(f"{device}: without sync {ms[False]:.3f} ms, with sync {ms[True]:.3f} ms (median of 9 calls)")
+    a, b = torch.rand(2**25, device=device), torch.rand(2**25, device=device)  # 128 MiB each
+    work = {
+        "EMA update of yolo": partial(ModelEMA(net).update, net),
+        "one lerp_ of 128 MiB": partial(a.lerp_, b, 0.1),
+    }
+    for name, step in work.items():
+        step()  # warm-up
+        ms = {s: statistics.median(clock_ms(step, device, s) for _ in range(9)) for s in (False, True)}
+        print(
+            f"{device}, {name}: without sync {ms[False]:.3f} ms, with sync {ms[True]:.3f} ms (medians of 9)"
+        )
 
 # %% [markdown]
-# On a GPU the first number can be far below the second: it is only the cost of queueing. On a CPU
-# the two agree up to noise. A device you lack is listed with the reason. `ema_lab.bench.timing.unsynced_vs_synced`
-# is this cell, packaged; `torch.utils.benchmark.Timer`, used from here on, synchronises CUDA before it
-# reads the clock (recent torch versions: MPS too).
+# On a CPU the two numbers agree up to noise. On a GPU the first is only the queueing: for the large
+# `lerp_` it is far below the second, since the GPU is still working when the call returns. yolo's
+# update queues many small kernels that the GPU finishes about as fast as they arrive, so its two
+# numbers can be close. A device you lack is listed with the reason.
+# `ema_lab.bench.timing.unsynced_vs_synced` is this cell, packaged; `torch.utils.benchmark.Timer`, used
+# from here on, synchronises CUDA before it reads the clock (recent torch versions: MPS too).
 
 # %% [markdown]
 # ## 2. One measurement is not enough
@@ -247,36 +256,50 @@ for key, value in settings(reference).items():
 # %% tags=["nbval-ignore-output"]
 from ema_lab.bench.results import bench_files
 
-gpu_runs = [
-    f.name
-    for f in bench_files(results_dir())
-    if any(d != "cpu" and s["status"] == "measured" for d, s in load(f)["devices"].items())
-]
-print("saved runs that measured CUDA or MPS:", gpu_runs or "none yet")
+for f in bench_files(results_dir()):
+    measured = [d for d, s in load(f)["devices"].items() if s["status"] == "measured"]
+    if measured != ["cpu"]:
+        print("a saved run on", "+".join(measured), "->", f.relative_to(results_dir()))
 
 # %% [markdown]
+# The saved GPU run is a full run on an NVIDIA H200 (torch 2.11, CUDA 13.0) made by
+# `python3 dev.py gpu-check`, which times the bench, counts CUDA kernels and runs the CUDA tests in one
+# command. Its folder `results/gpu-linux-intel-xeon-16c-nvidia-h200/` holds everything it wrote.
+#
 # Milliseconds depend on the machine and how busy it is. A speed-up measured within one run cancels
 # part of that, since both versions ran under the same conditions. Compare speed-ups, then, and read
 # them with the settings above:
 
 # %% tags=["nbval-ignore-output"]
-runs = {"reference": reference, "your run": record}
+h200 = load(next(f for f in bench_files(results_dir()) if "nvidia-h200" in f.name and "_full_" in f.name))
+runs = [("CPU reference", reference, "cpu"), ("H200", h200, "cuda")]
+runs += [(f"your run, {d}", record, d) for d, s in record["devices"].items() if s["status"] == "measured"]
 names = {"seed_after": "PR after-code", "foreach": 'ModelEMA "foreach"'}
-fig, ax = plt.subplots(figsize=(7, 2.6))
+fig, ax = plt.subplots(figsize=(7, 1 + 0.5 * len(runs)))
+height = 0.8 / len(runs)
 for i, cand in enumerate(names):
-    for j, (run, rec) in enumerate(runs.items()):
-        row = next(r for r in rec["results"] if r["model"] == "tiny_tensors" and r["candidate"] == cand)
-        x, y = row["speedup_vs_seed_before"], i - 0.2 + 0.4 * j
-        ax.barh(y, x, height=0.38, color=("tab:gray", "tab:orange")[j])
-        ax.text(x, y, f" {x:.1f}x {run}", va="center")
+    for j, (run, rec, device) in enumerate(runs):
+        row = next(
+            r
+            for r in rec["results"]
+            if (r["model"], r["candidate"], r["device"]) == ("tiny_tensors", cand, device)
+        )
+        x, y = row["speedup_vs_seed_before"], i - 0.4 + height * (j + 0.5)
+        ax.barh(y, x, height=0.95 * height, color=f"C{j}")
+        ax.text(x, y, f" {x:.1f}x {run}", va="center", fontsize=9)
 ax.set_yticks(range(len(names)), list(names.values()))
 ax.set(xlabel="speed-up over the PR's before-code", title="tiny_tensors, 1 thread")
-ax.set_xlim(0, 1.4 * ax.get_xlim()[1])
+ax.set_xlim(0, 1.5 * ax.get_xlim()[1])
+ax.invert_yaxis()  # top to bottom in the order above
 plt.show()
 
 # %% [markdown]
-# Bars of different lengths mean the two machines pay differently for per-op work and for moving
-# bytes, or that the settings differ, or that a run was disturbed: rerun to tell which.
+# On the H200 both speed-ups are several times the CPU's. A GPU does the arithmetic of 2,000 tiny
+# tensors almost for free, so the per-op cost the PR removes (Python, the dispatcher, a kernel launch)
+# is nearly the whole update there.
+#
+# Between two CPUs, bars of different lengths mean the machines pay differently for per-op work and
+# for moving bytes, or that the settings differ, or that a run was disturbed: rerun to tell which.
 
 # %% [markdown]
 # <details><summary>On CUDA: what one <code>_foreach_lerp_</code> launch carries (from PyTorch's source)</summary>

@@ -19,6 +19,7 @@ profiler, and says "not available: <reason>" where the device or profiler cannot
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -102,9 +103,12 @@ def count_kernel_launches(
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn(*args, **kwargs)
-        torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        # Newer torch warns that events do not accumulate across profiling cycles; this is one cycle.
+        warnings.filterwarnings("ignore", message="Profiler clears events", category=UserWarning)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn(*args, **kwargs)
+            torch.cuda.synchronize()
     counts: Counter[str] = Counter()
     for evt in prof.events():
         if evt.device_type == DeviceType.CUDA:
