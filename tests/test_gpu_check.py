@@ -1,5 +1,5 @@
 """benchmarks/gpu_check.py: one clean line without CUDA; its steps record failures instead of raising.
-Also the CUDA-graph test the check runs (``-k cuda``): a captured update replays like an eager one."""
+Also the CUDA-graph test the check runs (``-k test_cuda_``): a captured update replays like an eager one."""
 
 from __future__ import annotations
 

@@ -158,7 +158,7 @@ def test_last_level_cache_is_the_highest_data_level_in_sysfs(tmp_path):
     assert size == 32 << 20 and "(L3)" in source
 
 
-def test_the_cache_before_memory_is_the_cpus_last_level_or_cudas_l2_else_unknown():
+def test_cuda_l2_or_the_cpus_last_level_cache_is_the_cache_before_memory():
     assert device_cache_bytes("cpu") == last_level_cache_bytes()
     assert device_cache_bytes("mps") == (None, "unknown for mps")
     if torch.cuda.is_available():

@@ -105,7 +105,7 @@ def count_kernel_launches(
     torch.cuda.synchronize()
     with warnings.catch_warnings():
         # Newer torch warns that events do not accumulate across profiling cycles; this is one cycle.
-        warnings.filterwarnings("ignore", message="Profiler clears events", category=UserWarning)
+        warnings.filterwarnings("ignore", message=r".*Profiler clears events", category=UserWarning)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn(*args, **kwargs)
             torch.cuda.synchronize()
