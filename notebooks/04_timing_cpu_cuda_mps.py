@@ -262,9 +262,9 @@ for f in bench_files(results_dir()):
         print("a saved run on", "+".join(measured), "->", f.relative_to(results_dir()))
 
 # %% [markdown]
-# The saved GPU run is a full run on an NVIDIA H200 (torch 2.11, CUDA 13.0) made by
-# `python3 dev.py gpu-check`, which times the bench, counts CUDA kernels and runs the CUDA tests in one
-# command. Its folder `results/gpu-linux-intel-xeon-16c-nvidia-h200/` holds everything it wrote.
+# The saved GPU runs, a quick and a full one, come from one `python3 dev.py gpu-check` on an NVIDIA
+# H200 (torch 2.11, CUDA 13.0): it times the bench, counts CUDA kernels and runs the CUDA tests in one
+# command, and its folder holds everything it wrote. The chart below uses the full run.
 #
 # Milliseconds depend on the machine and how busy it is. A speed-up measured within one run cancels
 # part of that, since both versions ran under the same conditions. Compare speed-ups, then, and read
