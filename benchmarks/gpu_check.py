@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="results folder (default: ema_lab's results/)")
     parser.add_argument(
-        "--budget-s", type=float, default=BUDGET_S, help="seconds for all steps (default: 480)"
+        "--budget-s", type=float, default=BUDGET_S, help=f"seconds for all steps (default: {BUDGET_S})"
     )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))  # this checkout's ema_lab, also when run as a plain script

@@ -163,7 +163,10 @@ def test_cuda_l2_or_the_cpus_last_level_cache_is_the_cache_before_memory():
     assert device_cache_bytes("mps") == (None, "unknown for mps")
     if torch.cuda.is_available():
         size, source = device_cache_bytes("cuda")
-        assert size == torch.cuda.get_device_properties(0).L2_cache_size and "L2_cache_size" in source
+        assert (
+            size == torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+            and "L2_cache_size" in source
+        )
 
 
 def test_two_regime_fit_recovers_each_bandwidth_and_fractions_are_time_ratios_to_the_floor():

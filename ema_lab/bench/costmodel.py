@@ -117,9 +117,9 @@ def device_cache_bytes(device: str) -> tuple[int | None, str]:
     """The last cache level before ``device``'s memory, in bytes, and where it was read (None if unknown)."""
     if device == "cpu":
         return last_level_cache_bytes()
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) if device == "cuda" else 0
-    if l2:
-        return int(l2), "torch.cuda.get_device_properties(0).L2_cache_size"
+    props = torch.cuda.get_device_properties(torch.cuda.current_device()) if device == "cuda" else None
+    if getattr(props, "L2_cache_size", 0):
+        return int(props.L2_cache_size), "torch.cuda.get_device_properties(...).L2_cache_size"
     return None, f"unknown for {device}"
 
 
