@@ -4,6 +4,16 @@
     /tmp/peers/bin/pip install ultralytics==8.4.190 timm ema-pytorch
     PYTHONPATH=. /tmp/peers/bin/python benchmarks/peers.py --threads 1 2 [--models ...] [--out results]
 
+``--baseline FOLDER`` adds another version's default ``ModelEMA`` as a candidate, to compare a change
+with main side by side in one process: FOLDER is that version's core package under its own import name,
+for example main before the core redesign::
+
+    mkdir -p /tmp/ema_lab_main/ema_lab_main
+    base=48ef05b  # main before the core redesign
+    for f in $(git ls-tree --name-only $base ema_lab/ | grep 'py$'); do
+        git show $base:$f > /tmp/ema_lab_main/ema_lab_main/$(basename $f); done
+    PYTHONPATH=. /tmp/peers/bin/python benchmarks/peers.py --baseline /tmp/ema_lab_main/ema_lab_main
+
 Never install these into the project's venv: ultralytics brings ultralytics-thop, which clashes with
 the pinned thop. Models: ``yolo26n`` (ultralytics' ``DetectionModel("yolo26n.yaml")``, no download;
 skipped where ultralytics is not installed), ``yolo_like`` (99 Conv+BN+SiLU blocks of 32 channels,
@@ -35,6 +45,7 @@ from collections.abc import Callable
 from copy import deepcopy
 from datetime import datetime, timezone
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -51,7 +62,9 @@ FLOOR = "floor (one lerp_)"
 FLOOR_HUGE = "floor in huge pages (one lerp_)"
 DEFAULT = "ema_lab ModelEMA() default"
 FLAT_MODEL = "ema_lab flat_model"
-OURS = (FLOOR, FLOOR_HUGE, DEFAULT, FLAT_MODEL, "ema_lab gated")
+BASELINE = "ema_lab baseline ModelEMA() default"  # --baseline: another version's default
+OURS = (FLOOR, FLOOR_HUGE, DEFAULT, FLAT_MODEL, "ema_lab gated", BASELINE)
+NOISE = 1.05  # the default counts as slower than the baseline only beyond this ratio of medians
 
 
 def yolo_like(blocks: int = 99, c: int = 32) -> nn.Module:
@@ -98,7 +111,18 @@ def _timm_model_ema_v3() -> type | None:
     return module.ModelEmaV3
 
 
-def peer_candidates(name: str) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
+def load_package(path: Path) -> ModuleType:
+    """Import the package folder ``path`` under its folder name (its relative imports intact)."""
+    spec = importlib.util.spec_from_file_location(path.name, path / "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def peer_candidates(
+    name: str, baseline: ModuleType | None = None
+) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
     """Zero-argument update functions per candidate (each on its own model copy), and skip reasons."""
     fns: dict[str, Callable[[], object]] = {}
     skipped: dict[str, str] = {}
@@ -124,6 +148,11 @@ def peer_candidates(name: str) -> tuple[dict[str, Callable[[], object]], dict[st
     fns[DEFAULT] = ours("default")
     fns[FLAT_MODEL] = ours("flat_model")
     fns["ema_lab gated"] = ours("gated")
+    if baseline is not None:
+        m_b = deepcopy(base)
+        old = baseline.ModelEMA(m_b)
+        old.updates = 10_000
+        fns[BASELINE] = lambda: old.update(m_b)
 
     try:
         from ultralytics.utils.torch_utils import ModelEMA as UltralyticsEMA
@@ -163,7 +192,12 @@ def peer_candidates(name: str) -> tuple[dict[str, Callable[[], object]], dict[st
 
 
 def run(
-    names: tuple[str, ...], rounds: int, target_s: float, threads: tuple[int, ...] = (1,), builds: int = 1
+    names: tuple[str, ...],
+    rounds: int,
+    target_s: float,
+    threads: tuple[int, ...] = (1,),
+    builds: int = 1,
+    baseline: ModuleType | None = None,
 ) -> dict:
     """Time every candidate on every model at each thread count; return a JSON-able record.
 
@@ -178,7 +212,7 @@ def run(
     for name in names:
         pooled: dict[int, dict[str, list[float]]] = {n: {} for n in threads}
         for _ in range(builds):
-            fns, skip = peer_candidates(name)
+            fns, skip = peer_candidates(name, baseline)
             skipped.update(skip)
             if not fns:
                 break
@@ -258,6 +292,11 @@ def targets(rows: list[dict]) -> list[str]:
         if FLOOR_HUGE in got:
             ratio = flat / got[FLOOR_HUGE]
             checks.append(("flat_model <= 1.5x huge-page floor", ratio <= 1.5, f"{ratio:.2f}x"))
+        if BASELINE in got:
+            ratio = default / got[BASELINE]
+            checks.append(
+                (f"default <= {NOISE}x baseline", ratio <= NOISE, f"{ratio:.3f}x the baseline's time")
+            )
         for what, ok, figure in checks:
             lines.append(f"- {model}, {threads} thread(s): {what}: {'met' if ok else 'NOT met'} ({figure})")
     return lines
@@ -302,8 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-s", type=float, default=0.02)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "results"))
     parser.add_argument("--suffix", default="", help="appended to the file stem, keeps older runs")
+    parser.add_argument("--baseline", type=Path, help="folder of another version's core package (see above)")
     args = parser.parse_args(argv)
-    record = run(tuple(args.models), args.rounds, args.target_s, tuple(args.threads), args.builds)
+    baseline = load_package(args.baseline.resolve()) if args.baseline else None
+    record = run(tuple(args.models), args.rounds, args.target_s, tuple(args.threads), args.builds, baseline)
     record["note"] = args.note
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
