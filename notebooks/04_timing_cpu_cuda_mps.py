@@ -93,12 +93,11 @@ for device, reason in available_devices().items():
         )
 
 # %% [markdown]
-# On a CPU the two numbers agree up to noise. On a GPU the first is only the queueing: for the large
-# `lerp_` it is far below the second, since the GPU is still working when the call returns. yolo's
-# update queues many small kernels that the GPU finishes about as fast as they arrive, so its two
-# numbers can be close. A device you lack is listed with the reason.
-# `ema_lab.bench.timing.unsynced_vs_synced` is this cell, packaged; `torch.utils.benchmark.Timer`, used
-# from here on, synchronises CUDA before it reads the clock (recent torch versions: MPS too).
+# On a CPU the two agree up to noise. On a GPU the first is only the queueing: far below the second
+# for the large `lerp_`, still running when the call returns; yolo's small kernels finish about as fast
+# as they are queued. `ema_lab.bench.timing.unsynced_vs_synced` packages this cell;
+# `torch.utils.benchmark.Timer`, used from here on, synchronises CUDA before reading the clock (recent
+# torch: MPS too).
 
 # %% [markdown]
 # ## 2. One measurement is not enough
@@ -262,13 +261,9 @@ for f in bench_files(results_dir()):
         print("a saved run on", "+".join(measured), "->", f.relative_to(results_dir()))
 
 # %% [markdown]
-# The saved GPU runs, a quick and a full one, come from one `python3 dev.py gpu-check` on an NVIDIA
-# H200 (torch 2.11, CUDA 13.0): it times the bench, counts CUDA kernels and runs the CUDA tests in one
-# command, and its folder holds everything it wrote. The chart below uses the full run.
-#
-# Milliseconds depend on the machine and how busy it is. A speed-up measured within one run cancels
-# part of that, since both versions ran under the same conditions. Compare speed-ups, then, and read
-# them with the settings above:
+# Both saved GPU runs come from one `python3 dev.py gpu-check` on an NVIDIA H200 (torch 2.11, CUDA
+# 13.0). Milliseconds depend on the machine and its load; a speed-up measured within one run cancels
+# part of that. Compare speed-ups, then, read with the settings above:
 
 # %% tags=["nbval-ignore-output"]
 h200 = load(next(f for f in bench_files(results_dir()) if "nvidia-h200" in f.name and "_full_" in f.name))
@@ -294,12 +289,10 @@ ax.invert_yaxis()  # top to bottom in the order above
 plt.show()
 
 # %% [markdown]
-# On the H200 both speed-ups are several times the CPU's. A GPU does the arithmetic of 2,000 tiny
-# tensors almost for free, so the per-op cost the PR removes (Python, the dispatcher, a kernel launch)
-# is nearly the whole update there.
-#
-# Between two CPUs, bars of different lengths mean the machines pay differently for per-op work and
-# for moving bytes, or that the settings differ, or that a run was disturbed: rerun to tell which.
+# On the H200 both speed-ups are several times the CPU's: a GPU does the arithmetic of 2,000 tiny
+# tensors almost for free, so the per-op cost the PR removes (Python, the dispatcher, a launch) is
+# nearly the whole update. Between two CPUs, different bars mean different per-op or memory costs,
+# different settings, or a disturbed run: rerun to tell which.
 
 # %% [markdown]
 # <details><summary>On CUDA: what one <code>_foreach_lerp_</code> launch carries (from PyTorch's source)</summary>
