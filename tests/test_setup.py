@@ -68,9 +68,11 @@ def test_readme_starts_a_newcomer_with_clone_and_lab_and_ci_runs_its_test_comman
     assert {"python3 dev.py lab", "python3 dev.py bench", "python3 dev.py test"} <= set(commands)
     lines = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln and not ln.startswith("#")]
     # Before the test command CI may only set up the machine (the browser test's Chromium), nothing else.
-    assert lines[-1] == "python3 dev.py test"
-    setup = lines[:-1]
+    i = lines.index("python3 dev.py test")
+    setup, after = lines[:i], lines[i + 1 :]
     assert all(ln.startswith(("set ", "cd ", "export ", "command -v chromium")) for ln in setup), setup
+    # After it, the core tests on the supported torch floor (docs/compat.md).
+    assert any('-m nox -s "core(2.1.2)"' in ln for ln in after), after
 
 
 def test_dev_help() -> None:
