@@ -266,7 +266,8 @@ for f in bench_files(results_dir()):
 # part of that. Compare speed-ups, then, read with the settings above:
 
 # %% tags=["nbval-ignore-output"]
-h200 = load(next(f for f in bench_files(results_dir()) if "nvidia-h200" in f.name and "_full_" in f.name))
+gpu_folder = results_dir() / "gpu-linux-intel-xeon-16c-nvidia-h200"
+h200 = load(gpu_folder / "linux-intel-xeon-16c-nvidia-h200_2026-12-04T154528Z_full_t1_cuda.json")
 runs = [("CPU reference", reference, "cpu"), ("H200", h200, "cuda")]
 runs += [(f"your run, {d}", record, d) for d, s in record["devices"].items() if s["status"] == "measured"]
 names = {"seed_after": "PR after-code", "foreach": 'ModelEMA "foreach"'}
