@@ -218,7 +218,7 @@ def ema_after(ema, model, d):  # the PR's after-code: one op for all float tenso
 # %%
 from copy import deepcopy
 
-from ema_lab.lessons import models
+from ema_lab.bench import models
 
 model = models.build("yolo")
 ema = deepcopy(model)

@@ -102,7 +102,7 @@ for tau in (500, 2000, 5000):
 
 # %%
 from ema_lab import foreach_update, gated_update, loop_update
-from ema_lab.lessons import models
+from ema_lab.bench import models
 
 model = models.build("yolo")
 model_t = [v for v in model.state_dict().values() if v.is_floating_point()]
@@ -290,8 +290,8 @@ for tau, r in [(5, train_with_ema(seed=0, decay=0.99, tau=5)), (50, run)]:
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
 # Solution 2
 # ModelEMA notices the new memory and follows; the cached lists freeze again.
-# (follows_after takes a class built like ModelEMA: ema_lab.lessons.seed has the cached one so.)
-from ema_lab.lessons.seed import CachedListEMA as UltralyticsCachedEMA
+# (follows_after takes a class built like ModelEMA: ema_lab.bench.seed has the cached one so.)
+from ema_lab.bench.seed import CachedListEMA as UltralyticsCachedEMA
 from ema_lab.lessons.staleness import CONVERSIONS, follows_after
 
 CONVERSIONS["model.bfloat16()"] = lambda model, ema: model.bfloat16()

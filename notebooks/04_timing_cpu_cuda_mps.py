@@ -29,7 +29,7 @@ import torch
 
 from ema_lab import ModelEMA
 from ema_lab.bench.environment import available_devices, environment
-from ema_lab.lessons import models
+from ema_lab.bench import models
 
 torch.set_num_threads(1)  # one intra-op thread below, unless a cell says otherwise
 env = environment()
@@ -135,12 +135,12 @@ plt.show()
 # ultralytics PR #25315 replaced its EMA update, a Python loop of three ops per tensor (the
 # *before-code*), with one `torch._foreach_lerp_` over all tensors (the *after-code*). To compare them,
 # run them in alternating *rounds*, so that a disturbance hits both, then divide the medians.
-# `ema_lab.lessons.seed` holds both, verbatim:
+# `ema_lab.bench.seed` holds both, verbatim:
 
 # %% tags=["nbval-ignore-output"]
 from copy import deepcopy
 
-from ema_lab.lessons.seed import seed_after, seed_before
+from ema_lab.bench.seed import seed_after, seed_before
 
 args = {"e": deepcopy(model).eval(), "m": model, "d": 0.9999}
 timers = {

@@ -27,7 +27,7 @@ import platform
 import torch
 from torch.utils.benchmark import Timer
 
-from ema_lab.lessons import models
+from ema_lab.bench import models
 
 torch.set_num_threads(1)  # one thread, so timings compare across runs
 QUICK = os.environ.get("EMA_LAB_QUICK", "0") not in ("", "0")  # a shorter run with the same steps

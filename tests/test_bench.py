@@ -31,7 +31,7 @@ from ema_lab.bench.results import (
 )
 from ema_lab.bench.sweep import BASELINE, REFERENCES, candidate_names, floor_fraction, write_results
 from ema_lab.ema import STRATEGIES
-from ema_lab.lessons import models
+from ema_lab.bench import models
 
 MODELS = ("tiny_cnn", "tiny_transformer")
 THREADS = (1, 2)

@@ -21,8 +21,8 @@ from ema_lab.bench.counting import (
     without_views,
 )
 from ema_lab.ema import STRATEGIES
-from ema_lab.lessons import models
-from ema_lab.lessons.seed import seed_after, seed_before
+from ema_lab.bench import models
+from ema_lab.bench.seed import seed_after, seed_before
 
 D = 0.9999
 

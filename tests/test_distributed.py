@@ -24,7 +24,7 @@ pytest.importorskip("numpy", reason="ema_lab.bench needs numpy, not installed (t
 
 from ema_lab import ModelEMA, ShardedModelEMA
 from ema_lab.lessons import distributed as dist_demo
-from ema_lab.lessons.models import build
+from ema_lab.bench.models import build
 
 ROOT = Path(__file__).resolve().parents[1]
 MISSING = dist_demo.missing_apis()

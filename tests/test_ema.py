@@ -11,8 +11,8 @@ from torch import nn
 
 from ema_lab import ModelEMA
 from ema_lab.ema import STRATEGIES
-from ema_lab.lessons import models
-from ema_lab.lessons.seed import seed_before
+from ema_lab.bench import models
+from ema_lab.bench.seed import seed_before
 
 from .helpers import float_entries
 

@@ -1,7 +1,7 @@
 """The float64 buffer bug, step by step, against the real installed thop 0.1.1.post2209072238.
 
 Each test does what a section of notebook 03 shows, on the zoo's ``tiny_cnn`` and ``yolo`` (built from
-``ema_lab.lessons.models.Conv``, whose activation is shared at class level), and asserts it.
+``ema_lab.bench.models.Conv``, whose activation is shared at class level), and asserts it.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ pytest.importorskip("thop", reason="thop is not installed (the notebooks extra)"
 
 from ema_lab import ModelEMA, foreach_update, gated_update
 from ema_lab.lessons.float64_bug import leaked_keys, shared_act_leak, train_step
-from ema_lab.lessons.models import Conv, tiny_cnn, yolo
+from ema_lab.bench.models import Conv, tiny_cnn, yolo
 from ema_lab.lessons.profiling import fingerprint, import_thop, profile_flops, remove_thop_buffers
-from ema_lab.lessons.seed import seed_after, seed_before
+from ema_lab.bench.seed import seed_after, seed_before
 
 THOP_PIN = "0.1.1.post2209072238"
 D = 0.9  # far from 1: one step and two steps differ clearly

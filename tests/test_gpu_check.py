@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ema_lab import ModelEMA
-from ema_lab.lessons import models
+from ema_lab.bench import models
 
 from .helpers import float_entries
 

@@ -12,8 +12,8 @@ from torch import nn
 
 pytest.importorskip("thop", reason="thop is not installed (the notebooks extra)")
 
-from ema_lab.lessons.models import Conv, tiny_cnn, tiny_transformer
-from ema_lab.lessons.models import build as build_zoo
+from ema_lab.bench.models import Conv, tiny_cnn, tiny_transformer
+from ema_lab.bench.models import build as build_zoo
 from ema_lab.lessons.profiling import (
     check_movable,
     compare_flop_counts,

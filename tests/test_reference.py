@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ema_lab.lessons import models
-from ema_lab.lessons.reference import STRATEGY_FUNCTIONS, strategy_errors
+from ema_lab.bench import models
+from ema_lab.bench.reference import STRATEGY_FUNCTIONS, strategy_errors
 
 
 def test_all_strategies_close_to_float64_and_model_untouched() -> None:
@@ -33,8 +33,8 @@ def test_rejects_zero_steps() -> None:
 
 def test_model_ema_errors_cover_every_strategy_and_leave_the_model_alone() -> None:
     from ema_lab.ema import STRATEGIES
-    from ema_lab.lessons import models
-    from ema_lab.lessons.reference import model_ema_errors
+    from ema_lab.bench import models
+    from ema_lab.bench.reference import model_ema_errors
 
     model = models.build("tiny_transformer")
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from ema_lab import ModelEMA, flatten_model
-from ema_lab.lessons import models
-from ema_lab.lessons.seed import CachedListEMA
+from ema_lab.bench import models
+from ema_lab.bench.seed import CachedListEMA
 from ema_lab.lessons.staleness import CONVERSIONS, follows_after
 from ema_lab.steps import Watch, collect_pairs
 

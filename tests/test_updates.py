@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ema_lab import updates
-from ema_lab.lessons import models
+from ema_lab.bench import models
 from ema_lab.updates import foreach_update, gated_update, loop_update
 
 from .helpers import float_entries, reference_step

@@ -38,7 +38,7 @@ def command_name(argv0: str | None = None) -> str:
 
 
 def _parser() -> _Parser:
-    from ..lessons.models import ZOO
+    from .models import ZOO
     from .sweep import DEFAULT_MODELS, QUICK_MODELS, candidate_names
 
     parser = _Parser(prog=command_name(), description=__doc__)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..ema import STRATEGIES, ModelEMA
-from ..lessons import models
-from ..lessons.reference import model_ema_errors
+from . import models
+from .reference import model_ema_errors
 from . import sweep as bench
 from .timing import time_candidates
 

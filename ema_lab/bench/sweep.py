@@ -35,8 +35,8 @@ import torch
 
 from ..ema import STRATEGIES, ModelEMA
 from ..flat import empty_flat, flatten_model
-from ..lessons import models as zoo
-from ..lessons.seed import seed_after, seed_before
+from . import models as zoo
+from .seed import seed_after, seed_before
 from .costmodel import run_cost_model
 from .counting import count_ops, kernel_launches_or_reason, without_views
 from .environment import available_devices, environment

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..ema import ModelEMA
 from ..sharded import ShardedModelEMA
-from .models import build
+from ..bench.models import build
 
 __all__ = ["missing_apis", "loopback_interface", "ddp_model_ema", "count_ops", "launch", "reference", "main"]
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .models import Conv
+from ..bench.models import Conv
 from .profiling import THOP_BUFFERS, import_thop
 
 __all__ = ["leaked_keys", "shared_act_leak", "train_step"]

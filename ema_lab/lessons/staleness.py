@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..ema import ModelEMA
-from . import models
+from ..bench import models
 
 __all__ = ["CONVERSIONS", "follows_after"]
 
