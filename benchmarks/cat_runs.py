@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from ema_lab import ModelEMA, flatten_tensors
+from ema_lab.bench import models
 from ema_lab.bench.environment import environment
 from ema_lab.bench.timing import time_candidates
-from ema_lab.bench import models
 
 
 def built_at(threads: int, model: torch.nn.Module) -> ModelEMA:

@@ -117,10 +117,10 @@ def kernel_launches(folder: Path) -> str:
     import torch
 
     from ema_lab import ModelEMA, flatten_model
+    from ema_lab.bench import models
     from ema_lab.bench.counting import kernel_launches_or_reason
     from ema_lab.bench.sweep import QUICK_MODELS
     from ema_lab.ema import STRATEGIES
-    from ema_lab.bench import models
 
     def launches(model: torch.nn.Module, strategy: str) -> object:
         ema = ModelEMA(model, strategy=strategy)

@@ -51,9 +51,9 @@ import torch
 from torch import nn
 
 from ema_lab import ModelEMA, flatten_model, flatten_tensors
+from ema_lab.bench import models
 from ema_lab.bench.environment import environment
 from ema_lab.bench.timing import quantiles, time_candidates
-from ema_lab.bench import models
 
 DECAY = 0.9999
 MODELS = ("yolo26n", "yolo_like", "yolo", "resnet50", "gpt2", "tiny_tensors")

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from ema_lab import ModelEMA, flatten_tensors
+from ema_lab.bench import models
 from ema_lab.bench.environment import environment
 from ema_lab.bench.timing import time_candidates
-from ema_lab.bench import models
 
 SPLITS = (1, 256, 1024, 2048, 4096, 16384)
 

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from ema_lab import ModelEMA, foreach_update
-from ema_lab.lessons.float64_bug import leaked_keys, shared_act_leak, train_step
 from ema_lab.bench.models import build, yolo
+from ema_lab.lessons.float64_bug import leaked_keys, shared_act_leak, train_step
 from ema_lab.lessons.profiling import dtype_table, import_thop, profile_flops, remove_thop_buffers
 
 thop = import_thop()  # `import thop`, with its DeprecationWarning silenced

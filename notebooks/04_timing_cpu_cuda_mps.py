@@ -28,8 +28,8 @@ import matplotlib.pyplot as plt
 import torch
 
 from ema_lab import ModelEMA
-from ema_lab.bench.environment import available_devices, environment
 from ema_lab.bench import models
+from ema_lab.bench.environment import available_devices, environment
 
 torch.set_num_threads(1)  # one intra-op thread below, unless a cell says otherwise
 env = environment()

@@ -13,7 +13,7 @@ pytest.importorskip("numpy", reason="ema_lab.bench needs numpy, not installed (t
 pytest.importorskip("matplotlib", reason="matplotlib is not installed (the bench extra)")
 
 from ema_lab.__main__ import main
-from ema_lab.bench import sweep
+from ema_lab.bench import models, sweep
 from ema_lab.bench.environment import available_devices
 from ema_lab.bench.plots import plot_compare, plot_cost_model
 from ema_lab.bench.results import (
@@ -31,7 +31,6 @@ from ema_lab.bench.results import (
 )
 from ema_lab.bench.sweep import BASELINE, REFERENCES, candidate_names, floor_fraction, write_results
 from ema_lab.ema import STRATEGIES
-from ema_lab.bench import models
 
 MODELS = ("tiny_cnn", "tiny_transformer")
 THREADS = (1, 2)

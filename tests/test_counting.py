@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("numpy", reason="ema_lab.bench needs numpy, not installed (the bench extra)")
 
 from ema_lab import ModelEMA
+from ema_lab.bench import models
 from ema_lab.bench.counting import (
     KernelCountUnavailable,
     count_kernel_launches,
@@ -20,9 +21,8 @@ from ema_lab.bench.counting import (
     kernel_launches_or_reason,
     without_views,
 )
-from ema_lab.ema import STRATEGIES
-from ema_lab.bench import models
 from ema_lab.bench.seed import seed_after, seed_before
+from ema_lab.ema import STRATEGIES
 
 D = 0.9999
 

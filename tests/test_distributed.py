@@ -23,8 +23,8 @@ from torch import nn
 pytest.importorskip("numpy", reason="ema_lab.bench needs numpy, not installed (the bench extra)")
 
 from ema_lab import ModelEMA, ShardedModelEMA
-from ema_lab.lessons import distributed as dist_demo
 from ema_lab.bench.models import build
+from ema_lab.lessons import distributed as dist_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 MISSING = dist_demo.missing_apis()

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from ema_lab import ModelEMA
-from ema_lab.ema import STRATEGIES
 from ema_lab.bench import models
 from ema_lab.bench.seed import seed_before
+from ema_lab.ema import STRATEGIES
 
 from .helpers import float_entries
 

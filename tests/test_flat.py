@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from ema_lab import ModelEMA, flatten_model, steps
+from ema_lab.bench import models
 from ema_lab.bench.counting import count_ops
 from ema_lab.ema import choose_strategy
 from ema_lab.flat import flatten_tensors, tiles_in_order, unflatten_tensors
-from ema_lab.bench import models
 from ema_lab.lessons.precision import ema_stall
 from ema_lab.steps import CAT_MAX_NUMEL, collect_pairs
 

@@ -17,10 +17,10 @@ from torch import nn
 pytest.importorskip("thop", reason="thop is not installed (the notebooks extra)")
 
 from ema_lab import ModelEMA, foreach_update, gated_update
-from ema_lab.lessons.float64_bug import leaked_keys, shared_act_leak, train_step
 from ema_lab.bench.models import Conv, tiny_cnn, yolo
-from ema_lab.lessons.profiling import fingerprint, import_thop, profile_flops, remove_thop_buffers
 from ema_lab.bench.seed import seed_after, seed_before
+from ema_lab.lessons.float64_bug import leaked_keys, shared_act_leak, train_step
+from ema_lab.lessons.profiling import fingerprint, import_thop, profile_flops, remove_thop_buffers
 
 THOP_PIN = "0.1.1.post2209072238"
 D = 0.9  # far from 1: one step and two steps differ clearly

@@ -32,9 +32,9 @@ def test_rejects_zero_steps() -> None:
 
 
 def test_model_ema_errors_cover_every_strategy_and_leave_the_model_alone() -> None:
-    from ema_lab.ema import STRATEGIES
     from ema_lab.bench import models
     from ema_lab.bench.reference import model_ema_errors
+    from ema_lab.ema import STRATEGIES
 
     model = models.build("tiny_transformer")
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -6,8 +6,8 @@ import torch
 
 from ..ema import STRATEGIES, ModelEMA
 from . import models
-from .reference import model_ema_errors
 from . import sweep as bench
+from .reference import model_ema_errors
 from .timing import time_candidates
 
 

@@ -36,7 +36,6 @@ import torch
 from ..ema import STRATEGIES, ModelEMA
 from ..flat import empty_flat, flatten_model
 from . import models as zoo
-from .seed import seed_after, seed_before
 from .costmodel import run_cost_model
 from .counting import count_ops, kernel_launches_or_reason, without_views
 from .environment import available_devices, environment
@@ -50,6 +49,7 @@ from .results import (
     settings_differences,
     validate,
 )
+from .seed import seed_after, seed_before
 from .timing import progress_bar, time_candidates
 
 __all__ = ["DEFAULT_MODELS", "count_candidate_ops", "run_bench", "write_results", "compare", "floor_fraction"]

@@ -26,9 +26,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..bench.models import build
 from ..ema import ModelEMA
 from ..sharded import ShardedModelEMA
-from ..bench.models import build
 
 __all__ = ["missing_apis", "loopback_interface", "ddp_model_ema", "count_ops", "launch", "reference", "main"]
 

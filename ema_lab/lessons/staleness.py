@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ema import ModelEMA
 from ..bench import models
+from ..ema import ModelEMA
 
 __all__ = ["CONVERSIONS", "follows_after"]
 
