@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import NoReturn
 
@@ -99,6 +100,23 @@ def _threads(values: list[str]) -> list[int]:
     return out
 
 
+def writable_folder(out: str) -> Path:
+    """Create the folder ``out`` if needed and write a scratch file there; any failure is a ValueError.
+
+    Run before any measuring, so that a folder the run cannot write to costs nothing but one line.
+    """
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out!r} exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ValueError(f"cannot write to --out {out!r}: {exc.strerror or exc}") from None
+    return path
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .results import format_table
     from .sweep import run_bench, write_results
@@ -126,9 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             return run_demo(args.model, args.steps)
+        writable_folder(args.out)  # bench and compare: before the work, not after it
         if args.cmd == "bench":
-            if Path(args.out).exists() and not Path(args.out).is_dir():
-                raise ValueError(f"--out {args.out!r} exists and is not a folder")
             return _bench(args)
         from .sweep import compare
 
@@ -136,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         print(table)
         print(f"wrote {png}")
         return 0
-    except (ValueError, FileExistsError) as exc:  # bad input (ResultError is a ValueError): one line
-        print(f"{parser.prog} {args.cmd}: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:  # bad input (ResultError is a ValueError), FileExistsError, ...
+        oserror = isinstance(exc, OSError) and exc.strerror  # e.g. a disk that filled while writing
+        message = f"{exc.strerror}: {exc.filename}" if oserror else str(exc)
+        print(f"{parser.prog} {args.cmd}: error: {message}", file=sys.stderr)
         return 2
 
 
