@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("numpy", reason="ema_lab.bench needs numpy, not installed (the bench extra)")
+pytest.importorskip("numpy", reason="numpy is not installed (the bench extra; ema_lab.bench.sweep needs it)")
 pytest.importorskip("matplotlib", reason="matplotlib is not installed (the bench extra)")
 
 from ema_lab.__main__ import main

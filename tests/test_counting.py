@@ -9,8 +9,6 @@ from copy import deepcopy
 import pytest
 import torch
 
-pytest.importorskip("numpy", reason="ema_lab.bench needs numpy, not installed (the bench extra)")
-
 from ema_lab import ModelEMA
 from ema_lab.bench import models
 from ema_lab.bench.counting import (

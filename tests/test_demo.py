@@ -2,7 +2,9 @@
 
 import pytest
 
-pytest.importorskip("numpy", reason="ema_lab.bench needs numpy, not installed (the bench extra)")
+pytest.importorskip(
+    "numpy", reason="numpy is not installed (the bench extra; the demo runs ema_lab.bench.sweep)"
+)
 
 from ema_lab.__main__ import main
 from ema_lab.ema import STRATEGIES

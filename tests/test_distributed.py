@@ -20,7 +20,10 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("numpy", reason="ema_lab.bench needs numpy, not installed (the bench extra)")
+# torch.distributed.tensor.debug (CommDebugMode, used by every FSDP2 run here) imports numpy.
+pytest.importorskip(
+    "numpy", reason="numpy is not installed (the bench extra); torch's CommDebugMode needs it"
+)
 
 from ema_lab import ModelEMA, ShardedModelEMA
 from ema_lab.bench.models import build

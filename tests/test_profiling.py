@@ -6,11 +6,13 @@ from copy import deepcopy
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch import nn
 
 pytest.importorskip("thop", reason="thop is not installed (the notebooks extra)")
+pytest.importorskip("hypothesis", reason="hypothesis is not installed (the dev extra)")
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ema_lab.bench.models import Conv, tiny_cnn, tiny_transformer
 from ema_lab.bench.models import build as build_zoo

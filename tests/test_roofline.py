@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("numpy", reason="ema_lab.bench needs numpy, not installed (the bench extra)")
+pytest.importorskip(
+    "numpy", reason="numpy is not installed (the bench extra; ema_lab.bench.roofline needs it)"
+)
 matplotlib = pytest.importorskip("matplotlib", reason="matplotlib is not installed (the bench extra)")
 matplotlib.use("Agg")
 

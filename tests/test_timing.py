@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("numpy", reason="ema_lab.bench needs numpy, not installed (the bench extra)")
+pytest.importorskip(
+    "numpy", reason="numpy is not installed (the bench extra; ema_lab.bench.costmodel needs it)"
+)
 
 from ema_lab.bench.costmodel import (
     BYTES_PER_ELEMENT,

@@ -6,6 +6,9 @@ import math
 
 import pytest
 import torch
+
+pytest.importorskip("hypothesis", reason="hypothesis is not installed (the dev extra)")
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
