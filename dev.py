@@ -5,13 +5,17 @@
     python dev.py compare FILES  plot several bench runs side by side
     python dev.py test [args]    ruff, then the whole test suite including nbval over notebooks/
     python dev.py notebooks      execute every notebook in place (refreshes the committed outputs)
-    python dev.py lab            open JupyterLab on notebooks/
+    python dev.py lab [args]     open JupyterLab on notebooks/; --notebook-dir DIR: on DIR, a copy of
+                                 notebooks/ made there the first time (later runs keep your edits)
     python dev.py demo           a short demo of every EMA strategy on a built-in model
     python dev.py gpu-check      on a CUDA machine: bench, kernel counts, CUDA tests (benchmarks/gpu_check.py)
 
 Only the standard library is used here, so it runs on a bare Python >= 3.10.
+lab, bench, compare and demo install the readers' extra (`notebooks`); test, notebooks and gpu-check the
+developers' (`dev`, a superset).
 Set EMA_LAB_TORCH to choose the torch requirement installed first (default: torch==2.13.0,
 whose CPU wheel the project's CI machine has on disk); set it to "" to keep whatever torch pip picks.
+Set EMA_LAB_VENV to an existing environment to run in that one as it is (nothing is created or installed).
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-VENV = ROOT / ".venv"
+GIVEN_VENV = os.environ.get("EMA_LAB_VENV")
+VENV = Path(GIVEN_VENV).absolute() if GIVEN_VENV else ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PY = BIN / ("python.exe" if os.name == "nt" else "python")
 STAMP = VENV / ".ema_lab-installed"
@@ -37,18 +44,47 @@ NBVAL_ARGS = [
 ]
 
 
+# Which extra each job needs; "dev" includes "notebooks" (pyproject.toml).
+EXTRAS = {"test": "dev", "notebooks": "dev", "gpu-check": "dev"}  # others: "notebooks", the readers' extra
+
+
 def run(*cmd: str | Path, env: dict | None = None) -> int:
-    """Run a command from the repo root and return its exit code."""
-    return subprocess.call([str(c) for c in cmd], cwd=ROOT, env=env)
+    """Run a command from the repo root and return its exit code; stopping dev.py stops the command too."""
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env)
+    try:
+        return proc.wait()
+    finally:  # a signal (SIGTERM, Ctrl-C) ended dev.py early: leave nothing running behind it
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
 
 
-def ensure_venv() -> None:
-    """Create .venv and install the project with its dev extra, once per pyproject.toml change."""
+def replace_process(*cmd: str | Path, env: dict) -> int:
+    """Become ``cmd`` (POSIX exec), so that signals reach it directly; elsewhere run it as a child.
+
+    JupyterLab cleans up its kernels on SIGINT/SIGTERM; run as dev.py's child it would be killed by
+    dev.py's own Ctrl-C handling before it could, and its kernels would outlive it.
+    """
+    if os.name == "nt":
+        return run(*cmd, env=env)
+    sys.stdout.flush()
+    os.chdir(ROOT)
+    os.execve(str(cmd[0]), [str(c) for c in cmd], env)
+    return 1  # not reached: execve returns only by raising
+
+
+def ensure_venv(extra: str = "notebooks") -> None:
+    """Create .venv and install the project with ``extra``, once per pyproject.toml change."""
+    if GIVEN_VENV:
+        return  # the caller's environment, used as it is
     if not PY.exists():
         print(f"[dev] creating {VENV}", flush=True)
         venv.EnvBuilder(with_pip=True).create(VENV)
     wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-    if STAMP.exists() and STAMP.read_text() == wanted:
+    # The stamp is "<hash> <extra>"; a stamp without an extra predates the readers' extra: it was dev.
+    done, _, installed = (STAMP.read_text() if STAMP.exists() else "").partition(" ")
+    covered = {"dev": {"dev", "notebooks"}, "notebooks": {"notebooks"}}.get(installed or "dev", set())
+    if done == wanted and extra in covered:
         return
     pip = [PY, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     torch_req = os.environ.get("EMA_LAB_TORCH", "torch==2.13.0")
@@ -57,10 +93,36 @@ def ensure_venv() -> None:
         print(f"[dev] installing {torch_req}", flush=True)
         if run(*pip, *shlex.split(torch_req)):
             sys.exit("[dev] torch install failed")
-    print("[dev] installing ema_lab[dev] (editable)", flush=True)
-    if run(*pip, "-e", ".[dev]"):
+    print(f"[dev] installing ema_lab[{extra}] (editable)", flush=True)
+    if run(*pip, "-e", f".[{extra}]"):
         sys.exit("[dev] project install failed")
-    STAMP.write_text(wanted)
+    STAMP.write_text(f"{wanted} {extra}")
+
+
+def notebook_dir(args: list[str]) -> tuple[list[str], Path | None]:
+    """The lab's arguments with its --notebook-dir made absolute, and that folder (None if not given)."""
+    args = list(args)
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if key in {"--notebook-dir", "--ServerApp.root_dir"} and (eq or i + 1 < len(args)):
+            folder = Path(value if eq else args[i + 1]).expanduser().absolute()
+            # The lab runs from the repository root: a relative folder means one under the caller's cwd.
+            if eq:
+                args[i] = f"{key}={folder}"
+            else:
+                args[i + 1] = str(folder)
+            return args, folder
+    return args, None
+
+
+def copy_notebooks(folder: Path) -> None:
+    """Fill ``folder`` with a copy of notebooks/ unless it exists: a second run keeps the reader's edits."""
+    if folder.exists():
+        return
+    shutil.copytree(
+        ROOT / "notebooks", folder, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__")
+    )
+    print(f"[dev] copied notebooks/ to {folder}; later runs open this copy as it is", flush=True)
 
 
 LAB_SETTINGS = VENV / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
@@ -84,12 +146,12 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0
     job, rest = argv[0], argv[1:]
-    ensure_venv()
+    ensure_venv(EXTRAS.get(job, "notebooks"))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if job in {"bench", "demo", "compare"}:
         # Help and error lines name the command the user typed, not the module dev.py runs.
         env["EMA_LAB_PROG"] = f"{Path(sys.executable).name} {Path(sys.argv[0]).name}"
-        return run(PY, "-m", "ema_lab", job, *rest, env=env)
+        return replace_process(PY, "-m", "ema_lab", job, *rest, env=env)
     if job == "test":
         rc = run(PY, "-m", "ruff", "check", ".")
         rc |= run(PY, "-m", "ruff", "format", "--check", ".")
@@ -98,22 +160,26 @@ def main(argv: list[str]) -> int:
         rc |= run(PY, "-m", "pytest", "tests", "notebooks", *NBVAL_ARGS, *rest, env=env)
         return rc
     if job == "gpu-check":
-        return run(PY, ROOT / "benchmarks" / "gpu_check.py", *rest, env=env)
+        return replace_process(PY, ROOT / "benchmarks" / "gpu_check.py", *rest, env=env)
     if job == "notebooks":
-        return run(PY, ROOT / "notebooks" / "execute.py", *rest, env=env)
+        return replace_process(PY, ROOT / "notebooks" / "execute.py", *rest, env=env)
     if job == "lab":
         # Jupyter refuses to start as root (containers, CI boxes) unless told it is intended.
         root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
         # The reader's own --notebook-dir / --ServerApp.root_dir wins; jupyter accepts the option only once.
-        given = any(a.split("=")[0] in {"--notebook-dir", "--ServerApp.root_dir"} for a in rest)
-        where = [] if given else ["--notebook-dir", ROOT / "notebooks"]
+        rest, folder = notebook_dir(rest)
+        if folder is not None:
+            copy_notebooks(folder)
+        where = [] if folder else ["--notebook-dir", ROOT / "notebooks"]
         lab_settings()
         # `python -m jupyterlab` rather than the `jupyter` script: a moved or copied .venv keeps its
         # scripts' old shebang, and the lab would read another environment's settings (autosave on).
-        return run(PY, "-m", "jupyterlab", *where, *root, *rest, env=env)
+        return replace_process(PY, "-m", "jupyterlab", *where, *root, *rest, env=env)
     print(f"[dev] unknown job {job!r}; try: python dev.py --help", file=sys.stderr)
     return 2
 
 
 if __name__ == "__main__":
+    # SIGTERM ends dev.py through SystemExit, so that run() stops the command it is waiting for.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     sys.exit(main(sys.argv[1:]))

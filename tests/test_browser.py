@@ -1,8 +1,9 @@
 """The reader's path: JupyterLab started as the README says, notebooks run in headless Chromium.
 
-It follows the README's copy workflow (``cp -r notebooks <dir>`` then ``python3 dev.py lab
---notebook-dir <dir>``), so a notebook that reads committed results must find them from a copy in
-another folder, and the committed outputs stay as they are. Chromium is Debian's
+It follows the README's copy workflow (``python3 dev.py lab --notebook-dir <dir>``, which copies
+notebooks/ there), so a notebook that reads committed results must find them from a copy in
+another folder, and the committed outputs stay as they are. When the lab stops, nothing it started
+may be left running. Chromium is Debian's
 ``chromium`` package (playwright cannot download its own browsers on every machine); without it the
 test is skipped with the reason, unless ``EMA_LAB_REQUIRE_BROWSER=1`` (set by ``.ci/run``) makes that a
 failure.
@@ -21,6 +22,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from .processes import leftovers, marked_env
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -45,12 +48,15 @@ def lab(tmp_path_factory):
         _missing("playwright is not installed (pip install playwright)")
     if CHROMIUM is None:
         _missing("no chromium on PATH (Debian: apt-get install chromium)")
-    copy = tmp_path_factory.mktemp("lab") / "ema_lab_notebooks"  # not beside results/, as in the README
-    shutil.copytree(ROOT / "notebooks", copy, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    # Not beside results/, as in the README; dev.py makes the copy, as it does for a reader.
+    copy = tmp_path_factory.mktemp("lab") / "ema_lab_notebooks"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = (copy.parent / "lab.log").open("w")
+    # Without EMA_LAB_RESULTS: the copy must find results/ the way a reader's kernel does.
+    env = {**{k: v for k, v in os.environ.items() if k != "EMA_LAB_RESULTS"}, "EMA_LAB_QUICK": "1"}
+    env, mark = marked_env(env)  # finds the lab, its kernels and theirs at the end
     server = subprocess.Popen(
         [sys.executable, str(ROOT / "dev.py"), "lab", "--notebook-dir", str(copy), "--no-browser"]
         + [f"--port={port}", "--ip=127.0.0.1", f"--IdentityProvider.token={TOKEN}"]
@@ -58,8 +64,7 @@ def lab(tmp_path_factory):
         + ["--LabApp.expose_app_in_browser=True"],
         stdout=log,
         stderr=subprocess.STDOUT,
-        # Without EMA_LAB_RESULTS: the copy must find results/ the way a reader's kernel does.
-        env={**{k: v for k, v in os.environ.items() if k != "EMA_LAB_RESULTS"}, "EMA_LAB_QUICK": "1"},
+        env=env,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -77,9 +82,11 @@ def lab(tmp_path_factory):
             pytest.fail("JupyterLab exited:\n" + (copy.parent / "lab.log").read_text()[-2000:])
         yield url, copy
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.terminate()  # reaches JupyterLab itself (dev.py execs it), which shuts its kernels down
+        server.wait(timeout=60)
         log.close()
+        left = leftovers(mark)
+        assert not left, f"still running after the lab stopped (now killed): {left}"
 
 
 def _open(page, url: str, path: str, factory: str) -> None:

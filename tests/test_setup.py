@@ -27,6 +27,16 @@ def _names(requirements: list[str]) -> set[str]:
     return {re.split(r"[<>=!~\[ ;]", d)[0] for d in requirements}
 
 
+def _dev():
+    """dev.py as a module (it is a script, not part of the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dev", ROOT / "dev.py")
+    dev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dev)
+    return dev
+
+
 def test_pyproject_dependencies() -> None:
     project = _pyproject()["project"]
     # The core needs torch alone; everything else is an extra.
@@ -81,15 +91,11 @@ def test_dev_help() -> None:
 
 
 def test_dev_lab_passes_a_notebook_dir_through_once(monkeypatch, tmp_path) -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("dev", ROOT / "dev.py")
-    dev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dev)
+    dev = _dev()
     calls = []
-    monkeypatch.setattr(dev, "ensure_venv", lambda: None)
+    monkeypatch.setattr(dev, "ensure_venv", lambda extra: None)
     monkeypatch.setattr(dev, "LAB_SETTINGS", tmp_path / "settings" / "overrides.json")
-    monkeypatch.setattr(dev, "run", lambda *cmd, env=None: calls.append([str(c) for c in cmd]) or 0)
+    monkeypatch.setattr(dev, "replace_process", lambda *cmd, env: calls.append([str(c) for c in cmd]) or 0)
     assert dev.main(["lab", "--notebook-dir", str(tmp_path)]) == 0
     assert dev.main(["lab", "--no-browser"]) == 0
     mine, default = calls
@@ -100,16 +106,13 @@ def test_dev_lab_passes_a_notebook_dir_through_once(monkeypatch, tmp_path) -> No
 
 
 def test_dev_lab_turns_autosave_off_and_keeps_other_settings(monkeypatch, tmp_path) -> None:
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("dev", ROOT / "dev.py")
-    dev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dev)
+    dev = _dev()
     settings = tmp_path / "overrides.json"
     settings.write_text(json.dumps({"@jupyterlab/apputils-extension:themes": {"theme": "JupyterLab Dark"}}))
-    monkeypatch.setattr(dev, "ensure_venv", lambda: None)
-    monkeypatch.setattr(dev, "run", lambda *cmd, env=None: 0)
+    monkeypatch.setattr(dev, "ensure_venv", lambda extra: None)
+    monkeypatch.setattr(dev, "replace_process", lambda *cmd, env: 0)
     monkeypatch.setattr(dev, "LAB_SETTINGS", settings)
     assert dev.main(["lab"]) == 0
     assert json.loads(settings.read_text()) == {
@@ -119,27 +122,34 @@ def test_dev_lab_turns_autosave_off_and_keeps_other_settings(monkeypatch, tmp_pa
 
 
 def test_dev_bench_tells_the_command_line_how_it_was_started(monkeypatch) -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("dev", ROOT / "dev.py")
-    dev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dev)
+    dev = _dev()
     envs = []
-    monkeypatch.setattr(dev, "ensure_venv", lambda: None)
-    monkeypatch.setattr(dev, "run", lambda *cmd, env=None: envs.append(env) or 0)
+    monkeypatch.setattr(dev, "ensure_venv", lambda extra: None)
+    monkeypatch.setattr(dev, "replace_process", lambda *cmd, env: envs.append(env) or 0)
     monkeypatch.setattr(sys, "argv", ["dev.py", "bench", "--quick"])
     assert dev.main(["bench", "--quick"]) == 0
     assert envs[0]["EMA_LAB_PROG"] == f"{Path(sys.executable).name} dev.py"  # e.g. "python3 dev.py"
 
 
 def test_results_holds_only_files_its_index_names() -> None:
+    # What git tracks: a reader's own runs (untracked until they add them) are theirs to keep there.
+    listed = subprocess.run(["git", "ls-files", "results"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip(f"not a git checkout: {listed.stderr.strip()}")
     index = (ROOT / "results" / "README.md").read_text()
     stems = set(re.findall(r"`([\w.+-]+?)(?:\.json|\.png)?`", index))
-    for path in (ROOT / "results").iterdir():
-        if path.name == "README.md":
-            continue
-        # A row names a run's JSON and its plots by suffix (`_times.png`) after the JSON's name.
-        assert path.name in index or any(path.stem.startswith(s) for s in stems if len(s) > 20), path.name
+    # A folder's files are named by the folder's row; a top-level file by its name, or a run's plots by
+    # suffix (`_times.png`) after the JSON's name.
+    tops = {Path(f).relative_to("results").parts[0] for f in listed.stdout.splitlines()} - {"README.md"}
+    unnamed = [
+        n
+        for n in tops
+        if n not in index and not any(Path(n).stem.startswith(s) for s in stems if len(s) > 20)
+    ]
+    assert not unnamed, (
+        f"results/ tracks {unnamed}, which results/README.md does not name: add a row for each to its table"
+        " (file, machine, date, what it is), or `git rm` them"
+    )
 
 
 def test_the_docs_name_only_result_files_that_exist() -> None:
@@ -150,3 +160,74 @@ def test_the_docs_name_only_result_files_that_exist() -> None:
         for stem, parts in re.findall(r"results/([\w.+-]+)-\{([\w,-]+)\}\.md", text):
             for part in parts.split(","):
                 assert (doc.parent / "results" / f"{stem}-{part}.md").exists(), (doc, stem, part)
+
+
+def test_the_readers_extra_holds_no_developer_tools() -> None:
+    extras = _pyproject()["project"]["optional-dependencies"]
+    readers = _names(extras["notebooks"]) | _names(extras["bench"])
+    assert not readers & {"pytest", "nbval", "hypothesis", "nox", "ruff", "playwright", "nbclient", "pyyaml"}
+
+
+@pytest.mark.parametrize(
+    "job, extra", [("lab", "notebooks"), ("bench", "notebooks"), ("compare", "notebooks"), ("test", "dev")]
+)
+def test_dev_installs_the_readers_extra_for_reading_and_the_dev_extra_for_testing(
+    job, extra, monkeypatch
+) -> None:
+    dev = _dev()
+    asked = []
+    monkeypatch.setattr(dev, "ensure_venv", lambda e: asked.append(e))
+    monkeypatch.setattr(dev, "replace_process", lambda *cmd, env: 0)
+    monkeypatch.setattr(dev, "run", lambda *cmd, env=None: 0)
+    monkeypatch.setattr(dev, "lab_settings", lambda: None)
+    assert dev.main([job]) == 0 and asked == [extra]
+
+
+@pytest.mark.parametrize(
+    "stamp, extra, installs",
+    [
+        ("{h}", "dev", False),  # a stamp from before the readers' extra: the dev extra was installed
+        ("{h} dev", "notebooks", False),  # dev includes the readers' extra
+        ("{h} notebooks", "notebooks", False),
+        ("{h} notebooks", "dev", True),
+        ("0123 dev", "notebooks", True),  # pyproject.toml changed since
+        (None, "notebooks", True),
+    ],
+)
+def test_dev_installs_an_extra_only_when_the_stamp_does_not_cover_it(
+    stamp, extra, installs, monkeypatch, tmp_path
+) -> None:
+    import hashlib
+
+    dev = _dev()
+    monkeypatch.setattr(dev, "GIVEN_VENV", None)
+    monkeypatch.setattr(dev, "PY", Path(sys.executable))  # exists, and has torch: no torch install
+    monkeypatch.setattr(dev, "STAMP", tmp_path / "stamp")
+    if stamp is not None:
+        wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+        dev.STAMP.write_text(stamp.format(h=wanted))
+    pips = []
+    monkeypatch.setattr(dev, "run", lambda *cmd, env=None: pips.append([str(c) for c in cmd]) or 0)
+    dev.ensure_venv(extra)
+    assert [c[-1] for c in pips] == ([f".[{extra}]"] if installs else [])
+    if installs:
+        assert dev.STAMP.read_text().endswith(f" {extra}")
+
+
+def test_dev_lab_copies_the_notebooks_once_and_keeps_the_readers_edits(monkeypatch, tmp_path) -> None:
+    dev = _dev()
+    calls = []
+    monkeypatch.setattr(dev, "ensure_venv", lambda extra: None)
+    monkeypatch.setattr(dev, "lab_settings", lambda: None)
+    monkeypatch.setattr(dev, "replace_process", lambda *cmd, env: calls.append([str(c) for c in cmd]) or 0)
+    monkeypatch.chdir(tmp_path)
+    assert dev.main(["lab", "--notebook-dir", "copy"]) == 0  # relative to where the reader is
+    copy = tmp_path / "copy"
+    first = sorted(p.name for p in copy.iterdir())
+    assert "01_launch_overhead.ipynb" in first and ".ipynb_checkpoints" not in first
+    (copy / "01_launch_overhead.ipynb").write_text("the reader's edit")
+    assert dev.main(["lab", "--notebook-dir=copy"]) == 0  # the second time: no nesting, nothing replaced
+    assert sorted(p.name for p in copy.iterdir()) == first
+    assert (copy / "01_launch_overhead.ipynb").read_text() == "the reader's edit"
+    assert calls[0][calls[0].index("--notebook-dir") + 1] == str(copy)
+    assert f"--notebook-dir={copy}" in calls[1]
