@@ -75,13 +75,41 @@ for name, stmt in [
     print(f"{name:<15} {t.median * 1e3:6.3f} ms")
 
 # %% [markdown]
-# The loop is many times slower, for the same work. Now sweep `n` from 1 to 4096 tensors.
-# `ema_lab.bench.timing.time_candidates` runs `Timer` on all three ways in turn, round after round,
-# so a busy moment on your computer hits all of them alike:
+# The loop is many times slower, for the same work. One `Timer` run can catch a busy moment of your
+# computer, so time in turns instead: each round times every way once, and each keeps its median
+# over the rounds and its range.
+
+
+# %%
+def interleaved(ways, rounds):
+    """{name: [ms in round 1, round 2, ...]}: each round times every way once, in turn."""
+    ms = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, fn in ways.items():
+            t = Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.05)
+            ms[name].append(t.median * 1e3)
+    return ms
+
 
 # %% tags=["nbval-ignore-output"]
 from functools import partial
 
+turns = interleaved(
+    {
+        "loop over 1024": partial(loop, ema_t, model_t, 0.1),
+        "one flat lerp_": partial(ema_flat[0].lerp_, model_flat[0], 0.1),
+    },
+    rounds=5,
+)
+for name, ms in turns.items():
+    print(f"{name:<15} median {np.median(ms):.3f} ms, range {min(ms):.3f} to {max(ms):.3f} ms")
+
+# %% [markdown]
+# The range shows how much one measurement can move; a ratio inside it would be within the noise.
+# `ema_lab.bench.timing.time_candidates` is this timer, packaged: it also rotates the order within each
+# round and reports the quartiles. It times the sweep of `n` from 1 to 4096 tensors:
+
+# %% tags=["nbval-ignore-output"]
 from ema_lab.bench.timing import time_candidates
 
 TENSORS = [1, 4, 16, 64, 256, 1024, 4096]
@@ -231,64 +259,83 @@ for fn in (ema_before, ema_after):
 # %% [markdown]
 # The before-code dispatches 3 ops per float tensor (`mul_`, `mul`, `add_`); the after-code one
 # `_foreach_lerp_`. Both also dispatch a `detach` for each of the 1416 `state_dict()` entries they
-# walk (two walks per update), and the before-code one per tensor. Time both, and the walks alone:
+# walk (two walks per update), and the before-code one per tensor. Time both, the walks alone, and one
+# flat `lerp_` over as many numbers (the floor):
 
 # %% tags=["nbval-ignore-output"]
+numbers = models.describe(model).float_elements
+flat_e, flat_m = torch.zeros(numbers), torch.ones(numbers)
 pr = time_candidates(
     {
         "before": lambda: ema_before(ema, model, 0.9999),
         "after": lambda: ema_after(ema, model, 0.9999),
         "two state_dict() walks": lambda: (ema.state_dict(), model.state_dict()),
+        "one flat lerp_": lambda: flat_e.lerp_(flat_m, 1e-4),
     },
     rounds=3 if quick_mode() else 9,
 )
 for name, r in pr.items():
-    print(f"{name:<22} {r.median_s * 1e3:6.2f} ms")
-print(f"before / after: {pr['before'].median_s / pr['after'].median_s:.1f}x (the PR: 12.8 -> 5.8 ms, 2.2x)")
+    print(f"{name:<22} {r.median_s * 1e3:6.2f} ms  (quartiles {r.q1_s * 1e3:.2f} to {r.q3_s * 1e3:.2f})")
+
+
+def ratio(before, after):  # median ratio, and its range from the quartiles of both sides
+    return before.median_s / after.median_s, before.q1_s / after.q3_s, before.q3_s / after.q1_s
+
+
+print("before / after: {:.1f}x (range {:.1f}x to {:.1f}x)".format(*ratio(pr["before"], pr["after"])))
 
 # %% [markdown]
-# The ratio is your machine's version of the PR's 2.2x, measured on an Apple M-series machine with yolo26n.
-# Part of both times is the two walks, which the PR kept.
-#
-# How much of the before-code is the price of its 1782 ops (594 tensors × 3)? The fitted price says:
-
-# %% tags=["nbval-ignore-output"]
-ops_ms = 3 * models.describe(model).float_tensors * price_ms
-walks_ms = pr["two state_dict() walks"].median_s * 1e3
-before_ms = pr["before"].median_s * 1e3
-print(f"1782 ops x {price_ms * 1e3:.2f} us = {ops_ms:.2f} ms   (fitted price)")
-print(f"two state_dict() walks      {walks_ms:.2f} ms   (measured)")
-print(f"the rest: arithmetic, Python {before_ms - ops_ms - walks_ms:.2f} ms")
-print(f"before-code in all          {before_ms:.2f} ms   (measured)")
-
-# %% [markdown]
-# So the before-code's time is three things: the per-op price, the walks, and the rest (the
-# arithmetic on 2.6 million numbers, the temporary that `(1 - d) * m` allocates for each tensor, and
-# Python's own loop). The price was fitted on `lerp_` over tensors of other sizes, so treat the
-# split as an estimate.
-#
-# ema_lab comes with the results of one reference run of its benchmark (`python -m ema_lab bench`
-# makes such a file on your computer), on a 2-core AMD EPYC virtual machine with torch 2.13:
+# Much of both times is the two walks, which the PR kept; the floor is far below either. The ratio is
+# your machine's version of the PR's 2.2x (12.8 -> 5.8 ms, yolo26n on an Apple M-series laptop). It is
+# not one number: here it is next to the committed runs of `python3 dev.py bench`, each with its
+# quartile range:
 
 # %% tags=["nbval-ignore-output"]
 import json
+from types import SimpleNamespace
 
 from ema_lab.bench.results import results_dir
 
-ref = json.loads((results_dir() / "linux-amd-epyc-2c_2026-12-02.json").read_text())
-yolo = {r["candidate"]: r["median_ms"] for r in ref["results"] if r["model"] == "yolo"}
-fits = ref["cost_model"]["cpu"]["fits"]
-print(
-    f"{ref['environment']['cpu']}, {ref['environment']['cpu_count']} cores, torch {ref['environment']['torch']}"
-)
-print(
-    f"before {yolo['seed_before']:.2f} ms, after {yolo['seed_after']:.2f} ms, one flat lerp_ {yolo['floor']:.2f} ms"
-)
-print(
-    f"{fits['loop']['overhead_per_op_us']:.2f} us per op in a loop, {fits['foreach']['overhead_per_op_us']:.2f} us per tensor in foreach"
-)
+RUNS = {  # file in results/ -> label
+    "linux-amd-epyc-2c_2026-12-02.json": "2-core AMD EPYC VM, Dec 2",
+    "linux-amd-epyc-2c_2026-12-03T093048Z_full_t1_cpu.json": "2-core AMD EPYC VM, Dec 3",
+    "gpu-linux-intel-xeon-16c-nvidia-h200/linux-intel-xeon-16c-nvidia-h200_2026-12-04T154528Z_full_t1_cuda.json": "NVIDIA H200",
+    "gpu-linux-intel-xeon-16c-nvidia-h200/linux-intel-xeon-16c-nvidia-h200_2026-12-04T154430Z_quick_t1_cuda.json": "NVIDIA H200, short run",
+}
+ref = {label: json.loads((results_dir() / f).read_text()) for f, label in RUNS.items()}
+
+
+def yolo_row(run, candidate):  # one timing of the bench's yolo model, in seconds, as time_candidates gives it
+    r = next(r for r in run["results"] if r["model"] == "yolo" and r["candidate"] == candidate)
+    return SimpleNamespace(median_s=r["median_ms"] / 1e3, q1_s=r["q1_ms"] / 1e3, q3_s=r["q3_ms"] / 1e3)
+
+
+rows = {
+    "the PR: Apple M-series, yolo26n": (12.8 / 5.8, None, None),
+    "your CPU (above)": ratio(pr["before"], pr["after"]),
+}
+rows |= {
+    label: ratio(yolo_row(run, "seed_before"), yolo_row(run, "seed_after")) for label, run in ref.items()
+}
+fig, ax = plt.subplots(figsize=(6.5, 2.8))
+for i, (mid, lo, hi) in enumerate(rows.values()):
+    ax.plot([lo or mid, hi or mid], [i, i], color="C0", lw=6, alpha=0.35, solid_capstyle="butt")
+    ax.plot(mid, i, "o", color="C0")
+    ax.annotate(f"{mid:.1f}x", (hi or mid, i), xytext=(6, 0), textcoords="offset points", va="center")
+ax.set_yticks(range(len(rows)), list(rows))
+ax.invert_yaxis()
+ax.set(xscale="log", xlabel="before-code time / after-code time (bar: quartile range)")
+ax.set_xticks([1, 2, 4, 8], ["1x", "2x", "4x", "8x"])
+ax.minorticks_off()
+ax.set_title("The PR's speed-up on a yolo-sized model")
+ax.grid(alpha=0.3, axis="x")
+plt.show()
 
 # %% [markdown]
+# On the 2-core CPU the speed-up was 1.4x one day and 1.8x the next, each with a wide range. On the
+# H200 it was 4.2x in a short run (3 rounds) and 5.8x in a full one: larger on the GPU every time. Why
+# the GPU gains more is the last section.
+#
 # ## 6. On a GPU
 #
 # On a GPU the kernel step is a launch: the CPU queues work for the device. A Python loop launches one
@@ -305,14 +352,61 @@ for name, fn in [("loop over 600", loop), ("foreach over 600", foreach)]:
     print(f"{device}, {name}:", k if isinstance(k, str) else f"{sum(k.values())} kernel launches")
 
 # %% [markdown]
-# Without CUDA the cell says why there is no count: on a CPU, ops are function calls.
+# Without CUDA the cell says why there is no count: on a CPU, ops are function calls. The H200 run
+# above counted the launches of one update, for the bench's yolo-sized model (594 float tensors) and
+# its model of 2,000 tiny tensors:
+
+# %%
+h200 = ref["NVIDIA H200"]
+gpu = h200["devices"]["cuda"]["environment"]
+print(f"{gpu['device_name']}, torch {gpu['torch']}, CUDA {gpu['cuda']}: kernel launches per update")
+for m in ("yolo", "tiny_tensors"):
+    launches = {r["candidate"]: r["kernel_launches"] for r in h200["results"] if r["model"] == m}
+    print(f"  {m:<13} before-code {launches['seed_before']:>5}, after-code {launches['seed_after']:>3}")
+
+# %% [markdown]
+# The before-code launches one kernel per op, as your CPU dispatched them. The after-code's one
+# `_foreach_lerp_` became 10 launches for 594 tensors and 32 for 2,000: in that run a launch carried
+# at most 64 tensors (a kernel's arguments have a size limit; other torch builds may pack more).
 #
+# Why is the GPU's speed-up larger? Not because its arithmetic is cheap: on a CPU too, one flat `lerp_`
+# over all the numbers takes a small part of the before-code's time (the floor above). The prices
+# differ. The bench fits the cost model of section 4 on each machine:
+
+# %% tags=["nbval-ignore-output"]
+cpu_run, h200_fits = ref["2-core AMD EPYC VM, Dec 3"], h200["cost_model"]["cuda"]["fits"]
+cpu_fits = cpu_run["cost_model"]["cpu"]["fits"]
+print(f"{'':<40}{'your CPU':>10}{'2-core CPU':>12}{'H200':>8}")
+print(
+    f"{'one op in a Python loop (us)':<40}{price_ms * 1e3:>10.2f}{cpu_fits['loop']['overhead_per_op_us']:>12.2f}{h200_fits['loop']['overhead_per_op_us']:>8.2f}"
+)
+print(
+    f"{'one tensor inside _foreach_lerp_ (us)':<40}{per_tensor_ms * 1e3:>10.2f}{cpu_fits['foreach']['overhead_per_op_us']:>12.2f}{h200_fits['foreach']['overhead_per_op_us']:>8.2f}"
+)
+floors = [pr["one flat lerp_"].median_s * 1e3] + [
+    yolo_row(r, "floor").median_s * 1e3 for r in (cpu_run, h200)
+]
+print(
+    f"{'the arithmetic: one flat lerp_ (ms)':<40}"
+    + "".join(f"{f:>{w}.3f}" for f, w in zip(floors, (10, 12, 8)))
+)
+
+# %% [markdown]
+# Compare the H200 with the 2-core CPU, whose prices the bench fitted the same way (your column comes
+# from the smaller sweep of section 4). On the H200 an op in a Python loop costs about 3x more (each
+# one is a launch), a tensor inside `_foreach_lerp_` about half, and the numbers themselves almost
+# nothing. The before-code pays the first price 1782 times, the after-code the second 594 times: both
+# differences favour the after-code, so its speed-up grows.
+
+# %% [markdown]
 # ## Summary
 #
 # - Each op called from Python pays a fixed price (Python, then the dispatcher) before any arithmetic.
 # - At a fixed total size, a loop's time grows with the number of tensors; one flat `lerp_` does not.
 # - `_foreach_lerp_` goes through the dispatcher once per list; on a CPU it still does per-tensor work inside.
 # - The PR's before-code also pays for two `state_dict()` walks per update, and so does its after-code.
+# - Its speed-up moves from run to run, and is larger on a GPU, where a launch costs more than a CPU op
+#   and a tensor inside `_foreach_lerp_` less.
 
 # %% [markdown]
 # ## Exercises

@@ -15,9 +15,9 @@
 # %% [markdown]
 # # 02 · EMA strategies: the step, its ramp, and a cache that goes stale
 #
-# - The EMA step is one `lerp` per float tensor, with a decay that ramps up from 0.
-# - A loop, one `_foreach_lerp_` and the gated version give the same EMA, with different op counts.
-# - Tensor lists collected once go stale after `model.double()`; `ema_lab.ModelEMA` notices.
+# - An EMA averages a window of past weights; a warm-up ramp widens that window from nothing.
+# - In a training loop it is three lines: copy the model, step the copy, evaluate the copy.
+# - Loop, foreach and gated steps give the same EMA; tensor lists kept between steps can go stale.
 
 # %% [markdown]
 # An EMA (exponential moving average) of a model's weights is a second copy of them that moves a
@@ -38,11 +38,14 @@ for w in weights:
 # %% [markdown]
 # The EMA bounces much less than the weight: it averages the recent steps.
 #
-# ## 1. The ramp
+# ## 1. A window of past weights, and the ramp
 #
-# A constant `d` averages over about the last `1 / (1 - d)` steps, its averaging window. At the start
-# that window would be full of the random initial weights, so ultralytics ramps the decay up:
-# `d(n) = decay * (1 - exp(-n / tau))`, with `decay = 0.9999` and `tau = 2000` by default.
+# ![The EMA weights past steps by (1 - d) d^k; the warm-up ramp widens that window](figures/02_ema_window.svg)
+#
+# Unrolled, the EMA gives the weights of `k` steps ago the share `(1 - d) d^k`: a window of about
+# `1 / (1 - d)` recent steps. At the start that window would hold the random initial weights, so
+# ultralytics ramps the decay up: `d(n) = decay * (1 - exp(-n / tau))`, by default `decay = 0.9999`,
+# `tau = 2000`.
 
 # %%
 import math
@@ -57,16 +60,7 @@ for n in [1, 100, 2000, 10_000, 50_000]:
 
 # %% [markdown]
 # At step 1 the EMA is almost a copy of the model; the window reaches 10,000 steps only after tens of
-# thousands of updates. `ema_lab.ModelEMA.decay(n)` is this ramp:
-
-# %%
-from ema_lab import ModelEMA
-
-ema = ModelEMA(torch.nn.Linear(2, 2))  # ultralytics' defaults: decay=0.9999, tau=2000
-print(all(ema.decay(n) == ramp(n) for n in range(0, 50_000, 7)))
-
-# %% [markdown]
-# `tau` sets how fast the window grows. Three values, over 30,000 steps:
+# thousands of updates. `tau` sets how fast it grows. Three values, over 30,000 steps:
 
 # %%
 import matplotlib.pyplot as plt
@@ -89,15 +83,114 @@ for tau in (500, 2000, 5000):
 
 # %% [markdown]
 # With `tau = 500` or `2000` the window is near its full 10,000 steps by update 30,000; with
-# `tau = 5000` it is still a few hundred steps (388). The larger `tau`, the longer the EMA stays
-# close to the raw model.
+# `tau = 5000` it is still a few hundred steps. The larger `tau`, the longer the EMA stays close to
+# the raw model.
 #
-# ## 2. Three ways to apply one step
+# ## 2. An EMA in a training loop
+#
+# An EMA class in the shape ultralytics uses: the copy, an update counter for the ramp, and one
+# `lerp_` per float entry of the `state_dict()` (weights and BatchNorm statistics):
+
+# %%
+from copy import deepcopy
+
+
+class HandEMA:
+    def __init__(self, model, decay=0.9999, tau=2000):
+        self.ema, self.decay, self.tau, self.updates = deepcopy(model).eval(), decay, tau, 0
+
+    @torch.no_grad()
+    def update(self, model):
+        self.updates += 1
+        d, msd = ramp(self.updates, self.decay, self.tau), model.state_dict()
+        for k, e in self.ema.state_dict().items():
+            if e.is_floating_point():
+                e.lerp_(msd[k], 1 - d)
+
+
+# %% [markdown]
+# A small task: a network fits a smooth function from noisy labels, with plain SGD at a large step
+# size. The test targets are noise-free, so their loss measures the model:
+
+# %%
+from torch import nn
+
+w_true = torch.randn(8, generator=torch.Generator().manual_seed(1))
+
+
+def data(n, noise, seed):
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+    y = torch.sin(x @ w_true / 8**0.5) + 0.5 * torch.tanh(x[:, 0] * x[:, 1])  # the smooth function
+    y = y + noise * torch.randn(n, generator=torch.Generator().manual_seed(seed + 1))
+    return x, y.unsqueeze(1)
+
+
+x_train, y_train = data(300 * 32, noise=0.5, seed=2)  # 300 batches of 32
+x_test, y_test = data(1024, noise=0.0, seed=4)
+
+# %% [markdown]
+# The training loop, with the EMA's three lines numbered:
+
+
+# %%
+def train(ema_class, decay=0.99, tau=50, epochs=15, steps=20, lr=0.2):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 64), nn.BatchNorm1d(64), nn.SiLU(), nn.Linear(64, 64), nn.SiLU(), nn.Linear(64, 1)
+    )
+    ema = ema_class(model, decay=decay, tau=tau)  # 1. copy the model
+    opt, raw, avg = torch.optim.SGD(model.parameters(), lr=lr), [], []
+    for i in range(epochs * steps):
+        x, y = x_train[32 * i : 32 * (i + 1)], y_train[32 * i : 32 * (i + 1)]
+        model.train()
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        ema.update(model)  # 2. step the copy after each optimizer step
+        if (i + 1) % steps == 0:  # end of an epoch: 3. evaluate the copy beside the model
+            with torch.no_grad():
+                raw.append(nn.functional.mse_loss(model.eval()(x_test), y_test).item())
+                avg.append(nn.functional.mse_loss(ema.ema(x_test), y_test).item())
+    return raw, avg, ema
+
+
+# %% tags=["nbval-ignore-output"]
+raw, avg, hand = train(HandEMA)
+epochs = range(1, len(raw) + 1)
+fig, ax = plt.subplots(figsize=(6.5, 3.6))
+ax.plot(epochs, raw, "o-", color="C3", label="raw model")
+ax.plot(epochs, avg, "s-", color="C0", label="EMA")
+ax.legend(loc="upper right")
+ax.set(xlabel="epoch (20 SGD steps each)", ylabel="test loss (MSE)", ylim=(0, None))
+ax.set_title("Raw weights against their EMA (decay 0.99, tau 50)")
+ax.grid(alpha=0.3)
+plt.show()
+
+# %% [markdown]
+# The raw model's loss jumps from epoch to epoch: at a large step size SGD bounces around the minimum.
+# The EMA averages the bounces away: its loss falls with hardly a bump and ends well below.
+#
+# `ema_lab.ModelEMA` is this class, packaged, with the same ramp and defaults. Trained with it in place
+# of `HandEMA`, the run gives the same EMA:
+
+# %%
+from ema_lab import ModelEMA
+
+raw2, avg2, packaged = train(ModelEMA)
+print("same raw losses:", raw2 == raw)
+print("same EMA losses, to 1e-5:", max(abs(a - b) for a, b in zip(avg, avg2)) < 1e-5)
+print("same ramp:", all(packaged.decay(n) == ramp(n, 0.99, 50) for n in range(0, 5000, 7)))
+
+# %% [markdown]
+# ModelEMA also unwraps DDP and compiled models, copies the integer BatchNorm counters, and applies
+# the step in fewer ops, the subject of the next section.
+#
+# ## 3. Three ways to apply one step
 #
 # A model's EMA is one such step for every float tensor of its `state_dict()` (weights and
 # BatchNorm statistics). ema_lab has the step three ways: `loop_update` (the arithmetic before
 # ultralytics PR #25315, one tensor at a time), `foreach_update` (one `torch._foreach_lerp_`, the
-# after-code) and `gated_update` (the after-code behind its torch-version check, section 3).
+# after-code) and `gated_update` (the after-code behind its torch-version check, section 4).
 # Take the float tensors of a model shaped like the yolo26n detector:
 
 # %%
@@ -143,7 +236,7 @@ for f in (loop_update, foreach_update, gated_update):
 # The loop calls several ops per tensor; the other two, one `_foreach_lerp_` for the whole list. Each
 # op called from Python has a fixed price (notebook 01), so the foreach versions pay most of it once.
 #
-# ## 3. The gate
+# ## 4. The gate
 #
 # `_foreach_lerp_` does not exist before torch 2.0, and on Apple GPUs (MPS) it raised
 # `NotImplementedError` up to torch 2.2; it works from 2.4 (2.3 was never tested). The PR checks both
@@ -165,15 +258,13 @@ for version in ["1.13", "2.0", "2.3", "2.4", "2.13"]:
 print(f"torch {torch.__version__}, cpu:", "foreach" if foreach_lerp_supported(None, "cpu") else "loop")
 
 # %% [markdown]
-# ## 4. Lists collected once, and how they go stale
+# ## 5. Lists collected once, and how they go stale
 #
 # The PR's code walks `state_dict()` twice per update to find the tensors, which notebook 01 found
 # costly. ultralytics 8.4.190 collects the two lists once and reuses them. In a few lines:
 
+
 # %%
-from copy import deepcopy
-
-
 class CachedListEMA:  # ultralytics 8.4.190's idea: collect the lists once, reuse them forever
     def __init__(self, model, d):
         self.ema, self.d, self.lists = deepcopy(model), d, None
@@ -235,34 +326,11 @@ print(
 # conversion). `ema_lab.lessons.staleness.follows_after` packages this check; it also tries
 # `ema.ema.half()`, which a validator does to the EMA copy.
 #
-# ## 5. In a training run
-#
-# The change to a training loop is two lines: create the EMA after the model, update it after each
-# optimizer step, and evaluate `ema.ema`. `ema_lab.lessons.training.train_with_ema` does that for a
-# small network fitting a smooth function from noisy labels with plain SGD at a large step size:
-
-# %% tags=["nbval-ignore-output"]
-from ema_lab.lessons.training import train_with_ema
-
-run = train_with_ema(seed=0, decay=0.99, tau=50)  # 15 epochs of 20 steps
-epochs = range(1, len(run.raw_loss) + 1)
-fig, ax = plt.subplots(figsize=(6.5, 3.6))
-ax.plot(epochs, run.raw_loss, "o-", color="C3", label="raw model")
-ax.plot(epochs, run.ema_loss, "s-", color="C0", label="EMA")
-ax.legend(loc="upper right")
-ax.set(xlabel="epoch (20 SGD steps each)", ylabel="loss on held-out data (MSE)", ylim=(0, None))
-ax.set_title("Raw weights against their EMA (decay 0.99, tau 50)")
-ax.grid(alpha=0.3)
-plt.show()
-
-# %% [markdown]
-# The raw model's loss jumps from epoch to epoch: at a large step size SGD bounces around the minimum.
-# The EMA averages the bounces away, so its loss falls smoothly and ends lower.
-#
 # ## Summary
 #
-# - The EMA step is `ema.lerp_(model, 1 - d)` per float tensor, with `d(n) = decay * (1 - exp(-n / tau))`.
-# - The ramp keeps the early EMA close to the model; `tau` sets how long.
+# - The EMA step is `ema.lerp_(model, 1 - d)` per float tensor, with `d(n) = decay * (1 - exp(-n / tau))`:
+#   a window of about `1 / (1 - d)` recent steps; the ramp keeps the early window short.
+# - In training: copy the model, update the copy after each optimizer step, evaluate the copy.
 # - Loop, foreach and gated updates give the same EMA; foreach calls one op per list.
 # - The gate allows `_foreach_lerp_` from torch 2.0, on MPS from 2.4.
 # - Cached tensor lists go stale when the model gets new memory; check them, or the EMA freezes.
@@ -270,7 +338,8 @@ plt.show()
 # %% [markdown]
 # ## Exercises
 #
-# 1. Train with `tau=5` instead of 50. In which epochs is the EMA's loss worse than the raw model's? Why?
+# 1. Train with `tau=5` instead of 50 (`train(HandEMA, tau=5)`). In which epochs is the EMA's loss
+#    worse than the raw model's? Why?
 # 2. Add the conversion `model.bfloat16()` to `ema_lab.lessons.staleness.CONVERSIONS` and check both EMAs.
 # 3. Count the ops of `loop_update` and `foreach_update` on `models.build("tiny_tensors")`.
 #
@@ -278,14 +347,16 @@ plt.show()
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
 # Solution 1
-# With tau=5 the decay is above 0.98 after 25 of the 300 updates, so from the first
-# epoch on the EMA averages about 1 / (1 - 0.99) = 100 steps, early bad weights included: it lags
-# behind the improving model. That is what the slower ramp (tau=50) avoids.
-for tau, r in [(5, train_with_ema(seed=0, decay=0.99, tau=5)), (50, run)]:
-    worse = [e for e, raw, avg in zip(epochs, r.raw_loss, r.ema_loss) if avg > raw]
+# With tau=5 the decay is above 0.98 after 25 of the 300 updates, so from the first epoch on
+# the EMA averages about 1 / (1 - 0.99) = 100 steps, early bad weights included: it lags behind the
+# improving model for most of the run. With tau=50 the window grows as the model improves, and the
+# EMA trails only in the first epochs, by little.
+for tau in (5, 50):
+    raw_t, avg_t, _ = train(HandEMA, tau=tau)
+    worse = [e for e, r, a in zip(epochs, raw_t, avg_t) if a > r]
     print(f"tau = {tau:>2}: EMA worse than raw in epochs {worse}")
-    print("   raw", " ".join(f"{x:.3f}" for x in r.raw_loss))
-    print("   EMA", " ".join(f"{x:.3f}" for x in r.ema_loss))
+    print("   raw", " ".join(f"{x:.3f}" for x in raw_t))
+    print("   EMA", " ".join(f"{x:.3f}" for x in avg_t))
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
 # Solution 2
