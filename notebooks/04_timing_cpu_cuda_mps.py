@@ -17,9 +17,11 @@
 #
 # - Warm up, and on a GPU synchronise, before you read the clock.
 # - Times spread from one measurement to the next: report the median and the spread, threads fixed.
-# - Compare machines by speed-ups measured within one run, with their settings side by side.
+# - Compare versions in alternating rounds, and machines by the speed-ups each one measured.
 
 # %% tags=["nbval-ignore-output"]
+import json
+import os
 import statistics
 import time
 from functools import partial
@@ -29,11 +31,9 @@ import torch
 
 from ema_lab import ModelEMA
 from ema_lab.bench import models
-from ema_lab.bench.environment import available_devices, environment
 
 torch.set_num_threads(1)  # one intra-op thread below, unless a cell says otherwise
-env = environment()
-print(f"torch {env['torch']}, {env['cpu']} ({env['cpu_count']} logical cores), 1 thread")
+print(f"torch {torch.__version__}, {os.cpu_count()} logical cores, 1 thread")
 
 model = models.build("yolo")  # shaped like yolo26n: 594 float tensors
 ema = ModelEMA(model)
@@ -43,17 +43,20 @@ for call in range(1, 6):
     print(f"call {call}: {1e3 * (time.perf_counter() - t0):7.2f} ms   (update built {ema.rebuilds} time)")
 
 # %% [markdown]
-# The first call is the slow one. `ModelEMA` (ema_lab's moving average of a model's weights) builds its
-# update then, and anything run for the first time pays for memory, caches and, on a GPU, setting up
-# CUDA. So measure only after a **warm-up**: a few calls made and thrown away.
+# The first call is the slow one: `ModelEMA` (ema_lab's moving average of a model's weights) builds its
+# update then, and any first run pays for memory, caches and, on a GPU, CUDA's setup. So measure after
+# a **warm-up**: a few calls thrown away.
 
 # %% [markdown]
 # ## 1. Synchronise: a GPU works after the call returns
 #
 # On CUDA and MPS a call only *queues* kernels (the programs the GPU runs) and returns; the GPU runs
-# them later. A clock read right after the call measures the queueing. `torch.cuda.synchronize()`
-# (`torch.mps.synchronize()` on a Mac) waits until the queue is empty. On a CPU the call returns when
-# the work is done.
+# them later. A clock read right after the call measures the queueing.
+#
+# ![The host queues kernels; the GPU runs them later](figures/04_host_device.svg)
+#
+# `torch.cuda.synchronize()` (`torch.mps.synchronize()` on a Mac) waits until the queue is empty. Time
+# both ways on every device you have:
 
 
 # %% tags=["nbval-ignore-output"]
@@ -75,10 +78,8 @@ def clock_ms(fn, device: str, synced: bool) -> float:
     return 1e3 * (time.perf_counter() - t0)
 
 
-for device, reason in available_devices().items():
-    if reason is not None:
-        print(f"{device}: {reason}")
-        continue
+present = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+for device in [d for d, ok in present.items() if ok]:
     net = models.build("yolo").to(device)
     a, b = torch.rand(2**25, device=device), torch.rand(2**25, device=device)  # 128 MiB each
     work = {
@@ -91,13 +92,12 @@ for device, reason in available_devices().items():
         print(
             f"{device}, {name}: without sync {ms[False]:.3f} ms, with sync {ms[True]:.3f} ms (medians of 9)"
         )
+print("not present:", ", ".join(d for d, ok in present.items() if not ok) or "none")
 
 # %% [markdown]
-# On a CPU the two agree up to noise. On a GPU the first is only the queueing: far below the second
-# for the large `lerp_`, still running when the call returns; yolo's small kernels finish about as fast
-# as they are queued. `ema_lab.bench.timing.unsynced_vs_synced` packages this cell;
-# `torch.utils.benchmark.Timer`, used from here on, synchronises CUDA before reading the clock (recent
-# torch: MPS too).
+# On a CPU the two agree up to noise: the call returns when the work is done. On an NVIDIA H200 (torch
+# 2.11) the same cell measured the 128 MiB `lerp_` at 0.008 ms without sync and 0.107 ms with it
+# (section 5 shows that saved run). `torch.utils.benchmark.Timer`, used from here on, synchronises.
 
 # %% [markdown]
 # ## 2. One measurement is not enough
@@ -126,26 +126,28 @@ plt.show()
 # %% [markdown]
 # Same code, same data, yet the times spread: other programs share the cores, and caches and clock
 # speeds change. The **median** (the middle measurement) and the **IQR** (interquartile range: the
-# width of the middle half, shaded) describe the times without being pulled by outliers. From here on
-# every time comes with its IQR.
+# width of the middle half, shaded) describe the times without being pulled by outliers.
 
 # %% [markdown]
 # ## 3. Compare two versions: alternate them
 #
-# ultralytics PR #25315 replaced its EMA update, a Python loop of three ops per tensor (the
-# *before-code*), with one `torch._foreach_lerp_` over all tensors (the *after-code*). To compare them,
-# run them in alternating *rounds*, so that a disturbance hits both, then divide the medians.
-# `ema_lab.bench.seed` holds both, verbatim:
+# ultralytics PR #25315 replaced a Python loop of three ops per tensor (the *before-code*) with one
+# `torch._foreach_lerp_` (the *after-code*). Time them in alternating *rounds*, so that a disturbance
+# hits both:
+#
+# ![A disturbance hits one version in blocks, both when interleaved](figures/04_interleaved.svg)
+#
+# `ema_lab.bench.seed` holds both versions, verbatim:
 
 # %% tags=["nbval-ignore-output"]
 from copy import deepcopy
 
-from ema_lab.bench.seed import seed_after, seed_before
+from ema_lab.bench import seed
 
 args = {"e": deepcopy(model).eval(), "m": model, "d": 0.9999}
 timers = {
     name: Timer("f(e, m, d)", globals={"f": fn, **args}, num_threads=1)
-    for name, fn in (("PR before", seed_before), ("PR after", seed_after))
+    for name, fn in (("PR before", seed.seed_before), ("PR after", seed.seed_after))
 }
 rounds = {name: [] for name in timers}
 for _ in range(9):
@@ -161,18 +163,29 @@ print(
 )
 
 # %% [markdown]
-# The speed-up is your machine's counterpart of the 2.2x the PR reported on an Apple M-series Mac;
-# the per-round range shows how far one round alone could mislead. `ema_lab.bench.timing.time_candidates`
-# is this loop, packaged: warm-up, measurements of about 20 ms each, a rotating order, the thread count
-# recorded.
+# Your machine's counterpart of the PR's 2.2x (Apple M-series); the per-round range shows how far one
+# round alone could mislead.
+#
+# `ema_lab.bench.timing.time_candidates` is this loop, packaged: a warm-up, measurements of about 20 ms,
+# the order rotated every round. The same two versions through it:
+
+# %% tags=["nbval-ignore-output"]
+from ema_lab.bench.timing import time_candidates
+
+e, m, d = args["e"], args["m"], args["d"]
+packaged = time_candidates(
+    {"PR before": lambda: seed.seed_before(e, m, d), "PR after": lambda: seed.seed_after(e, m, d)}, rounds=9
+)
+for name, r in packaged.items():
+    print(f"{name:<10} median {1e3 * r.median_s:6.2f} ms, IQR {1e3 * r.iqr_s:5.2f} ms")
+print(f"speed-up: {packaged['PR before'].median_s / packaged['PR after'].median_s:.2f}x")
 
 # %% [markdown]
 # ## 4. Threads: which ops can use a second core?
 #
-# `torch.set_num_threads(n)` lets one op split its elements over n threads. ATen (PyTorch's C++ library
-# of tensor operations) splits an element-wise op only above 32,768 elements (its *grain size*). Time a
-# `_foreach_lerp_` over 2,000 tensors of 136 elements (like the zoo's `tiny_tensors`) and one `lerp_`
-# over 2.6M elements (as many as yolo) at 1 and 2 threads:
+# `torch.set_num_threads(n)` lets one op split its elements over n threads, but ATen (PyTorch's C++
+# tensor library) splits an element-wise op only above 32,768 elements. Time 2,000 tiny tensors and
+# one of 2.6M elements at 1 and 2 threads, and 1 thread twice: those two differ by chance alone.
 
 # %% tags=["nbval-ignore-output"]
 small = {"e": [torch.rand(136) for _ in range(2000)], "m": [torch.rand(136) for _ in range(2000)]}
@@ -181,33 +194,36 @@ stmts = {
     "2,000 x 136 elements": ("torch._foreach_lerp_(e, m, 1e-4)", small),
     "1 x 2.6M elements": ("e.lerp_(m, 1e-4)", big),
 }
-timers = {(op, n): Timer(stmt, globals=g, num_threads=n) for op, (stmt, g) in stmts.items() for n in (1, 2)}
+runs = {"1 thread": 1, "1 thread again": 1, "2 threads": 2}
+timers = {
+    (op, r): Timer(s, globals=g, num_threads=n) for op, (s, g) in stmts.items() for r, n in runs.items()
+}
 times = {key: [] for key in timers}
 for _ in range(9):
-    for key, t in timers.items():  # one round: both ops at both thread counts
+    for key, t in timers.items():  # one round: both ops, every setting
         times[key].append(1e3 * t.timeit(10).mean)
 for op in stmts:
-    (lo1, m1, hi1), (lo2, m2, hi2) = (statistics.quantiles(times[op, n], n=4) for n in (1, 2))
-    verdict = "faster" if hi2 < lo1 else "slower" if lo2 > hi1 else "within the spread"
-    print(f"{op:<21} 1 thread {m1:6.3f} ms, 2 threads {m2:6.3f} ms: {m1 / m2:.2f}x, {verdict}")
+    noise = [a / b for a, b in zip(times[op, "1 thread"], times[op, "1 thread again"])]
+    gain = statistics.median(a / b for a, b in zip(times[op, "1 thread"], times[op, "2 threads"]))
+    verdict = "faster" if gain > max(noise) else "slower" if gain < min(noise) else "within the noise"
+    print(
+        f"{op:<21} 2 threads: {gain:.2f}x; 1 thread vs itself: {min(noise):.2f}x to {max(noise):.2f}x -> {verdict}"
+    )
 
 # %% [markdown]
-# Only the large `lerp_` has elements to split, and it gains only if the second core is free. The small
-# tensors run one at a time on one thread whatever you set, so a ratio away from 1 for them is noise or
-# a wait for a busy core, even when it lies outside the spread. Ask first what an op *can* split, then
-# read the spread.
+# First the median gain over rounds, then the range chance alone gives. The tiny tensors have nothing to
+# split: expect "within the noise". The large `lerp_` gains if the second core is free; if another
+# program holds it, the threads wait for each other and lose.
 
 # %% [markdown]
-# ## 5. The benchmark on every device
+# ## 5. The benchmark, on your CPU and on an H200
 #
-# `python -m ema_lab bench --device all` does all of this for every EMA strategy on several zoo models, on
-# every device present, and writes a results file. `run_bench` is the same call in Python. Here it runs small:
-# one model, three rounds, the PR's code and `ModelEMA(strategy="foreach")`.
+# `python3 dev.py bench` times every EMA strategy on several zoo models, on every device present, and
+# writes a results file to `results/`. `run_bench` is the same in Python; here it runs small (seconds).
 
 # %% tags=["nbval-ignore-output"]
 from ema_lab.bench import run_bench
 
-print("timing five candidates on tiny_tensors, on every device present ...", flush=True)
 record = run_bench(
     "all", models=["tiny_tensors"], strategies=["seed_after", "foreach"], quick=True, progress=False
 )
@@ -220,108 +236,147 @@ for r in record["results"]:
     )
 
 # %% [markdown]
-# Each row is a median over interleaved rounds, and its speed-up over `seed_before` (the PR's
-# before-code). Two reference rows are always run: `floor`, one `lerp_` over two contiguous buffers
-# holding all the model's floats (the fastest an update can be), and `copy`, one `copy_` of the same
-# bytes.
+# Each row: a median over interleaved rounds, and its speed-up over `seed_before` (the before-code).
+# `floor` is one `lerp_` over two buffers holding all the model's floats (the fastest an update can be);
+# `copy` one `copy_` of the same bytes.
+
+# %% [markdown]
+# Without a GPU, read what the H200 run saved in `results/` (one `python3 dev.py gpu-check`): the
+# sync lesson of section 1, and the CUDA kernels each update launched, counted with `torch.profiler`:
+
+# %%
+from ema_lab.bench.results import bench_files, load, results_dir
+
+h200 = results_dir() / "gpu-linux-intel-xeon-16c-nvidia-h200"
+print("NVIDIA H200, torch", json.loads((h200 / "summary.json").read_text())["torch"])
+saved_nb = json.loads((h200 / "notebooks" / "04_timing_cpu_cuda_mps.ipynb").read_text())
+for cell in saved_nb["cells"]:
+    for out in cell.get("outputs", []):
+        for line in "".join(out.get("text", "")).splitlines():
+            if line.startswith("cuda, "):  # the sync cell of section 1, as the H200 ran it
+                print(line)
+launches = json.loads((h200 / "kernel-launches.json").read_text())
+print("CUDA kernels per EMA update:")
+for name in ("yolo", "tiny_tensors"):
+    counts = {k: v["total"] for k, v in launches[name].items() if isinstance(v, dict) and "total" in v}
+    print(f"  {name:<13}", ", ".join(f"{k} {n}" for k, n in counts.items()))
+
+# %% [markdown]
+# The loop launches a kernel per op: 3 per tensor. One `_foreach_lerp_` carries at most 64 tensors per
+# launch in that build, so yolo's 594 tensors take 10 launches, plus one for BatchNorm's integer
+# counters. A flattened model (notebook 05) needs one or two.
 #
-# A missing CUDA or MPS device is reported as skipped, with the reason. CUDA and MPS figures come from
-# readers' runs (section 7); section 6 lists the saved ones.
-
-# %% [markdown]
-# ## 6. Compare with another machine
+# <details><summary>Will a newer torch pack more tensors into one launch?</summary>
 #
-# A results file keeps what a run measured and how. The reference run,
-# `results/linux-amd-epyc-2c_2026-12-02.json`, is a full run on a 2-core AMD EPYC virtual machine with
-# torch 2.13. `load` reads and checks it; `results_dir()` finds the folder:
-
-# %% tags=["nbval-ignore-output"]
-from ema_lab.bench.results import load, results_dir
-
-reference = load(results_dir() / "linux-amd-epyc-2c_2026-12-02.json")
-
-
-def settings(rec: dict) -> dict:
-    """What changes a timing, besides the hardware."""
-    return {
-        "torch": rec["environment"]["torch"],
-        **{k: rec["settings"][k] for k in ("threads", "rounds", "quick")},
-    }
-
-
-for key, value in settings(reference).items():
-    print(f"{key:<8} reference {value!s:<12} yours {settings(record)[key]}")
-
-# %% tags=["nbval-ignore-output"]
-from ema_lab.bench.results import bench_files
-
-for f in bench_files(results_dir()):
-    measured = [d for d, s in load(f)["devices"].items() if s["status"] == "measured"]
-    if measured != ["cpu"]:
-        print("a saved run on", "+".join(measured), "->", f.relative_to(results_dir()))
-
-# %% [markdown]
-# Both saved GPU runs come from one `python3 dev.py gpu-check` on an NVIDIA H200 (torch 2.11, CUDA
-# 13.0). Milliseconds depend on the machine and its load; a speed-up measured within one run cancels
-# part of that. Compare speed-ups, then, read with the settings above:
-
-# %% tags=["nbval-ignore-output"]
-gpu_folder = results_dir() / "gpu-linux-intel-xeon-16c-nvidia-h200"
-h200 = load(gpu_folder / "linux-intel-xeon-16c-nvidia-h200_2026-12-04T154528Z_full_t1_cuda.json")
-runs = [("CPU reference", reference, "cpu"), ("H200", h200, "cuda")]
-runs += [(f"your run, {d}", record, d) for d, s in record["devices"].items() if s["status"] == "measured"]
-names = {"seed_after": "PR after-code", "foreach": 'ModelEMA "foreach"'}
-fig, ax = plt.subplots(figsize=(7, 1 + 0.5 * len(runs)))
-height = 0.8 / len(runs)
-for i, cand in enumerate(names):
-    for j, (run, rec, device) in enumerate(runs):
-        row = next(
-            r
-            for r in rec["results"]
-            if (r["model"], r["candidate"], r["device"]) == ("tiny_tensors", cand, device)
-        )
-        x, y = row["speedup_vs_seed_before"], i - 0.4 + height * (j + 0.5)
-        ax.barh(y, x, height=0.95 * height, color=f"C{j}")
-        ax.text(x, y, f" {x:.1f}x {run}", va="center", fontsize=9)
-ax.set_yticks(range(len(names)), list(names.values()))
-ax.set(xlabel="speed-up over the PR's before-code", title="tiny_tensors, 1 thread")
-ax.set_xlim(0, 1.5 * ax.get_xlim()[1])
-ax.invert_yaxis()  # top to bottom in the order above
-plt.show()
-
-# %% [markdown]
-# On the H200 both speed-ups are several times the CPU's: a GPU does the arithmetic of 2,000 tiny
-# tensors almost for free, so the per-op cost the PR removes (Python, the dispatcher, a launch) is
-# nearly the whole update. Between two CPUs, different bars mean different per-op or memory costs,
-# different settings, or a disturbed run: rerun to tell which.
-
-# %% [markdown]
-# <details><summary>On CUDA: what one <code>_foreach_lerp_</code> launch carries (from PyTorch's source)</summary>
-#
-# On CUDA, `_foreach_lerp_` packs many tensors into one kernel launch, but only when every tensor of the
-# lists has the same device, dtype and layout; otherwise it silently runs one kernel per tensor. A
-# launch carries at most 64 tensors and 320 chunks of 65,536 elements (448 and 2,240 when built with
-# CUDA 12.1 or later on a driver with large kernel arguments). yolo26n's 594 tensors take about 10
-# launches, or 2.
+# The limit comes from the 4 KB a CUDA kernel's arguments may fill. torch 2.13's
+# `aten/src/ATen/native/cuda/MultiTensorApply.cuh` raises it to 448 tensors per launch (32 KB of
+# arguments), but only in builds made with CUDA 13 or later: yolo would then take 2 launches. The
+# H200 run's torch 2.11, built with CUDA 13.0, still packed 64. Count on your own build before you
+# quote a number. Mixed dtypes or devices in one list leave this fast path: one kernel per tensor.
 # </details>
 
 # %% [markdown]
-# ## 7. Add your own machine
+# ## 6. Compare machines by their speed-ups
 #
-# 1. Run `python -m ema_lab bench --device all` (add `--quick` for a first look, `--threads 1 2` to
-#    measure two thread counts). It prints the table and writes a JSON file and plots to `results/`,
-#    named after the machine, date and time; no run replaces another.
-# 2. Run `python -m ema_lab compare results/*.json` to put runs side by side, with the settings in
-#    which they differ.
-# 3. Share the JSON file, above all a CUDA or MPS run.
+# Every run of `python3 dev.py bench` leaves a file in `results/` that keeps what it measured and how.
+# `results_dir()` finds the folder, `bench_files` lists the runs and `load` reads one. Yours appear
+# here once you have made one (newest first):
+
+# %% tags=["nbval-ignore-output"]
+saved = sorted(((load(f), f) for f in bench_files(results_dir())), key=lambda x: x[0]["created"])[::-1]
+reference_name = "linux-amd-epyc-2c_2026-12-02.json"  # the CPU reference: a full run on a 2-core AMD EPYC VM
+
+
+def measured(rec: dict) -> list[str]:
+    return [d for d, s in rec["devices"].items() if s["status"] == "measured"]
+
+
+for rec, f in saved:
+    quick = "quick" if rec["settings"]["quick"] else "full"
+    print(f"{rec['created'][:16]}  {rec['machine']:<34} {'+'.join(measured(rec)):<5} {quick:<5}", end=" ")
+    print(f"torch {rec['environment']['torch']}", "<- reference" if f.name == reference_name else "")
+
+# %% [markdown]
+# Milliseconds depend on the machine and its load; a speed-up measured within one run cancels part of
+# that. Plot the speed-ups on `tiny_tensors` of the CPU reference, your newest CPU runs, the H200 and
+# the run above; each line spans the speed-up's spread within its run (IQR against IQR):
+
+
+# %% tags=["nbval-ignore-output"]
+def speedup(rec: dict, cand: str, device: str) -> tuple[float, float, float] | None:
+    """(low, median, high) speed-up of ``cand`` over the before-code on tiny_tensors, or None."""
+    key = ("tiny_tensors", device, 1)  # the model, the device, one thread
+    rows = {r["candidate"]: r for r in rec["results"] if (r["model"], r["device"], r["threads"]) == key}
+    if cand not in rows or "seed_before" not in rows:
+        return None
+    b, c = rows["seed_before"], rows[cand]
+    return b["q1_ms"] / c["q3_ms"], b["median_ms"] / c["median_ms"], b["q3_ms"] / c["q1_ms"]
+
+
+reference = next(r for r, f in saved if f.name == reference_name)
+others = [r for r, f in saved if speedup(r, "foreach", "cpu") and f.name != reference_name][:3]  # newest
+shown = [(f"CPU reference, {reference['machine']}", reference, "cpu")]
+shown += [
+    (f"{r['created'][:10]} {'quick' if r['settings']['quick'] else 'full'}, {r['machine']}", r, "cpu")
+    for r in others
+]
+shown += [
+    (f"H200, {'quick' if r['settings']['quick'] else 'full'} run", r, "cuda")
+    for r, _ in saved
+    if "cuda" in measured(r)
+]
+shown += [(f"this notebook, {d}", record, d) for d in measured(record)]
+
+fig, axes = plt.subplots(1, 2, figsize=(9, 0.6 + 0.42 * len(shown)), sharey=True, layout="constrained")
+for ax, (cand, title) in zip(axes, [("seed_after", "PR after-code"), ("foreach", 'ModelEMA "foreach"')]):
+    for y, (_, rec, device) in enumerate(shown):
+        s = speedup(rec, cand, device)
+        if s:
+            color = "tab:green" if device == "cuda" else "tab:blue"
+            ax.plot([s[0], s[2]], [y, y], color=color, lw=4, alpha=0.4)
+            ax.plot(s[1], y, "o", color=color)
+            ax.text(s[2], y, f"  {s[1]:.1f}x", va="center", fontsize=9)
+    ax.set(xscale="log", xlim=(1, 300))
+    ax.set_title(f"{title} over the before-code", fontsize=10)
+axes[0].set_yticks(range(len(shown)), [label for label, *_ in shown], fontsize=9)
+axes[0].invert_yaxis()
+fig.supxlabel("speed-up on tiny_tensors (2,000 tensors), 1 thread, log scale", fontsize=10)
+plt.show()
+
+# %% [markdown]
+# The H200's speed-ups are several times the CPUs'. The reason is in the cost model (notebook 01): the
+# price of one op in the loop against the price of one tensor inside `_foreach_lerp_`. Each run fitted
+# both:
+
+# %%
+h200_full = load(h200 / "linux-intel-xeon-16c-nvidia-h200_2026-12-04T154528Z_full_t1_cuda.json")
+for label, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_full, "cuda")]:
+    fits = rec["cost_model"][device]["fits"]
+    per_op, per_tensor = fits["loop"]["overhead_per_op_us"], fits["foreach"]["overhead_per_op_us"]
+    print(f"{label}: {per_op:.2f} us per op of the loop, {per_tensor:.2f} us per tensor in one foreach")
+    print(
+        f"  3 ops per tensor: 3 x {per_op:.2f} / {per_tensor:.2f} = {3 * per_op / per_tensor:.0f}x", end=", "
+    )
+    print(f"measured on tiny_tensors: {speedup(rec, 'foreach', device)[1]:.0f}x")
+
+# %% [markdown]
+# On the H200 an op of the loop costs *more* than on the CPU: each one is a kernel launch, queued from
+# Python. A tensor inside `_foreach_lerp_` costs *less*: 64 tensors share one launch, while a CPU still
+# runs one `lerp_` per tensor inside it. The before-code pays three ops per tensor, so three times the
+# ratio of the two prices roughly predicts the speed-up where bytes cost next to nothing.
+
+# %% [markdown]
+# To add your machine: run `python3 dev.py bench` (`--quick` for a first look, `--threads 1 2` for two
+# thread counts), then rerun this section, or `python3 dev.py compare results/*.json` to see runs side
+# by side with the settings in which they differ.
 
 # %% [markdown]
 # ## Summary
 #
 # - Warm up first; on a GPU, synchronise before reading the clock (`Timer` does).
 # - One run's times spread: report the median and IQR, at a fixed, recorded thread count.
-# - Compare versions in alternating rounds, and by the ratio of their medians.
-# - A second thread helps only ops with elements to split; a "gain" on tiny tensors is noise.
+# - Compare versions in alternating rounds; call a difference real only outside the noise.
+# - Compare machines by speed-ups; the cost model's prices per op and per tensor explain them.
 
 # %% [markdown]
 # ## Exercises
@@ -330,7 +385,7 @@ plt.show()
 #    fresh `ModelEMA` on `models.build("tiny_tensors")`, printing `rebuilds` after each.
 # 2. Which zoo models (`yolo`, `resnet50`, `gpt2`, `tiny_tensors`) hold most of their elements in
 #    tensors large enough to split over threads?
-# 3. In the reference run, on which model does `foreach` gain most over the PR's before-code, and why?
+# 3. In the CPU reference run, on which model does `foreach` gain most over the PR's before-code, and why?
 
 # %% [markdown]
 # ## Solutions (click to expand)
