@@ -1,19 +1,37 @@
 """The GPU check in one command: ``python3 benchmarks/gpu_check.py`` (from the checkout, any venv with torch).
 
-On a CUDA machine, within 8 minutes, it writes into ``results/gpu-<machine>/``:
+On a CUDA machine, within 8 minutes, it writes into ``results/gpu-<machine>/`` (the gallery, ``--out``
+elsewhere):
 
 1. ``python -m ema_lab bench --device cuda --quick``: timings, op counts and kernel launches per candidate;
 2. ``kernel-launches.json``: the CUDA kernels one ``ModelEMA.update`` launches, per strategy and model;
 3. ``cuda-tests.xml`` / ``.log``: the CUDA tests (``pytest -k test_cuda_``: a sync-free update under
    ``torch.cuda.set_sync_debug_mode("error")``, an update captured in and replayed from a CUDA graph,
-   kernel launches of one foreach call);
-4. the full bench (``--device cuda``), leaving ``NOTEBOOKS_S`` of the budget to:
-5. the notebooks that have CUDA cells (01's kernel counts, 04's bench on every device) executed in quick
+   kernel launches of one foreach call, the peers' CUDA timer);
+4. ``peers.log``: the peers on CUDA (``benchmarks/peers.py --device cuda --rounds 11``: ultralytics, timm,
+   torch's AveragedModel, ema-pytorch; kernels per update; the issue 29 targets, met or not), whose study
+   goes where the studies live, ``docs/results/peers-<date>-cuda-<machine>.{json,md}`` (``--studies-out``
+   elsewhere); skipped, with a line saying why, where ultralytics is not importable;
+5. the full bench (``--device cuda``), leaving ``NOTEBOOKS_S`` of the budget to:
+6. the notebooks that have CUDA cells (01's kernel counts, 04's bench on every device) executed in quick
    mode into that folder, when nbclient, jupytext and ipykernel are importable;
 
 plus ``summary.json`` / ``summary.md``: what ran, how long it took, and what was skipped and why. A step
 that cannot run (a missing package, an error, the time limit) is recorded and the others still run.
 Without CUDA it prints one line saying what was skipped and why, and exits 0.
+
+The peers are not project dependencies, and a GPU machine without network cannot install them: carry them
+in. On a machine with the registry, into a folder git ignores (about 11 MB)::
+
+    python3 -m pip install --no-deps --target build/peers-site ultralytics==8.4.190 ema-pytorch
+
+then, on the GPU machine, with ``build/peers-site`` carried beside the checkout::
+
+    PYTHONPATH=build/peers-site python3 benchmarks/gpu_check.py
+
+``--no-deps`` is enough where torch, torchvision, numpy, opencv and pyyaml are installed (what ultralytics'
+``ModelEMA`` and ``DetectionModel`` import; timm, also a peer, brings torchvision and pyyaml); a missing
+one makes the peers step say which.
 """
 
 from __future__ import annotations
@@ -30,7 +48,8 @@ from collections.abc import Callable
 from pathlib import Path
 from unittest.mock import patch
 
-ROOT = Path(__file__).resolve().parents[1]
+from result_homes import GALLERY, ROOT, STUDIES, shown
+
 # The device machine gives one command at most 10 minutes; 8 leave room to copy the results back.
 BUDGET_S = 8 * 60
 # Kept back from the last step (the full bench) for writing the summary.
@@ -40,6 +59,11 @@ MIN_STEP_S = 30
 # Left to the notebooks (two, in quick mode) after the full bench.
 NOTEBOOKS_S = 150
 NOTEBOOKS_WITH_CUDA = ("01_launch_overhead", "04_timing_cpu_cuda_mps")
+# The peers on CUDA: six models, 11 rounds, kernel counts; estimated at 1-2 minutes on an H200.
+PEERS_S = 180
+PEERS_ROUNDS = 11  # as in issue 29's table
+# What the peers step imports from ultralytics (its model, its EMA): the check that it can run.
+PEERS_IMPORT = "import ultralytics.nn.tasks, ultralytics.utils.torch_utils"
 
 
 def pythonpath() -> str:
@@ -70,7 +94,7 @@ def machine_folder(out: Path | None) -> Path:
 
     if bench_missing():  # ema_lab.bench cannot be imported: the checkout's results/, the GPU's name
         gpu = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower())
-        return (out or ROOT / "results") / f"gpu-{gpu}"
+        return (out or GALLERY) / f"gpu-{gpu}"
     from ema_lab.bench.environment import environment
     from ema_lab.bench.results import machine_label, results_dir
 
@@ -140,6 +164,42 @@ def kernel_launches(folder: Path) -> str:
     return "ok"
 
 
+def peers_missing(timeout_s: float = 120) -> str | None:
+    """Why the peers cannot run here ("skipped: ..."), or None: ultralytics must import (it is the target's
+    reference); timm and ema-pytorch, where missing, are left out by peers.py and named in its results."""
+    env = dict(os.environ, PYTHONPATH=pythonpath())
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", PEERS_IMPORT],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return f"skipped: importing ultralytics took over {timeout_s:.0f} s"
+    if proc.returncode == 0:
+        return None
+    last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    return (
+        f"skipped: ultralytics is not importable ({last}); the peers are carried in as wheels, see "
+        "benchmarks/gpu_check.py's docstring"
+    )
+
+
+def peers(folder: Path, studies: Path, timeout_s: float) -> str:
+    """``benchmarks/peers.py --device cuda`` into ``studies``, its output in ``folder/peers.log``."""
+    missing = peers_missing()
+    if missing:
+        return missing
+    machine = folder.name.removeprefix("gpu-")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--device", "cuda"]
+    cmd += ["--rounds", str(PEERS_ROUNDS), "--out", str(studies), "--suffix", f"-{machine}"]
+    outcome = run_command(cmd, folder / "peers.log", timeout_s)
+    return f"ok, written to {shown(studies)}" if outcome == "ok" else outcome
+
+
 def notebooks(folder: Path, clock: Clock) -> str:
     """Execute the notebooks with CUDA sections (quick mode) into ``folder``; never the committed ones."""
     missing = [m for m in ("nbclient", "jupytext", "ipykernel") if importlib.util.find_spec(m) is None]
@@ -205,7 +265,10 @@ def write_summary(folder: Path, summary: dict[str, dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run every step that this machine allows; 0 unless a step failed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="results folder (default: ema_lab's results/)")
+    parser.add_argument("--out", type=Path, help=f"results folder (default: {shown(GALLERY)})")
+    parser.add_argument(
+        "--studies-out", type=Path, default=STUDIES, help=f"the peers' study (default: {shown(STUDIES)})"
+    )
     parser.add_argument(
         "--budget-s", type=float, default=BUDGET_S, help=f"seconds for all steps (default: {BUDGET_S})"
     )
@@ -231,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     step(summary, "bench quick", lambda: bench([*cmd, "--quick"], folder / "bench-quick.log", upto(150)))
     step(summary, "kernel launches", lambda: kernel_launches(folder))
     step(summary, "CUDA tests", lambda: run_command(tests, folder / "cuda-tests.log", upto(120)))
+    step(summary, "peers", lambda: peers(folder, args.studies_out, upto(PEERS_S)))
     step(
         summary, "bench full", lambda: bench(cmd, folder / "bench-full.log", upto(clock.left() - NOTEBOOKS_S))
     )

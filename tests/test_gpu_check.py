@@ -18,7 +18,9 @@ from .helpers import float_entries
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-# A script, not a package module: loaded from its file (benchmarks/ is not put on sys.path for everyone).
+# A script, not a package module: loaded from its file, with benchmarks/ on sys.path as when it runs (it
+# imports its sibling result_homes.py).
+sys.path.insert(0, str(SCRIPT.parent))
 _spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
 gpu_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_check)
@@ -83,3 +85,29 @@ def test_cuda_graph_replays_the_default_update_with_new_weights_and_decay() -> N
     for k, v in float_entries(ema.ema).items():
         expected = 0.5 * before[k] + 0.5 * live[k].double()
         torch.testing.assert_close(v.double(), expected, rtol=1e-6, atol=1e-6, msg=k)
+
+
+def test_the_peers_step_says_why_it_skips_where_ultralytics_does_not_import(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(gpu_check, "PEERS_IMPORT", "import ultralytics_is_not_here")
+    outcome = gpu_check.peers(tmp_path / "gpu-x", tmp_path / "studies", 60)
+    assert outcome == (
+        "skipped: ultralytics is not importable (ModuleNotFoundError: No module named "
+        "'ultralytics_is_not_here'); the peers are carried in as wheels, "
+        "see benchmarks/gpu_check.py's docstring"
+    )
+    assert list(tmp_path.iterdir()) == []  # nothing run, nothing written
+
+
+def test_the_peers_step_runs_peers_py_on_cuda_into_the_studies_folder(monkeypatch, tmp_path) -> None:
+    calls = []
+    monkeypatch.setattr(gpu_check, "peers_missing", lambda: None)
+    monkeypatch.setattr(
+        gpu_check, "run_command", lambda cmd, log, timeout_s: calls.append((cmd, log)) or "ok"
+    )
+    folder = tmp_path / "gpu-linux-h200"
+    assert gpu_check.peers(folder, gpu_check.STUDIES, 100) == "ok, written to docs/results/"
+    ((cmd, log),) = calls
+    assert " ".join(cmd[1:]) == (
+        f"{ROOT}/benchmarks/peers.py --device cuda --rounds 11 --out {ROOT}/docs/results --suffix -linux-h200"
+    )
+    assert log == folder / "peers.log"

@@ -1,0 +1,26 @@
+"""Where each kind of result lives, written once for every script in ``benchmarks/`` (issue 32).
+
+- ``STUDIES`` (``docs/results/``): the studies made with ``benchmarks/`` (peers, the trainer drop-in, cat
+  runs, update costs), each a JSON record and a Markdown page that ``docs/benchmarks.md`` cites.
+- ``GALLERY`` (``results/``): the readers' gallery of bench runs (``python -m ema_lab bench``) and GPU checks;
+  the default of ``ema_lab.bench.results.results_dir()``, which notebooks read.
+
+A script in this folder imports it as a sibling (``python benchmarks/x.py`` puts ``benchmarks/`` first on
+``sys.path``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDIES = ROOT / "docs" / "results"
+GALLERY = ROOT / "results"
+
+
+def shown(folder: Path) -> str:
+    """``folder`` as a reader types it from the checkout (``docs/results/``), else its absolute path."""
+    try:
+        return f"{folder.resolve().relative_to(ROOT)}/"
+    except ValueError:
+        return str(folder)
