@@ -1,9 +1,9 @@
 """The README's steps, in its order, on a fresh clone, twice: each succeeds and leaves nothing running.
 
 lab on a copy of the notebooks (a kernel started in it; in Chromium where there is one), bench --quick,
-compare, then the README's test command narrowed to the set-up tests (the ones a reader's own files in
-results/ could break; the whole suite is what runs this test). The clone uses this test's environment
-(``EMA_LAB_VENV``) instead of installing its own.
+compare, then the README's test command narrowed to the set-up tests that read results/ (the ones a
+reader's own files there could break; the whole suite is what runs this test). The clone uses this
+test's environment (``EMA_LAB_VENV``) instead of installing its own. About 3 minutes on 2 loaded cores.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_the_readme_steps_twice_on_a_fresh_clone(clone: Path, tmp_path: Path) ->
         runs = sorted(str(p.relative_to(clone)) for p in (clone / "results").glob("*.json"))
         assert "wrote results/compare_" in _dev(clone, env, "compare", *runs).stdout
         # The README's test command; -k narrows it to the tests a reader's runs in results/ could break.
-        _dev(clone, env, "test", "-q", "-k", "test_setup", "-p", "no:cacheprovider")
+        _dev(clone, env, "test", "-q", "-k", "test_setup and result", "-p", "no:cacheprovider")
         assert round_ == 1 or len(runs) >= 2
     # The reader's runs are theirs: untracked, nothing the clone tracks was changed.
     status = subprocess.run(
