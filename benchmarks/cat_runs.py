@@ -1,6 +1,9 @@
 """Two layout choices of the default ``ModelEMA``, timed side by side: cat runs and 2 MiB pages.
 
-    PYTHONPATH=. python benchmarks/cat_runs.py [--model yolo] [--out results]
+    PYTHONPATH=. python benchmarks/cat_runs.py [--model yolo] [--out [FOLDER]]
+
+``--out`` writes ``cat-runs-<model>-<date>.json`` and ``.md`` into FOLDER, by default ``docs/results/``
+(the studies, ``result_homes.STUDIES``).
 
 1. A CPU ``torch.cat`` whose result has at least ``at::internal::GRAIN_SIZE`` (32768) elements and runs on
    more than one thread does not take the serial kernel: it copies input by input through
@@ -23,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from result_homes import STUDIES, shown
 
 from ema_lab import ModelEMA, flatten_tensors
 from ema_lab.bench import models
@@ -43,13 +47,20 @@ def built_at(threads: int, model: torch.nn.Module) -> ModelEMA:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Time one cat against runs at 1 and 2 threads; print; with --out write results/cat-runs-*.{json,md}."""
+    """Time one cat against runs at 1 and 2 threads; print; with --out write docs/results/cat-runs-*."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="yolo", choices=sorted(models.ZOO))
     parser.add_argument("--rounds", type=int, default=21)
-    parser.add_argument("--out", default="")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        nargs="?",
+        const=STUDIES,
+        metavar="FOLDER",
+        help=f"write the record (JSON and Markdown) into this folder; --out alone: {shown(STUDIES)}",
+    )
     args = parser.parse_args(argv)
     base = models.build(args.model)
     one_model, runs_model = deepcopy(base), deepcopy(base)

@@ -506,7 +506,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--builds", type=int, default=1, help="fresh copies of the candidates, rounds pooled")
     parser.add_argument("--note", default="", help="a line for the Markdown header (e.g. the machine's load)")
     parser.add_argument("--target-s", type=float, default=0.02, help="CPU: seconds of calls per measurement")
-    parser.add_argument("--out", type=Path, default=STUDIES, help=f"folder (default: {shown(STUDIES)})")
+    parser.add_argument(
+        "--out", type=Path, default=STUDIES, metavar="FOLDER", help=f"folder (default: {shown(STUDIES)})"
+    )
     parser.add_argument("--suffix", default="", help="appended to the file stem, keeps older runs")
     parser.add_argument("--baseline", type=Path, help="folder of another version's core package (see above)")
     args = parser.parse_args(argv)

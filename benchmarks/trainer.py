@@ -1,6 +1,6 @@
 """ema_lab's ModelEMA inside ultralytics' own trainer: the same EMA, its update time, checkpoints, resume.
 
-    PYTHONPATH=. /tmp/peers/bin/python benchmarks/trainer.py [--epochs 4] [--out results]
+    PYTHONPATH=. /tmp/peers/bin/python benchmarks/trainer.py [--epochs 4] [--out FOLDER]
 
 Run it from the throwaway peers venv (see ``benchmarks/peers.py``): ultralytics conflicts with the
 project's thop pin. It writes a small synthetic YOLO-format dataset (random 64x64 images, one box
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from result_homes import STUDIES, shown
 
 
 def write_dataset(root: Path, n_train: int = 64, n_val: int = 8, size: int = 64) -> Path:
@@ -108,12 +109,14 @@ def train(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train twice (stock, ema_lab), compare, resume once; write results/trainer-<date>.{json,md}."""
+    """Train twice (stock, ema_lab), compare, resume once; write docs/results/trainer-<date>.{json,md}."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "results"))
+    parser.add_argument(
+        "--out", type=Path, default=STUDIES, metavar="FOLDER", help=f"folder (default: {shown(STUDIES)})"
+    )
     parser.add_argument("--suffix", default="", help="appended to the file stem, keeps older runs")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -1,6 +1,9 @@
 """Where the default ``ModelEMA``'s split between ``torch.cat`` and foreach pays: the ``cat_max_numel`` sweep.
 
-    PYTHONPATH=. python benchmarks/update_costs.py [--models yolo tiny_tensors] [--out results]
+    PYTHONPATH=. python benchmarks/update_costs.py [--models yolo tiny_tensors] [--out [FOLDER]]
+
+``--out`` writes ``update-costs-<date>.json`` and ``.md`` into FOLDER, by default ``docs/results/`` (the
+studies, ``result_homes.STUDIES``).
 
 Model tensors under ``cat_max_numel`` elements are gathered by one ``torch.cat`` and averaged with one
 ``lerp_`` (a cheap dispatch per tensor, plus one more pass over their elements); larger ones go to one
@@ -20,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from result_homes import STUDIES, shown
 
 from ema_lab import ModelEMA, flatten_tensors
 from ema_lab.bench import models
@@ -45,14 +49,21 @@ def candidates(name: str, splits: tuple[int, ...]) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Time the sweep per model; print a table; with --out write results/update-costs-*.{json,md}."""
+    """Time the sweep per model; print a table; with --out write docs/results/update-costs-*.{json,md}."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--models", nargs="+", default=["yolo", "tiny_tensors"], choices=sorted(models.ZOO))
     parser.add_argument("--splits", nargs="+", type=int, default=list(SPLITS))
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--out", default="")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        nargs="?",
+        const=STUDIES,
+        metavar="FOLDER",
+        help=f"write the record (JSON and Markdown) into this folder; --out alone: {shown(STUDIES)}",
+    )
     args = parser.parse_args(argv)
     rows = []
     for name in args.models:
