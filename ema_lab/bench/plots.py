@@ -115,7 +115,7 @@ def plot_cost_model(cost: dict[str, Any]) -> Figure:
     last-level cache) that bandwidth no longer holds.
     """
     if "llc_bytes" in cost:
-        return plot_cost_regimes(cost)
+        return _legends_beside(plot_cost_regimes(cost))
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     plot_count_panel(left, cost)
@@ -151,6 +151,15 @@ def plot_cost_model(cost: dict[str, Any]) -> Figure:
         "per side (no cache/DRAM split; the fit lines end where the fitted sizes do)",
         fontsize=8,
     )
+    return _legends_beside(fig)
+
+
+def _legends_beside(fig: Figure) -> Figure:
+    """Move each panel's legend out to its right, where it cannot cover a data point; widen to match."""
+    for ax in fig.axes:
+        if ax.get_legend() is not None:
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.set_size_inches(15, 4.2)
     return fig
 
 
@@ -193,12 +202,19 @@ def plot_compare(records: list[dict[str, Any]], candidates: tuple[str, ...] = ()
             ax.bar(x + (i - (len(runs) - 1) / 2) * width, v, width, color=colors[i], label=label)
             if "floor" in by:
                 ax.axhline(by["floor"]["speedup_vs_seed_before"], color=colors[i], ls="--", lw=1.2)
-            if not by:
-                ax.text(0.5, 0.5 - 0.06 * i, f"run {i + 1}: not measured", transform=ax.transAxes, fontsize=7)
+        # Said in the title: text inside the panel would be drawn over the other runs' bars.
+        absent = [
+            str(i + 1)
+            for i, (_, dev, n, rec) in enumerate(runs)
+            if not any(
+                r["device"] == dev and r["threads"] == n and r["model"] == model for r in rec["results"]
+            )
+        ]
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_yscale("log")
         ax.set_xticks(x, cands)
-        ax.set_title(model, fontsize=9)
+        note = f"\nnot measured in run{'s' * (len(absent) > 1)} {', '.join(absent)}" if absent else ""
+        ax.set_title(model + note, fontsize=9)
         ax.tick_params(axis="x", labelrotation=45, labelsize=7)
     axes[0].set_ylabel("speed-up vs seed_before (x, log scale)")
     handles, _ = axes[0].get_legend_handles_labels()
