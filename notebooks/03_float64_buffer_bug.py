@@ -22,6 +22,7 @@
 # %% tags=["nbval-ignore-output"]
 import math
 import platform
+import warnings
 from copy import deepcopy
 from importlib.metadata import version
 
@@ -29,20 +30,18 @@ import matplotlib.pyplot as plt
 import torch
 from torch import nn
 
-from ema_lab import ModelEMA, foreach_update
-from ema_lab.bench.models import build, yolo
-from ema_lab.lessons.float64_bug import leaked_keys, shared_act_leak, train_step
-from ema_lab.lessons.profiling import dtype_table, import_thop, profile_flops, remove_thop_buffers
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # thop 0.1.1 imports a deprecated module
+    import thop
 
-thop = import_thop()  # `import thop`, with its DeprecationWarning silenced
 torch.set_num_threads(1)  # one thread: the values printed below are the same on every run
 print(f"torch {torch.__version__}, thop {version('thop')}, Python {platform.python_version()}")
 
 # %% [markdown]
 # ultralytics keeps an EMA (exponential moving average) of the model's weights. PR #25315 replaced its
-# per-tensor update loop with one `torch._foreach_lerp_` (one call that moves a list of tensors part of
-# the way towards another list), and had to change how layers are profiled with `thop`, a library that
-# counts a model's operations. A puzzle: profiling should only *read* a model.
+# per-tensor update loop with one `torch._foreach_lerp_`, and had to change how layers are profiled
+# with `thop`, a library that counts a model's operations. A puzzle: profiling should only *read* a
+# model.
 
 # %%
 net = nn.Sequential(nn.Conv2d(3, 16, 3), nn.SiLU())
@@ -52,7 +51,9 @@ print("after:", list(net.state_dict()))
 
 # %% [markdown]
 # Two new entries appeared in the `state_dict()` (the dict of parameters and buffers that a checkpoint
-# saves and the EMA update walks). Where do they come from?
+# saves and the EMA update walks). Where they come from, and where they go, in one picture:
+#
+# ![thop's float64 buffers: from an in-place profile into the model and the failing EMA update; a deep copy keeps them out](figures/03_thop_path.svg)
 
 # %% [markdown]
 # ## 1. What `thop.profile` leaves behind
@@ -86,12 +87,18 @@ torch.manual_seed(0)
 block = Conv(3, 16, 3)
 macs, params = thop.profile(block, inputs=(torch.randn(1, 3, 32, 32),), verbose=False)
 print(f"thop.profile -> {macs:,.0f} MACs, {params:,.0f} parameters")
-print(dtype_table(block))
+for k, v in block.state_dict().items():
+    print(f"  {k:<22} {v.dtype}")
 
 # %% [markdown]
 # Four new float64 entries. Which modules kept them?
 
+
 # %%
+def leaked_keys(model):  # thop's entries in a state_dict
+    return [k for k in model.state_dict() if k.endswith(("total_ops", "total_params"))]
+
+
 rules = set(thop.profile.__globals__["register_hooks"])  # thop's table: module type -> counting rule
 for name, m in block.named_modules():
     print(
@@ -101,13 +108,9 @@ print("leaked keys:", leaked_keys(block))
 
 # %% [markdown]
 # `conv` and `bn` have rules and were cleaned; the block (a custom class) and `SiLU` (no rule in thop
-# 0.1.1) were not. The count matches a hand count: 16 × 32 × 32 outputs × 27 MACs each for the
-# convolution, plus the 4 per output element thop charges BatchNorm:
-
-# %%
-print(f"{16 * 32 * 32 * 27:,} + {4 * 16 * 32 * 32:,} = {16 * 32 * 32 * 27 + 4 * 16 * 32 * 32:,} MACs")
-
-# %% [markdown]
+# 0.1.1) were not. The count itself is right: 16 × 32 × 32 outputs × 27 MACs each for the convolution,
+# plus the 4 per output element thop charges BatchNorm, make 507,904.
+#
 # thop has no `try/finally` either. When the profiled forward raises (a 1-channel input into a
 # 3-channel convolution), the buffers stay on every module, the hooks stay registered, and the block
 # is left in eval mode:
@@ -134,21 +137,24 @@ print("one shared SiLU:", later[0].act is later[2].act is Conv.default_act)
 print(len(later.state_dict()), "entries, of which thop's:", leaked_keys(later))
 
 # %% [markdown]
-# The same on a YOLO-sized network from ema_lab's model zoo, which has its own `Conv` and shared `SiLU`.
-# `shared_act_leak()` profiles one zoo `Conv` in place and cleans up when the `with` block ends:
+# The same on a YOLO-sized network from ema_lab's model zoo (`models.yolo()`), which has its own `Conv`
+# with a shared `SiLU`. Profile one zoo `Conv` in place, build two more networks, profile one of them:
 
 # %%
-clean = yolo()
+from ema_lab.bench import models
+
+clean = models.yolo()  # built before the leak
 sizes = {"built before, clean": (len(clean.state_dict()), len(leaked_keys(clean)))}
-with shared_act_leak():
-    fresh = yolo()  # built after one Conv block was profiled; never profiled itself
-    profiled = yolo()
-    thop.profile(profiled, inputs=(torch.randn(1, 3, 64, 64),), verbose=False)
-    for label, m in (("built before, now", clean), ("built after", fresh), ("profiled in place", profiled)):
-        sizes[label] = (len(m.state_dict()), len(leaked_keys(m)))
+thop.profile(models.Conv(3, 16, 3), inputs=(torch.randn(1, 3, 32, 32),), verbose=False)  # the leak
+fresh = models.yolo()  # built after it; never profiled itself
+profiled = models.yolo()
+thop.profile(profiled, inputs=(torch.randn(1, 3, 64, 64),), verbose=False)
+for label, m in (("built before, now", clean), ("built after", fresh), ("profiled in place", profiled)):
+    sizes[label] = (len(m.state_dict()), len(leaked_keys(m)))
 for label, (entries, stray) in sizes.items():
     print(f"yolo() {label:<19}: {entries} entries, {stray} of them thop's")
 print("Conv modules in yolo():", sum(type(m).__name__ == "Conv" for m in fresh.modules()))
+del models.Conv.default_act.total_ops, models.Conv.default_act.total_params  # clean the shared SiLU
 
 # %%
 labels = [label.replace(", ", ",\n") for label in sizes]
@@ -168,21 +174,28 @@ plt.show()
 # Nobody profiled the middle two models, yet each carries 228 stray float64 entries: two for each of
 # its 114 `Conv` modules. Even the model built *before* the profile changed, since it holds the same
 # `SiLU`.
-
-# %% [markdown]
-# ## 3. The EMA copy is cast; the model is not
+#
+# ## 3. A cast EMA copy makes `_foreach_lerp_` fail halfway
 #
 # The EMA starts as `deepcopy(model)`. ultralytics' validator then casts it with `.float()` (or
 # `.half()`), which converts every floating tensor, thop's buffers included. The training model keeps
-# them in float64:
+# them in float64. One training step moves the model away from its EMA:
+
 
 # %%
+def train_step(model, seed=0):  # one SGD step on random images: weights and BatchNorm statistics move
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+    model.train().zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
 torch.manual_seed(0)
 model = nn.Sequential(
     Conv(3, 8, 3), Conv(8, 16, 3, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)
 )
 ema = deepcopy(model).eval().float()  # what the validator does to the EMA
-train_step(model)  # one seeded SGD step: the model's weights move away from the EMA's
+train_step(model)
 
 esd, msd = ema.state_dict(), model.state_dict()
 floats = [k for k, v in esd.items() if v.dtype.is_floating_point]  # the pairs the PR's code averages
@@ -192,14 +205,10 @@ for k in bad:
     print(f"  {k:<18} EMA {esd[k].dtype}  model {msd[k].dtype}")
 
 # %% [markdown]
-# Only thop's keys disagree. (After `.half()` every pair would.)
-
-# %% [markdown]
-# ## 4. `_foreach_lerp_` raises, after a partial update
-#
-# The PR's after-code calls `torch._foreach_lerp_(ema_tensors, model_tensors, 1 - d)` once, with `d`
-# the decay (the share of the old EMA that each step keeps). `lerp_` needs both tensors of a pair in
-# the same dtype. We use `d = 0.9` so that one step shows in four decimals:
+# Only thop's keys disagree (after `.half()` every pair would). The PR's after-code calls
+# `torch._foreach_lerp_(ema_tensors, model_tensors, 1 - d)` once, with `d` the decay (the share of the
+# old EMA that each step keeps). `lerp_` needs both tensors of a pair in the same dtype. We use
+# `d = 0.9` so that one step shows in four decimals:
 
 # %%
 d = 0.9
@@ -268,16 +277,36 @@ plt.show()
 # Red: moved by the failed call and again by the fallback, by about 1 − d² = 0.19 instead of 0.1. The
 # mismatch never goes away, so that would happen at *every* step, halving those tensors' averaging
 # window (about 1 / (1 − d) steps) without a word.
-
-# %% [markdown]
-# ## 5. What `ema_lab` does with the same pairs
 #
-# `ema_lab.foreach_update` checks every pair before touching any, and names the bad one:
+# ## 4. Check every pair before touching any
+#
+# The update's fix: look at all pairs first, and refuse before anything moves. A few lines:
+
 
 # %%
+def checked_foreach_lerp(ema_t, model_t, d, names):
+    bad = [n for n, e, m in zip(names, ema_t, model_t) if e.dtype != m.dtype or e.shape != m.shape]
+    if bad:
+        raise ValueError(f"{len(bad)} pairs disagree, first {bad[0]!r}: nothing was updated")
+    torch._foreach_lerp_(ema_t, model_t, 1 - d)
+
+
 ema = deepcopy(model).eval().float()  # a fresh cast EMA, as in section 3
 esd = ema.state_dict()
 start = {k: v.clone() for k, v in esd.items()}
+try:
+    checked_foreach_lerp([esd[k] for k in floats], [msd[k] for k in floats], d, floats)
+except ValueError as e:
+    print("ValueError:", e)
+print("EMA unchanged:", all(torch.equal(esd[k], start[k]) for k in esd))
+
+# %% [markdown]
+# `ema_lab.foreach_update` is this check, packaged with the call (it also compares devices, and names
+# the dtypes):
+
+# %%
+from ema_lab import foreach_update
+
 try:
     foreach_update([esd[k] for k in floats], [msd[k] for k in floats], d, floats)
 except ValueError as e:
@@ -285,12 +314,13 @@ except ValueError as e:
 print("EMA unchanged:", all(torch.equal(esd[k], start[k]) for k in esd))
 
 # %% [markdown]
-# `ModelEMA`'s default strategy accepts mixed pairs: it groups tensors by dtype and casts the model's
-# float64 values first. Does it average correctly? Train ten steps, update after each, and run the PR's
-# before-code loop beside it with the same decay ramp, `d_n = decay × (1 − exp(−n / tau))`. Decay 0.9
-# and tau 3 make every step count:
+# `ema_lab.ModelEMA`'s default strategy accepts mixed pairs: it groups tensors by dtype and casts the
+# model's float64 values first. Check it against the PR's before-code loop over ten training steps,
+# both with the ramp `d_n = decay × (1 − exp(−n / tau))`; decay 0.9 and tau 3 make every step count:
 
 # %% tags=["nbval-ignore-output"]
+from ema_lab import ModelEMA
+
 auto = ModelEMA(model, decay=0.9, tau=3)
 auto.ema.float()  # the validator's cast
 ref = deepcopy(auto.ema)  # the reference, updated by the loop
@@ -320,42 +350,35 @@ torch.testing.assert_close({k: got[k] for k in floats}, {k: want[k] for k in flo
 
 # %% [markdown]
 # `modes` lists how each group of tensors is updated: `cat` gathers the float32 pairs (notebook 05),
-# `cast` converts thop's float64 ones. The EMA agrees
-# with the loop to float32 rounding, yet is far from the model and from its start: an EMA that skipped
-# steps, or copied the model, would fail the last line.
-#
-# `strategy="foreach"` asks for exactly the PR's single call, and refuses the mixed pairs up front:
-
-# %%
-strict = ModelEMA(model, strategy="foreach")
-strict.ema.float()
-try:
-    strict.update(model)
-except ValueError as e:
-    print("ValueError:", e)
+# `cast` converts thop's float64 ones. The EMA agrees with the loop to float32 rounding, yet is far
+# from the model and from its start: an EMA that skipped steps, or copied the model, would fail the
+# last line. (`ModelEMA(model, strategy="foreach")` asks for exactly the PR's single call, and refuses
+# the mixed pairs up front, like `foreach_update`.)
 
 # %% [markdown]
-# ## 6. The fix in the PR: profile a deep copy
+# ## 5. The fix in the PR: profile a deep copy
 #
 # `deepcopy(block)` gets its own `SiLU` (deepcopy copies the module the instance points to), so thop
 # can touch neither the block nor the shared activation. Clean section 1's leak first:
 
 # %%
-print("removed:", remove_thop_buffers(Conv.default_act))
+del Conv.default_act.total_ops, Conv.default_act.total_params
 block = Conv(3, 16, 3)
 x = torch.randn(1, 3, 32, 32)
 macs, params = thop.profile(deepcopy(block), inputs=(x,), verbose=False)  # the PR's fix
 print(f"thop on a deep copy -> {macs:,.0f} MACs; leaked on the block: {leaked_keys(block)}")
 print("Conv.default_act's state_dict:", dict(Conv.default_act.state_dict()))
-print("profile_flops(block, x) ->", profile_flops(block, x))
 
 # %% [markdown]
-# `ema_lab.lessons.profiling.profile_flops` is this fix as a function. It deep-copies the inputs too
-# (a forward that writes into its input must not change yours) and returns (GFLOPs, parameters) as
+# `ema_lab.lessons.profiling.profile_flops` is this fix, packaged. It deep-copies the inputs too (a
+# forward that writes into its input must not change yours) and returns (GFLOPs, parameters) as
 # ultralytics reports them: GFLOPs = 2 × MACs / 10⁹. With no float64 buffer left, the PR's one call
 # runs on a cast EMA:
 
 # %%
+from ema_lab.lessons.profiling import profile_flops
+
+print("profile_flops(block, x) ->", profile_flops(block, x))
 torch.manual_seed(0)
 model = nn.Sequential(Conv(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
 ema = deepcopy(model).eval().float()
@@ -371,60 +394,24 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 #
 # The `ultralytics-thop` fork removes the buffers from every module from 2.0.21, adds `try/finally` in
 # 2.0.22, and keeps plain Python numbers instead of buffers from 2.1. (Quoted from its release notes,
-# not run here: `thop` and `ultralytics-thop` install the same `thop` package, so never install both.)
+# not run here: `thop` and `ultralytics-thop` install the same `thop` import, so never install both.)
 # A later ultralytics PR dropped the deep copy once it required the fixed fork.
 # </details>
-
-# %% [markdown]
-# ## 7. A second opinion: torch's `FlopCounterMode`
 #
-# `torch.utils.flop_counter.FlopCounterMode` counts floating-point operations (FLOPs; one MAC is two)
-# without hooks or buffers. It watches every ATen op (ATen: PyTorch's C++ library of tensor operations)
-# the forward runs. `compare_flop_counts` runs both counters, each on its own deep copy:
-
-# %% tags=["nbval-ignore-output"]
-from ema_lab.lessons.profiling import compare_flop_counts
-
-print("torch", torch.__version__)
-for name, x in [("tiny_cnn", torch.randn(1, 3, 32, 32)), ("yolo", torch.randn(1, 3, 64, 64))]:
-    print(f"--- {name}, input {tuple(x.shape)}")
-    print(compare_flop_counts(build(name), x).explain())
-
-# %% [markdown]
-# On convolutions and linear layers the two agree exactly. The rest of thop's count is what
-# FlopCounterMode has no formula for: BatchNorm, pooling, upsampling. On a transformer they disagree
-# more:
-
-# %% tags=["nbval-ignore-output"]
-print("torch", torch.__version__)
-print(compare_flop_counts(build("tiny_transformer"), torch.randint(0, 64, (1, 16))).explain())
-
-# %% [markdown]
-# thop has no rule for attention or embeddings: of the matrix products it sees only the plain `Linear`
-# layers (feed-forward and output head).
-# FlopCounterMode counts only ops its torch version has a formula for. In eval mode under `no_grad`,
-# `nn.TransformerEncoderLayer` takes a fused fast path (one kernel per layer); torch 2.13 has no
-# formula for it, so only the output head counts there. Neither number is "the" FLOP count: say which
-# counter, and which torch, you used.
-
-# %% [markdown]
-# ## 8. MPS has no float64
+# <details><summary>A second opinion on the count: torch's FlopCounterMode</summary>
 #
-# Apple's MPS backend (PyTorch on Apple GPUs) has no float64, so thop's buffers cannot move there, and
-# `model.to("mps")` converts tensor by tensor, leaving a half-moved model when it fails.
-# `check_movable` looks first. It only *names* the device, so it runs anywhere:
-
-# %%
-from ema_lab.lessons.profiling import check_movable
-
-with shared_act_leak():
-    leaky = build("tiny_cnn")  # built during the leak
-    try:
-        check_movable(leaky, "mps")
-    except ValueError as e:
-        print("ValueError:", str(e)[:120], "...")
-check_movable(build("tiny_cnn"), "mps")
-print("a clean model: no objection")
+# `torch.utils.flop_counter.FlopCounterMode` counts FLOPs (one MAC is two) without hooks or buffers, so
+# it cannot leak. It agrees with thop on convolutions and linear layers and differs elsewhere (BatchNorm,
+# attention, fused kernels); [docs/flop_counters.md](../docs/flop_counters.md) compares the two on
+# three models.
+# </details>
+#
+# <details><summary>Why a leaked model cannot move to an Apple GPU</summary>
+#
+# Apple's MPS backend has no float64, so thop's buffers cannot move there, and `model.to("mps")`
+# converts tensor by tensor, leaving a half-moved model when it fails.
+# `ema_lab.lessons.profiling.check_movable(model, "mps")` looks first and names the float64 entries.
+# </details>
 
 # %% [markdown]
 # ## Summary
@@ -440,22 +427,23 @@ print("a clean model: no objection")
 # %% [markdown]
 # ## Exercises
 #
-# 1. Profile `build("resnet50")` in place (inside `with shared_act_leak():`). Why does it keep fewer
-#    stray keys than the YOLO-sized net?
-# 2. With ultralytics' `d = 0.9999`, how much weight does the fallback of section 4 give the model per
+# 1. Profile `models.resnet50()` in place (inside `with shared_act_leak():` from
+#    `ema_lab.lessons.float64_bug`). Why does it keep fewer stray keys than the YOLO-sized net?
+# 2. With ultralytics' `d = 0.9999`, how much weight does the fallback of section 3 give the model per
 #    step, and what happens to the averaging window?
 # 3. Put a module whose forward raises into a model. Run `thop.profile` on it in place, and
 #    `profile_flops` on a fresh one. Count what each leaves behind, as in section 1.
-# 4. Run `compare_flop_counts` on `tiny_transformer` after `torch.backends.mha.set_fastpath_enabled(False)`.
-#    Which count moves?
-
-# %% [markdown]
-# ## Solutions (click to expand)
+#
+# Solutions are in the hidden cells below (click to expand).
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# 1. Count the stray keys and the module types that kept them.
+# 1. ResNet-50 is built from Conv2d, BatchNorm2d and ReLU, which have thop rules (SiLU has none),
+#    so only its custom bottleneck blocks and Flatten keep buffers. The YOLO-sized net adds its
+#    custom blocks and, under every one of its Convs, the shared SiLU.
+from ema_lab.lessons.float64_bug import shared_act_leak
+
 with shared_act_leak():
-    resnet = build("resnet50")
+    resnet = models.resnet50()
     thop.profile(resnet, inputs=(torch.randn(1, 3, 64, 64),), verbose=False)
     for name, net in (("resnet50", resnet), ("yolo", profiled)):
         kept = sorted({type(m).__name__ for m in net.modules() if "total_ops" in m._buffers})
@@ -464,11 +452,6 @@ print(
     "types with a thop rule:",
     sorted(t.__name__ for t in (nn.Conv2d, nn.BatchNorm2d, nn.ReLU, nn.SiLU) if t in rules),
 )
-
-# %% [markdown] jupyter={"source_hidden": true}
-# ResNet-50 is built from `Conv2d`, `BatchNorm2d` and `ReLU`, which have thop rules (`SiLU` has none),
-# so only its custom bottleneck blocks and `Flatten` keep buffers. The YOLO-sized net adds its custom
-# blocks and, under every one of its `Conv`s, the shared `SiLU`.
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # 2. Twice the weight per step, so half the averaging window.
@@ -495,18 +478,3 @@ for label in ("thop.profile in place", "profile_flops"):
         print(f"{label}: ValueError {e}")
     hooks = sum(len(m._forward_hooks) for m in victim.modules())
     print(f"    leaked keys {len(leaked_keys(victim))}, forward hooks {hooks}, training {victim.training}")
-
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
-# 4. With the fast path off, attention runs as ordinary ops.
-torch.backends.mha.set_fastpath_enabled(False)
-try:
-    print("torch", torch.__version__)
-    print(compare_flop_counts(build("tiny_transformer"), torch.randint(0, 64, (1, 16))).explain())
-finally:
-    torch.backends.mha.set_fastpath_enabled(True)
-
-# %% [markdown] jupyter={"source_hidden": true}
-# thop's count does not move: it never saw attention. FlopCounterMode's grows, because the layers now
-# run matrix multiplications it has formulas for (`addmm`: the attention projections and feed-forward
-# layers). How much depends on your torch: torch 2.15 also counts the CPU attention kernel (65,536 FLOPs
-# more here, 655,360 in all); torch 2.13 does not.

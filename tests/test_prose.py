@@ -7,12 +7,14 @@ expert aside: it is left out of the per-cell limit and the median, and counted i
 
 from __future__ import annotations
 
+import ast
 import re
 import statistics
 from pathlib import Path
 
-import nbformat
 import pytest
+
+nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (the notebooks extra)")
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
@@ -20,6 +22,12 @@ MAX_CELL_WORDS = 150  # a cell says one thing; more is a section or an aside
 MAX_MEDIAN_WORDS = 60  # (exclusive) the reference chapters' median cell is 16-26 words
 MAX_NOTEBOOK_WORDS = 1500  # (exclusive) one sitting, with time to run and change the cells
 MAX_TAKEAWAYS = 3
+MAX_NAMES_BEFORE_PACKAGING = 3  # the learner builds the idea before meeting ema_lab's version of it
+# Notebooks held to that limit (issue 31); 04-06 join when their rewrite lands.
+BUILD_THEN_IMPORT = [p for p in NOTEBOOKS if p.name[:3] in {"01_", "02_", "03_"}]
+# The cell that introduces the packaged version says so in its markdown: "`x` is this, packaged",
+# "`x` packages it".
+PACKAGING = re.compile(r"\bpackag(?:ed|es)\b", re.IGNORECASE)
 
 # Talk meant for the people who build ema_lab, never for the reader (case-sensitive where an
 # ordinary word would match otherwise).
@@ -124,6 +132,59 @@ def test_it_opens_fast(notebook: tuple[str, nbformat.NotebookNode]) -> None:
     not_bullets = [t for t in takeaways if not re.match(r"(?:[-*]|\d+\.)\s", t)]
     assert not not_bullets, f"{name}: after the title only one-line take-aways, found {not_bullets}"
     assert any(c.cell_type == "code" for c in nb.cells[:3]), f"{name}: no code cell in the first three"
+
+
+def ema_lab_names(source: str) -> list[str]:
+    """Names a code cell imports from ema_lab: ``from ema_lab.x import a, b`` -> a, b; ``import ema_lab``."""
+    code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+    names = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ema_lab":
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names if alias.name.split(".")[0] == "ema_lab"]
+    return names
+
+
+def names_before_packaging(nb: nbformat.NotebookNode) -> tuple[int | None, list[str]]:
+    """(index of the first markdown cell that says "packaged"/"packages", ema_lab names imported before it).
+
+    Without such a cell every name imported in the notebook counts.
+    """
+    names: list[str] = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown" and PACKAGING.search(DETAILS.sub(" ", cell.source)):
+            return i, names
+        if cell.cell_type == "code":
+            names += [n for n in ema_lab_names(cell.source) if n not in names]
+    return None, names
+
+
+@pytest.mark.parametrize("path", BUILD_THEN_IMPORT, ids=lambda p: p.stem)
+def test_the_lesson_builds_before_it_imports(path: Path) -> None:
+    """At most three ema_lab names are imported before the first cell that says what ema_lab packages."""
+    at, names = names_before_packaging(read(path))
+    assert at is not None, (
+        f"{path.stem}: no markdown cell says which ema_lab function packages what was built"
+    )
+    assert len(names) <= MAX_NAMES_BEFORE_PACKAGING, (
+        f"{path.stem}: {len(names)} ema_lab names imported before the packaging cell (index {at}): {names}"
+    )
+
+
+def test_names_before_packaging_counts_imports_until_the_marker() -> None:
+    cells = [
+        nbformat.v4.new_code_cell(
+            "%matplotlib inline\nimport ema_lab\nfrom ema_lab.bench import models, seed"
+        ),
+        nbformat.v4.new_code_cell("from ema_lab.bench import models\nimport torch"),
+        nbformat.v4.new_markdown_cell("`ema_lab.bench.count_ops` is this counter, packaged."),
+        nbformat.v4.new_code_cell("from ema_lab import ModelEMA"),
+    ]
+    nb = nbformat.v4.new_notebook(cells=cells)
+    assert names_before_packaging(nb) == (2, ["ema_lab", "models", "seed"])
+    nb.cells[2] = nbformat.v4.new_markdown_cell("<details>ema_lab packages it</details> not here")
+    assert names_before_packaging(nb) == (None, ["ema_lab", "models", "seed", "ModelEMA"])
 
 
 @pytest.mark.parametrize(
