@@ -29,9 +29,9 @@ then, on the GPU machine, with ``build/peers-site`` carried beside the checkout:
 
     PYTHONPATH=build/peers-site python3 benchmarks/gpu_check.py
 
-``--no-deps`` is enough where torch, torchvision, numpy, opencv and pyyaml are installed (what ultralytics'
-``ModelEMA`` and ``DetectionModel`` import; timm, also a peer, brings torchvision and pyyaml); a missing
-one makes the peers step say which.
+``--no-deps`` is enough where torch, numpy, opencv, pillow and pyyaml are installed (what importing
+ultralytics' ``ModelEMA`` and ``DetectionModel`` loads, checked with ultralytics 8.4.190); a missing one
+makes the peers step say which.
 """
 
 from __future__ import annotations
