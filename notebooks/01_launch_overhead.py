@@ -362,12 +362,16 @@ gpu = h200["devices"]["cuda"]["environment"]
 print(f"{gpu['device_name']}, torch {gpu['torch']}, CUDA {gpu['cuda']}: kernel launches per update")
 for m in ("yolo", "tiny_tensors"):
     launches = {r["candidate"]: r["kernel_launches"] for r in h200["results"] if r["model"] == m}
-    print(f"  {m:<13} before-code {launches['seed_before']:>5}, after-code {launches['seed_after']:>3}")
+    print(
+        f"  {m:<13} before-code {launches['seed_before']:>5}, after-code {launches['seed_after']:>3},"
+        f" one flat lerp_ {launches['floor']}"
+    )
 
 # %% [markdown]
 # The before-code launches one kernel per op, as your CPU dispatched them. The after-code's one
-# `_foreach_lerp_` became 10 launches for 594 tensors and 32 for 2,000: in that run a launch carried
-# at most 64 tensors (a kernel's arguments have a size limit; other torch builds may pack more).
+# `_foreach_lerp_` became 10 launches for 594 tensors and 32 for 2,000: in that build a launch carries
+# at most 64 tensors, torch's limit for this op when a kernel's arguments must fit in 4 KB (builds
+# that allow larger arguments pack more). One `lerp_` over one flat buffer is one launch.
 #
 # Why is the GPU's speed-up larger? Not because its arithmetic is cheap: on a CPU too, one flat `lerp_`
 # over all the numbers takes a small part of the before-code's time (the floor above). The prices
@@ -394,7 +398,7 @@ print(
 # %% [markdown]
 # Compare the H200 with the 2-core CPU, whose prices the bench fitted the same way (your column comes
 # from the smaller sweep of section 4). On the H200 an op in a Python loop costs about 3x more (each
-# one is a launch), a tensor inside `_foreach_lerp_` about half, and the numbers themselves almost
+# one is a launch), a tensor inside `_foreach_lerp_` less than half, and the numbers themselves almost
 # nothing. The before-code pays the first price 1782 times, the after-code the second 594 times: both
 # differences favour the after-code, so its speed-up grows.
 
