@@ -49,19 +49,32 @@ REQUIRED_APIS = (
 FSDP2_CPU_MIN = "2.9"
 
 
-def missing_apis() -> list[str]:
-    """The torch APIs this module needs that the installed torch lacks (empty when all are there)."""
+def _unavailable() -> tuple[list[str], list[str]]:
+    """(torch APIs the installed torch lacks, packages not installed that torch's modules import)."""
     import importlib
 
     if not torch.distributed.is_available():
-        return ["torch.distributed (this torch build has no distributed support)"]
-    out = [] if torch.__version__ >= FSDP2_CPU_MIN else [f"FSDP2 training on CPU (torch >= {FSDP2_CPU_MIN})"]
+        return ["torch.distributed (this torch build has no distributed support)"], []
+    apis = [] if torch.__version__ >= FSDP2_CPU_MIN else [f"FSDP2 training on CPU (torch >= {FSDP2_CPU_MIN})"]
+    packages: dict[str, None] = {}
     for mod, name in REQUIRED_APIS:
         try:
             getattr(importlib.import_module(mod), name)
+        except ModuleNotFoundError as exc:
+            # torch has the module, but it imports a package that is missing (CommDebugMode needs numpy).
+            if exc.name and exc.name.split(".")[0] != "torch":
+                packages[f"{exc.name} (not installed; {mod} imports it)"] = None
+            else:
+                apis.append(f"{mod}.{name}")
         except (ImportError, AttributeError):
-            out.append(f"{mod}.{name}")
-    return out
+            apis.append(f"{mod}.{name}")
+    return apis, list(packages)
+
+
+def missing_apis() -> list[str]:
+    """What the runs need and do not find: torch APIs this torch lacks, then packages not installed."""
+    apis, packages = _unavailable()
+    return apis + packages
 
 
 class _OpCounter(TorchDispatchMode):
@@ -347,9 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.steps} steps, batch {cfg.batch_per_rank} per rank, decay {cfg.decay}, tau {cfg.tau}",
         flush=True,
     )
-    missing = missing_apis()
-    if missing:
-        print(f"skipped: this torch ({torch.__version__}) lacks {', '.join(missing)}")
+    apis, packages = _unavailable()
+    if apis or packages:
+        reasons = [f"this torch ({torch.__version__}) lacks {', '.join(apis)}"] if apis else []
+        reasons += [", ".join(packages)] if packages else []
+        print(f"skipped: {'; '.join(reasons)}")
         return 0
     torch.set_num_threads(1)
     try:
