@@ -402,7 +402,7 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 #
 # `torch.utils.flop_counter.FlopCounterMode` counts FLOPs (one MAC is two) without hooks or buffers, so
 # it cannot leak. It agrees with thop on convolutions and linear layers and differs elsewhere (BatchNorm,
-# attention, fused kernels); [docs/flop_counters.md](../docs/flop_counters.md) compares the two on
+# attention, fused kernels); `docs/flop_counters.md` in the repository compares the two on
 # three models.
 # </details>
 #
