@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ema import STRATEGIES, ModelEMA
-from ..steps import collect_pairs
+from ..pairs import collect_pairs
 from ..updates import foreach_update, gated_update, loop_update
 
 __all__ = ["strategy_errors"]
