@@ -40,9 +40,10 @@ def model_ema_errors(
     seed: int = 0,
     noise: float = 0.01,
 ) -> dict[str, float]:
-    """Max |EMA - float64 reference| of each ``ModelEMA(strategy=...)`` after ``steps`` updates (caching, flat
-    optimizer steps) and the reference applies ``d * ema + (1 - d) * model`` in float64 to that trajectory.
-    optimizer steps) and the reference applies ``d * ema + (1 - d) * model`` in float64 to the same trajectory.
+    """Max |EMA - float64 reference| of each ``ModelEMA(strategy=...)`` after ``steps`` updates.
+
+    ``model`` is left untouched: a private copy takes a seeded random walk (a stand-in for optimizer
+    steps), and the reference applies ``d * ema + (1 - d) * model`` in float64 to the same trajectory.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
