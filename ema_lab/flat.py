@@ -35,20 +35,22 @@ def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]
 
 #: The transparent huge page of x86-64 (and arm64 with 4 KiB pages): buffers from this size up get a mapping
 #: of their own, so one TLB entry covers 2 MiB of the stream an update reads (benchmarks/cat_runs.py).
-HUGE_PAGE = 2 << 20
+#: torch's own switch, the environment variable THP_MEM_ALLOC_ENABLE=1, is read once when torch first
+#: allocates and then applies to every CPU tensor of the process: a library cannot turn it on for its buffers.
+_HUGE_PAGE = 2 << 20
 
 
 def empty_flat(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
     """An uninitialised 1-D buffer; on Linux CPU, from 2 MiB up, in transparent huge pages where granted."""
     device = torch.device(device)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if device.type != "cpu" or nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(numel, dtype=dtype, device=device)
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(OSError):  # a kernel without THP: the mapping is still good memory
         mapping.madvise(mmap.MADV_HUGEPAGE)
     start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
-    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=-start % HUGE_PAGE)
+    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=-start % _HUGE_PAGE)
 
 
 def into_one_buffer(tensors: Sequence[Tensor]) -> Tensor:

@@ -16,13 +16,13 @@ from torch import Tensor, nn
 
 __all__ = ["Slot", "Pairs", "module_entries", "collect_pairs", "unique", "local_tensor"]
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 Slot = tuple[dict, str]  # (the module dict that holds an entry, its name): what the entry is *now*
 
 
-def unique(items: Iterable[T], tensor: Callable[[T], Tensor] = lambda t: t) -> list[T]:
+def unique(items: Iterable[_T], tensor: Callable[[_T], Tensor] = lambda t: t) -> list[_T]:
     """``items`` without repeats of the same tensor object (tied weights), first occurrence kept, in order."""
-    first: dict[int, T] = {}
+    first: dict[int, _T] = {}
     for item in items:
         first.setdefault(id(tensor(item)), item)
     return list(first.values())

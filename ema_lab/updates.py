@@ -37,6 +37,10 @@ __all__ = [
     "lerp_",
     "check_decay",
     "validate_pairs",
+    "PREPARERS",
+    "Update",
+    "Tensors",
+    "Names",
 ]
 
 Update = Callable[[float], None]
