@@ -1,4 +1,4 @@
-"""``ModelEMA``: a drop-in for ultralytics' class that holds the cached step and nothing strategy-specific."""
+"""``ModelEMA``: a drop-in for ultralytics' class that keeps one cached step and nothing strategy-specific."""
 
 from __future__ import annotations
 
@@ -9,19 +9,33 @@ from copy import deepcopy
 import torch
 from torch import Tensor, nn
 
-from .steps import CAT_MAX_NUMEL, FlatStep, ListStep, collect_pairs, install_hooks
-from .updates import PREPARERS, check_decay
+from .flat_step import FlatStep
+from .list_step import ListStep
+from .pairs import Pairs, collect_pairs
+from .step import CAT_MAX_NUMEL, Step, StepOptions
+from .updates import check_decay
+from .watch import install_hooks
 
-__all__ = ["ModelEMA", "STRATEGIES"]
+__all__ = ["ModelEMA", "EMASchedule", "STEPS", "STRATEGIES", "resolve_strategy", "check_arguments"]
+__all__ += ["unwrap_model", "copy_attr"]
 
-STRATEGIES = (*PREPARERS, "flat", "auto")
+#: Each strategy's step; "auto" (:func:`resolve_strategy`) picks one of them per model.
+STEPS: dict[str, type[ListStep] | type[FlatStep]] = {
+    "loop": ListStep,
+    "foreach": ListStep,
+    "gated": ListStep,
+    "flat": FlatStep,
+}
+STRATEGIES = (*STEPS, "auto")
 
 
-def choose_strategy(tensors: Sequence[Tensor]) -> str:
-    """The "auto" rule: "flat" (a superset of "gated"'s fast paths) unless a tensor cannot be a view of a
-    flat buffer (sparse, meta or otherwise not strided): then "gated"."""
-    ok = all(t.layout == torch.strided and t.device.type != "meta" for t in tensors)
-    return "flat" if ok else "gated"
+def resolve_strategy(strategy: str, tensors: Sequence[Tensor], in_place: bool = False) -> str:
+    """``"auto"``: "flat" (a superset of "gated"'s fast paths) unless a tensor cannot be a view of a flat
+    buffer (sparse, meta or otherwise not strided) or the EMA's tensors must stay ``in_place``: "gated"."""
+    if strategy != "auto":
+        return strategy
+    movable = all(t.layout == torch.strided and t.device.type != "meta" for t in tensors)
+    return "flat" if movable and not in_place else "gated"
 
 
 def check_arguments(
@@ -30,8 +44,7 @@ def check_arguments(
     """Raise a clear TypeError/ValueError for a bad EMA constructor argument (shared with ShardedModelEMA)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not (isinstance(decay, (int, float)) and 0.0 < decay < 1.0):
-        raise ValueError(f"decay must be in (0, 1), got {decay!r}")
+    check_decay(decay)
     if not (isinstance(tau, (int, float)) and tau > 0 and math.isfinite(tau)):
         raise ValueError(f"tau must be a positive number, got {tau!r}")
     if not (isinstance(updates, int) and updates >= 0):
@@ -76,20 +89,60 @@ def copy_attr(a: object, b: object, include: tuple = (), exclude: tuple = ()) ->
 
 
 class EMASchedule:
-    """The decay ramp and counters shared by :class:`ModelEMA` and ``ShardedModelEMA``."""
+    """The decay ramp, the counters and the cached step's lifecycle, shared by ``ModelEMA`` and
+    ``ShardedModelEMA``: each says only which module holds the EMA and how its step is built."""
+
+    ema: nn.Module
+    resolved_strategy: str
+    _options: StepOptions
 
     def _init_schedule(self, decay: float, tau: float, updates: int, strategy: str) -> None:
+        install_hooks()  # torch's global registration hooks: on the first EMA made, once per process
         self.updates = updates
         self.max_decay = float(decay)
         self.tau = float(tau)
         self.strategy = strategy
         self.enabled = True
         self.rebuilds = 0  # how many times the cached step was (re)built
-        self._step: FlatStep | ListStep | None = None
+        self._step: Step | None = None
 
     def decay(self, n: int) -> float:
         """The decay used at update number ``n``: ramps from 0 to ``max_decay``, time constant tau."""
         return self.max_decay * (1 - math.exp(-n / self.tau))
+
+    @property
+    def modes(self) -> list[str]:
+        """Each flat group's mode: ``fused``, ``cast``, ``cat``, ``foreach`` or ``cat+foreach``."""
+        return [] if self._step is None else self._step.modes
+
+    def _collect(self, model: nn.Module) -> Pairs:
+        """The (EMA, model) pairs a new step is built over."""
+        return collect_pairs(self.ema, model)
+
+    def _current_step(self, model: nn.Module) -> Step:
+        """The cached step if it still matches ``model`` and the EMA, else a new one (never a stale one)."""
+        step = self._step
+        if step is None or not step.current(model):
+            self._step = None  # a failed rebuild must not leave the stale step behind
+            step = STEPS[self.resolved_strategy](self._collect(model), model, self._options)
+            if not step.current(model):  # reads the model; only a model changed meanwhile fails here
+                raise RuntimeError("the model changed while its EMA step was being built")
+            self._step = step
+            self.rebuilds += 1
+        return step
+
+    def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:
+        """Move the EMA one step towards ``model`` (wrapped models are unwrapped).
+
+        ``decay`` overrides the ramp for this step; with "flat" it may be a 0-dim tensor on the model's
+        device: no host sync, no recompiles.
+        """
+        if not self.enabled:
+            return
+        tensor_ok = STEPS[self.resolved_strategy].tensor_decay
+        decay = self.decay(self.updates + 1) if decay is None else check_decay(decay, tensor_ok)
+        self._current_step(unwrap_model(model)).apply(decay)
+        self.updates += 1
 
     def __getstate__(self) -> dict:
         # The cached step holds weak references and module dicts: dropped, the next update() rebuilds it.
@@ -104,7 +157,7 @@ class ModelEMA(EMASchedule):
     Unlike it, the (EMA, model) pairs are collected once into a step that is rebuilt when the model's
     or the EMA's tensors are replaced (``.to()``, ``.half()``, ``p.data = ...``, ``swap_tensors``, a new
     parameter), non-float entries are copied from the model, tied weights are averaged once, and a failed
-    update changes nothing (:mod:`ema_lab.steps`). It holds no view of a module tensor, so torch's
+    update changes nothing (:mod:`ema_lab.watch`). It holds no view of a module tensor, so torch's
     ``swap_tensors`` and ``set_swap_module_params_on_conversion(True)`` keep working.
 
     With "flat" (the default "auto" picks it for ordinary tensors) the EMA module's float tensors (and its
@@ -129,49 +182,14 @@ class ModelEMA(EMASchedule):
                 "model is sharded with FSDP2 (fully_shard): a deep copy of it is not possible; "
                 "use ema_lab.ShardedModelEMA, which keeps the EMA of the local shards"
             )
-        install_hooks()  # torch's global registration hooks: on the first EMA made, once per process
+        self._init_schedule(decay, tau, updates, strategy)
         self.ema = deepcopy(unwrap_model(model)).eval()
         for p in self.ema.parameters():
             p.requires_grad_(False)
-        self._init_schedule(decay, tau, updates, strategy)
         self.cat_max_numel = cat_max_numel
         floats = [t for t in (*self.ema.parameters(), *self.ema.buffers()) if t.is_floating_point()]
-        self.resolved_strategy = choose_strategy(floats) if strategy == "auto" else strategy
-
-    @property
-    def modes(self) -> list[str]:
-        """Each flat group's mode: ``fused``, ``cast``, ``cat``, ``foreach`` or ``cat+foreach``."""
-        return [] if self._step is None else self._step.modes
-
-    def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:
-        """Move the EMA one step towards ``model`` (wrapped models are unwrapped).
-
-        ``decay`` overrides the ramp for this step; with "flat" it may be a 0-dim tensor on the model's
-        device: no host sync, no recompiles.
-        """
-        if not self.enabled:
-            return
-        if decay is None:
-            decay = self.decay(self.updates + 1)
-        else:
-            decay = check_decay(decay, tensor_ok=self.resolved_strategy == "flat")
-        model = unwrap_model(model)
-        step = self._step
-        if step is None or not step.current(model):
-            self._step = None  # a failed rebuild must not leave the stale step behind
-            pairs = collect_pairs(self.ema, model)
-            flat = self.resolved_strategy == "flat"
-            step = (
-                FlatStep(pairs, model, self.cat_max_numel)
-                if flat
-                else ListStep(self.resolved_strategy, pairs, model)
-            )
-            if not step.current(model):  # reads the model; only a model changed meanwhile fails here
-                raise RuntimeError("the model changed while its EMA step was being built")
-            self._step = step
-            self.rebuilds += 1
-        step.apply(decay)
-        self.updates += 1
+        self.resolved_strategy = resolve_strategy(strategy, floats)
+        self._options = StepOptions(self.resolved_strategy, cat_max_numel)
 
     def update_attr(
         self, model: nn.Module, include: tuple = (), exclude: tuple = ("process_group", "reducer")

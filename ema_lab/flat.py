@@ -19,7 +19,10 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
+from .pairs import unique
+
 __all__ = ["flatten_model", "unflatten_model", "flatten_tensors", "unflatten_tensors"]
+__all__ += ["Counters", "empty_flat", "group", "into_one_buffer", "tiles_in_order", "whole_storage"]
 
 
 def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]:
@@ -32,20 +35,22 @@ def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]
 
 #: The transparent huge page of x86-64 (and arm64 with 4 KiB pages): buffers from this size up get a mapping
 #: of their own, so one TLB entry covers 2 MiB of the stream an update reads (benchmarks/cat_runs.py).
-HUGE_PAGE = 2 << 20
+#: torch's own switch, the environment variable THP_MEM_ALLOC_ENABLE=1, is read once when torch first
+#: allocates and then applies to every CPU tensor of the process: a library cannot turn it on for its buffers.
+_HUGE_PAGE = 2 << 20
 
 
 def empty_flat(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
     """An uninitialised 1-D buffer; on Linux CPU, from 2 MiB up, in transparent huge pages where granted."""
     device = torch.device(device)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if device.type != "cpu" or nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(numel, dtype=dtype, device=device)
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(OSError):  # a kernel without THP: the mapping is still good memory
         mapping.madvise(mmap.MADV_HUGEPAGE)
     start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
-    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=-start % HUGE_PAGE)
+    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=-start % _HUGE_PAGE)
 
 
 def into_one_buffer(tensors: Sequence[Tensor]) -> Tensor:
@@ -83,12 +88,38 @@ def tiles_in_order(tensors: Sequence[Tensor]) -> bool:
     return end * first.element_size() == first.untyped_storage().nbytes()
 
 
+class Counters:
+    """The non-float entries, copied from the model: the EMA's of each (device, dtype) pair of dtypes are
+    views of one buffer, filled by one ``torch.cat`` of the model's (one ``copy_`` where the model's tile
+    one storage in the same order, as after ``flatten_model``); a strided counter by ``_foreach_copy_``."""
+
+    def __init__(self, ema: list[Tensor], model: list[Tensor]) -> None:
+        self.copies: list[tuple[Tensor, list[Tensor]]] = []  # (EMA buffer, 1-D model aliases or the storage)
+        strided = [i for i, m in enumerate(model) if not m.is_contiguous()]
+        self.strided = ([ema[i] for i in strided], [model[i].detach() for i in strided])
+        flat = [i for i, m in enumerate(model) if m.is_contiguous()]
+        for idx in group(flat, lambda i: (ema[i].device, ema[i].dtype, model[i].dtype)):
+            aliases = [model[i].detach().view(-1) for i in idx]
+            buf = into_one_buffer([ema[i] for i in idx])
+            self.copies.append((buf, [whole_storage(aliases[0])] if tiles_in_order(aliases) else aliases))
+
+    def __call__(self) -> None:
+        """Copy the model's counters into the EMA's."""
+        for buf, src in self.copies:
+            if len(src) == 1:
+                buf.copy_(src[0])
+            else:
+                torch.cat(src, out=buf)
+        if self.strided[0]:
+            torch._foreach_copy_(*self.strided)
+
+
 def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
     """Move each (device, dtype) group of ``tensors`` into one new contiguous buffer; return the buffers.
 
     Every tensor keeps its object, value, shape and ``requires_grad``; tensors listed twice move once.
     """
-    ts = list({id(t): t for t in tensors}.values())
+    ts = unique(tensors)
     return [
         into_one_buffer([ts[i] for i in idx])
         for idx in group(range(len(ts)), lambda i: (ts[i].device, ts[i].dtype))
@@ -98,7 +129,7 @@ def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
 def unflatten_tensors(tensors: Sequence[Tensor]) -> None:
     """Give every tensor its own contiguous memory again (undoes :func:`flatten_tensors`)."""
     with torch.no_grad():
-        for t in {id(t): t for t in tensors}.values():
+        for t in unique(tensors):
             t.data = t.detach().clone(memory_format=torch.contiguous_format)
 
 

@@ -12,18 +12,20 @@ network: load it into an FSDP model with :meth:`copy_to` to evaluate.
 from __future__ import annotations
 
 from dataclasses import replace
+from operator import getitem, itemgetter
 
 import torch
 from torch import Tensor, nn
 
-from .ema import EMASchedule, check_arguments, unwrap_model
-from .steps import ListStep, collect_pairs, install_hooks, module_entries
+from .ema import STEPS, STRATEGIES, EMASchedule, check_arguments, resolve_strategy, unwrap_model
+from .pairs import Pairs, collect_pairs, local_tensor, module_entries, unique
+from .step import StepOptions
 
-__all__ = ["ShardedModelEMA", "STRATEGIES"]
+__all__ = ["ShardedModelEMA", "SHARDED_STRATEGIES"]
 
-#: Strategies that update the EMA's tensors in place; a strategy that moves them into new storage
+#: The strategies whose step updates the EMA's tensors in place: one that moved them into new storage
 #: would detach them from the DTensors that the state-dict and checkpoint calls read.
-STRATEGIES = ("loop", "foreach", "gated", "auto")
+SHARDED_STRATEGIES = tuple(s for s in STRATEGIES if s == "auto" or STEPS[s].in_place)
 
 
 def _dtensor_cls() -> type | None:
@@ -37,16 +39,14 @@ def _dtensor_cls() -> type | None:
     return DTensor
 
 
-def local_tensor(t: Tensor) -> Tensor:
-    """This rank's part of ``t``: the local shard of a DTensor (no copy), else ``t`` itself."""
-    # What to_local() returns without grad, minus a dispatched view: the per-step check reads it too.
-    return getattr(t, "_local_tensor", t)
-
-
 def _holder(entries: dict[str, Tensor]) -> nn.Module:
-    """A bare module tree that registers ``entries`` under their dotted names (shared tensors stay shared)."""
+    """A bare module tree holding a detached clone of each of ``entries`` under its dotted name; an entry
+    listed under several names (tied weights) is cloned once and registered under every name."""
     root = nn.Module()
-    made: dict[int, Tensor] = {}
+    made = {}
+    for t in unique(entries.values()):
+        copy = t.detach().clone()  # a DTensor clones only its local shard
+        made[id(t)] = nn.Parameter(copy, requires_grad=False) if copy.is_floating_point() else copy
     for key, t in entries.items():
         *path, name = key.split(".")
         mod = root
@@ -54,8 +54,6 @@ def _holder(entries: dict[str, Tensor]) -> nn.Module:
             if not hasattr(mod, part):
                 mod.add_module(part, nn.Module())
             mod = getattr(mod, part)
-        if id(t) not in made:
-            made[id(t)] = nn.Parameter(t, requires_grad=False) if t.is_floating_point() else t
         value = made[id(t)]
         if isinstance(value, nn.Parameter):
             mod.register_parameter(name, value)
@@ -67,9 +65,10 @@ def _holder(entries: dict[str, Tensor]) -> nn.Module:
 class ShardedModelEMA(EMASchedule):
     """EMA of a model whose parameters are sharded DTensors (FSDP2): local shards, no communication.
 
-    Same schedule and counters as ``ModelEMA`` (``decay(n) = decay * (1 - exp(-n / tau))``,
-    ``.updates``, ``.enabled``). Call :meth:`update` after ``optimizer.step()``, when FSDP has
-    resharded the parameters; plain (replicated) tensors such as buffers are averaged whole.
+    Same schedule, counters and step lifecycle as ``ModelEMA`` (``decay(n) = decay * (1 - exp(-n / tau))``,
+    ``.updates``, ``.enabled``, ``.update(model, decay=None)``). Call :meth:`update` after
+    ``optimizer.step()``, when FSDP has resharded the parameters; plain (replicated) tensors such as
+    buffers are averaged whole. "auto" runs "gated": "flat" would move the EMA out of its DTensors.
     """
 
     def __init__(
@@ -80,43 +79,26 @@ class ShardedModelEMA(EMASchedule):
         updates: int = 0,
         strategy: str = "auto",
     ) -> None:
-        check_arguments(model, decay, tau, updates, strategy, STRATEGIES)
+        check_arguments(model, decay, tau, updates, strategy, SHARDED_STRATEGIES)
         if _dtensor_cls() is None:
             raise RuntimeError("ShardedModelEMA needs torch.distributed.tensor.DTensor (torch >= 2.4)")
-        install_hooks()  # torch's global registration hooks: first EMA made, once per process
-        model = unwrap_model(model)
-        copies: dict[int, Tensor] = {}
-        entries: dict[str, Tensor] = {}
-        with torch.no_grad():
-            for key, (d, k) in module_entries(model):
-                t = d[k]
-                if id(t) not in copies:  # tied weights: one EMA tensor under every key
-                    copies[id(t)] = t.detach().clone()  # a DTensor clones only its local shard
-                entries[key] = copies[id(t)]
-        self.ema = _holder(entries)
         self._init_schedule(decay, tau, updates, strategy)
-
-    @property
-    def resolved_strategy(self) -> str:
-        """The strategy actually run ("auto" resolved to "gated", as in ``ModelEMA``)."""
-        return "gated" if self.strategy == "auto" else self.strategy
+        with torch.no_grad():
+            self.ema = _holder({key: getitem(*slot) for key, slot in module_entries(unwrap_model(model))})
+        self.resolved_strategy = resolve_strategy(strategy, [], in_place=True)
+        self._options = StepOptions(self.resolved_strategy, sharded=True)
 
     def local_tensors(self) -> dict[str, Tensor]:
         """This rank's EMA tensors by state_dict key (shards of sharded entries), tied weights once."""
-        seen: set[int] = set()
-        out = {}
-        for key, t in self.ema.state_dict(keep_vars=True).items():
-            if id(t) not in seen:
-                seen.add(id(t))
-                out[key] = local_tensor(t)
-        return out
+        items = unique(self.ema.state_dict(keep_vars=True).items(), itemgetter(1))
+        return {key: local_tensor(t) for key, t in items}
 
     def local_bytes(self) -> int:
         """Bytes of EMA memory this rank holds (its shards plus replicated entries)."""
         return sum(t.numel() * t.element_size() for t in self.local_tensors().values())
 
-    def _build(self, model: nn.Module) -> ListStep:
-        """The update step over this rank's shards, checked to be laid out like the EMA's."""
+    def _collect(self, model: nn.Module) -> Pairs:
+        """The pairs of this rank's shards, checked to be laid out like the EMA's."""
         pairs = collect_pairs(self.ema, model)
         dtensor = _dtensor_cls()
         for k, e, m in zip(pairs.names, pairs.ema, pairs.model):
@@ -130,24 +112,8 @@ class ShardedModelEMA(EMASchedule):
                     f"entry {k!r}: model {tuple(m.shape)} {m.placements} does not match "
                     f"EMA {tuple(e.shape)} {e.placements}"
                 )
-        local = {
-            k: [local_tensor(t) for t in getattr(pairs, k)]
-            for k in ("ema", "model", "ema_counters", "model_counters")
-        }
-        step = ListStep(self.resolved_strategy, replace(pairs, **local), model, local_tensor)
-        self.rebuilds += 1
-        return step
-
-    def update(self, model: nn.Module) -> None:
-        """Move this rank's EMA shards one step towards the model's (no communication)."""
-        if not self.enabled:
-            return
-        model = unwrap_model(model)
-        if self._step is None or not self._step.current(model):
-            self._step = None
-            self._step = self._build(model)
-        self._step.apply(self.decay(self.updates + 1))
-        self.updates += 1
+        fields = ("ema", "model", "ema_counters", "model_counters")
+        return replace(pairs, **{f: [local_tensor(t) for t in getattr(pairs, f)] for f in fields})
 
     def sharded_state_dict(self) -> dict[str, Tensor]:
         """The EMA as DTensors (this rank's shards, no copy, no communication), for DCP save or copy_to."""

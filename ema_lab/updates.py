@@ -7,7 +7,7 @@ Every strategy computes ``ema = decay * ema + (1 - decay) * model`` for each pai
 - :func:`foreach_update`: the code after it, one ``torch._foreach_lerp_`` call.
 - :func:`gated_update`: the after-code behind its torch-version/device gate, made robust: one
   foreach call per (device, dtype) group, a per-tensor path for pairs whose dtypes differ.
-- ``"flat"`` (:mod:`ema_lab.steps`): the EMA in one contiguous buffer per group, so the update
+- ``"flat"`` (:mod:`ema_lab.flat_step`): the EMA in one contiguous buffer per group, so the update
   approaches one ``lerp_`` per group (exactly one after :func:`ema_lab.flatten_model`).
 
 All of them validate the whole input before touching any tensor, so a bad input raises a
@@ -15,13 +15,13 @@ All of them validate the whole input before touching any tensor, so a bad input 
 ``torch._foreach_lerp_`` is not atomic: the pairs before the bad one are already updated.
 
 :func:`prepare` splits the two halves: validate once, then apply many times. ``ModelEMA`` caches
-the prepared step for as long as the tensors keep their memory (:mod:`ema_lab.steps`).
+the prepared step for as long as the tensors keep their memory (:mod:`ema_lab.watch`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
+from numbers import Real
 
 import torch
 from torch import Tensor
@@ -29,9 +29,21 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .gates import foreach_lerp_supported
 
-__all__ = ["loop_update", "foreach_update", "gated_update", "prepare"]
+__all__ = [
+    "loop_update",
+    "foreach_update",
+    "gated_update",
+    "prepare",
+    "lerp_",
+    "check_decay",
+    "validate_pairs",
+    "PREPARERS",
+    "Update",
+    "Tensors",
+    "Names",
+]
 
-Step = Callable[[float], None]
+Update = Callable[[float], None]
 Tensors = Sequence[Tensor]
 Names = Sequence[str] | None
 
@@ -45,7 +57,8 @@ def _describe(t: Tensor) -> str:
 
 
 def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tensor:
-    """A finite number in [0, 1] as a float, or (``tensor_ok``) a 0-dim floating tensor, never synced."""
+    """The one decay rule: a finite real number in [0, 1] (returned as a float) or, where ``tensor_ok``,
+    a 0-dim floating tensor (returned as is: checking its value would sync the host with its device)."""
     if isinstance(decay, Tensor):
         if not tensor_ok:
             raise TypeError(
@@ -57,10 +70,9 @@ def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tenso
                 f"a tensor decay must be a 0-dim floating tensor, got {tuple(decay.shape)} {decay.dtype}"
             )
         return decay
-    d = float(decay)
-    if not (math.isfinite(d) and 0.0 <= d <= 1.0):
+    if not (isinstance(decay, Real) and not isinstance(decay, bool) and 0.0 <= decay <= 1.0):
         raise ValueError(f"decay must be a finite number in [0, 1], got {decay!r}")
-    return d
+    return float(decay)
 
 
 def validate_pairs(ema: Tensors, model: Tensors, names: Names = None, *, same_dtype: bool = False) -> None:
@@ -97,7 +109,7 @@ def validate_pairs(ema: Tensors, model: Tensors, names: Names = None, *, same_dt
             seen[ptr] = i
 
 
-def _prepare_loop(ema: list[Tensor], model: list[Tensor]) -> Step:
+def _prepare_loop(ema: list[Tensor], model: list[Tensor]) -> Update:
     def step(d: float) -> None:
         with torch.no_grad():
             for v, m in zip(ema, model):
@@ -107,34 +119,39 @@ def _prepare_loop(ema: list[Tensor], model: list[Tensor]) -> Step:
     return step
 
 
-def _prepare_foreach(ema: list[Tensor], model: list[Tensor]) -> Step:
+def lerp_(ema: list[Tensor], model: list[Tensor], weight: float | Tensor, foreach: bool = True) -> None:
+    """``e += weight * (m - e)`` for every pair: one ``torch._foreach_lerp_``, or one ``lerp_`` per pair."""
+    if not foreach:
+        for e, m in zip(ema, model):
+            e.lerp_(m, weight)
+    elif ema:  # _foreach_lerp_([], [], w) raises "Tensor list must have at least one tensor"
+        # A tensor weight goes once per pair: torch before 2.10 has no single-tensor-weight overload.
+        torch._foreach_lerp_(ema, model, weight if isinstance(weight, float) else [weight] * len(ema))
+
+
+def _prepare_foreach(ema: list[Tensor], model: list[Tensor]) -> Update:
     def step(d: float) -> None:
-        if ema:  # _foreach_lerp_([], [], w) raises "Tensor list must have at least one tensor"
-            with torch.no_grad():
-                torch._foreach_lerp_(ema, model, 1 - d)
+        with torch.no_grad():
+            lerp_(ema, model, 1 - d)
 
     return step
 
 
-def _prepare_gated(ema: list[Tensor], model: list[Tensor]) -> Step:
+def _prepare_gated(ema: list[Tensor], model: list[Tensor]) -> Update:
     same = [i for i, (v, m) in enumerate(zip(ema, model)) if v.dtype == m.dtype]
     mixed = [(v, m) for v, m in zip(ema, model) if v.dtype != m.dtype]
     groups = (
         _group_tensors_by_device_and_dtype([[ema[i] for i in same], [model[i] for i in same]]) if same else {}
     )
     runs = [
-        (foreach_lerp_supported(None, device.type), es, ms) for (device, _), ([es, ms], _) in groups.items()
+        (es, ms, foreach_lerp_supported(None, device.type)) for (device, _), ([es, ms], _) in groups.items()
     ]
 
     def step(d: float) -> None:
         w = 1.0 - d
         with torch.no_grad():
-            for foreach, es, ms in runs:
-                if foreach:
-                    torch._foreach_lerp_(es, ms, w)
-                else:  # behind the gate (mps before 2.4, npu): per tensor
-                    for v, m in zip(es, ms):
-                        v.mul_(d).add_(m, alpha=w)
+            for es, ms, foreach in runs:  # behind the gate (mps before 2.4, npu): per tensor
+                lerp_(es, ms, w, foreach)
             # add_ computes in the promoted dtype and casts back, as the pre-change loop did.
             for v, m in mixed:
                 v.mul_(d).add_(m, alpha=w)
@@ -143,15 +160,15 @@ def _prepare_gated(ema: list[Tensor], model: list[Tensor]) -> Step:
 
 
 #: strategy name -> (needs equal dtypes in every pair, builder of a step over validated lists); "flat" is
-#: :class:`ema_lab.steps.FlatStep`, which owns its EMA buffers.
-PREPARERS: dict[str, tuple[bool, Callable[[list[Tensor], list[Tensor]], Step]]] = {
+#: :class:`ema_lab.flat_step.FlatStep`, which owns its EMA buffers.
+PREPARERS: dict[str, tuple[bool, Callable[[list[Tensor], list[Tensor]], Update]]] = {
     "loop": (False, _prepare_loop),
     "foreach": (True, _prepare_foreach),
     "gated": (False, _prepare_gated),
 }
 
 
-def prepare(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, names: Names = None) -> Step:
+def prepare(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, names: Names = None) -> Update:
     """Validate the pairs once and return ``step(decay)`` that applies ``strategy`` without re-checking."""
     if strategy not in PREPARERS:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(PREPARERS)}")

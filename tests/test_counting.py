@@ -73,12 +73,13 @@ def _expected(name: str, stats: models.ModelStats, distinct: int, other: int, nu
         return Counter({"aten._foreach_lerp_.Scalar": 1}) + copy_other
     if name == "flat_model":  # the model flattened too (its counters included): one lerp_, one copy_
         return Counter({"aten.lerp_.Scalar": 1}) + Counter({"aten.copy_.default": 1} if other else {})
-    if name == "flat":  # small tensors: a cat gathers them as the slots hold them now, a lerp_ per cat;
+    if name == "flat":  # small tensors: a cat gathers them as the slots hold them now (one cat per run),
+        # then one _foreach_lerp_ over the runs' and the large tensors' views (one lerp_ if that is one view)
         small = [n for n in numels if n < inspect.signature(ModelEMA).parameters["cat_max_numel"].default]
-        runs = _cat_runs(small) if torch.get_num_threads() > 1 else 1
-        cat = Counter({"aten.cat.default": runs, "aten.lerp_.Scalar": runs} if small else {})
-        large = Counter({"aten._foreach_lerp_.Scalar": 1} if len(small) < len(numels) else {})
-        return cat + large + copy_other
+        runs = (_cat_runs(small) if torch.get_num_threads() > 1 else 1) if small else 0
+        views = runs + len(numels) - len(small)
+        lerp = "aten._foreach_lerp_.Scalar" if views > 1 else "aten.lerp_.Scalar"
+        return Counter({"aten.cat.default": runs} if runs else {}) + Counter({lerp: 1}) + copy_other
     raise AssertionError(f"no expected op count for strategy {name!r}: add it to _expected")
 
 

@@ -26,6 +26,7 @@ pytest.importorskip(
 )
 
 from ema_lab import ModelEMA, ShardedModelEMA
+from ema_lab.bench.counting import count_ops
 from ema_lab.bench.models import build
 from ema_lab.lessons import distributed as dist_demo
 
@@ -225,22 +226,15 @@ def test_missing_api_is_a_named_skip(monkeypatch: pytest.MonkeyPatch, capsys: py
     assert f"skipped: this torch ({torch.__version__}) lacks torch.no_such_api" in capsys.readouterr().out
 
 
-def test_the_lesson_does_not_import_the_benchmarks() -> None:
-    """The lessons never depend on ema_lab.bench (and so on its extras): a fresh interpreter shows it."""
-    code = "import sys, ema_lab.lessons.distributed; print([m for m in sys.modules if 'ema_lab.bench' in m])"
+def test_the_lesson_needs_torch_alone() -> None:
+    """The lesson (run by torchrun, maybe where only torch is installed) imports no bench extra."""
+    code = (
+        "import sys; sys.modules.update(dict.fromkeys(['numpy', 'matplotlib', 'tqdm']))\n"
+        "import ema_lab.lessons.distributed"
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
-
-
-def test_count_ops_counts_each_dispatched_overload() -> None:
-    a, b = [torch.zeros(3), torch.zeros(2)], [torch.ones(3), torch.ones(2)]
-    assert dist_demo.count_ops(torch._foreach_lerp_, a, b, 0.5) == {"aten._foreach_lerp_.Scalar": 1}
-    assert dist_demo.count_ops(lambda: a[0].mul_(2).add_(b[0])) == {
-        "aten.mul_.Tensor": 1,
-        "aten.add_.Tensor": 1,
-    }
-    assert a[0].tolist() == [2.0, 2.0, 2.0]  # the counted ops ran: lerp to 0.5, times 2, plus 1
+    assert out.returncode == 0, out.stderr
 
 
 def test_bad_command_line_is_rejected() -> None:
@@ -297,7 +291,7 @@ def test_sharded_ema_update_is_one_foreach_call(mesh: object) -> None:
     model = dist_demo.shard_model(build("tiny_transformer"), mesh)
     ema = ShardedModelEMA(model)
     ema.update(model)  # builds the cache
-    assert dist_demo.count_ops(ema.update, model) == {"aten._foreach_lerp_.Scalar": 1}
+    assert count_ops(ema.update, model) == {"aten._foreach_lerp_.Scalar": 1}
     local = ema.local_tensors()
     assert len(local) == 28 and "head.weight" not in local  # tied to embed.weight: averaged once
     assert ema.local_bytes() == FULL_BYTES
@@ -319,7 +313,7 @@ def test_sharded_ema_refuses_unsharded_parameters_and_changes_nothing(mesh: obje
 def test_sharded_ema_checks_its_arguments() -> None:
     with pytest.raises(TypeError, match="torch.nn.Module"):
         ShardedModelEMA(object())
-    with pytest.raises(ValueError, match="decay must be in"):
+    with pytest.raises(ValueError, match=r"decay must be a finite number in \[0, 1\]"):
         ShardedModelEMA(nn.Linear(2, 2), decay=1.5)
     with pytest.raises(ValueError, match="unknown strategy"):
         ShardedModelEMA(nn.Linear(2, 2), strategy="fast")

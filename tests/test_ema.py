@@ -50,9 +50,11 @@ def test_defaults_and_ramp() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"decay": 1.0}, r"decay must be in \(0, 1\), got 1.0"),
-        ({"decay": 0}, r"decay must be in \(0, 1\), got 0"),
-        ({"decay": "0.9"}, r"decay must be in \(0, 1\)"),
+        ({"decay": 1.5}, r"decay must be a finite number in \[0, 1\], got 1.5"),
+        ({"decay": -0.1}, r"decay must be a finite number in \[0, 1\], got -0.1"),
+        ({"decay": float("nan")}, r"decay must be a finite number in \[0, 1\], got nan"),
+        ({"decay": "0.9"}, r"decay must be a finite number in \[0, 1\], got '0.9'"),
+        ({"decay": True}, r"decay must be a finite number in \[0, 1\], got True"),
         ({"tau": 0}, "tau must be a positive number, got 0"),
         ({"tau": -5.0}, "tau must be a positive number"),
         ({"updates": -1}, "updates must be a non-negative int"),
@@ -62,6 +64,23 @@ def test_defaults_and_ramp() -> None:
 def test_bad_arguments(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelEMA(models.build("tiny_cnn"), **kwargs)
+
+
+@pytest.mark.parametrize("decay", [0, 1.0])
+def test_the_constructor_and_update_share_one_decay_rule(decay: float) -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, decay=decay, tau=1e-9)  # the ramp is flat: every update uses ``decay`` itself
+    before = {k: v.clone() for k, v in float_entries(ema.ema).items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update(model)
+    now = float_entries(ema.ema)
+    target = before if decay == 1.0 else float_entries(model)  # 1 keeps the EMA, 0 copies the model
+    assert all(torch.equal(now[k], target[k]) for k in now)
+    ema.update(model, decay=decay)  # the same bounds per step
+    with pytest.raises(ValueError, match=r"decay must be a finite number in \[0, 1\]"):
+        ema.update(model, decay=1.01)
 
 
 def test_not_a_module() -> None:

@@ -8,13 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from ema_lab import ModelEMA, flatten_model, steps
+from ema_lab import ModelEMA, flat_step, flatten_model
 from ema_lab.bench import models
 from ema_lab.bench.counting import count_ops
-from ema_lab.ema import choose_strategy
+from ema_lab.ema import resolve_strategy
 from ema_lab.flat import flatten_tensors, tiles_in_order, unflatten_tensors
 from ema_lab.lessons.precision import ema_stall
-from ema_lab.steps import CAT_MAX_NUMEL, collect_pairs
+from ema_lab.pairs import collect_pairs
+from ema_lab.step import CAT_MAX_NUMEL
 
 
 def _tiles(tensors: list[torch.Tensor]) -> bool:
@@ -275,7 +276,7 @@ def test_auto_picks_flat_caches_it_and_stays_safe_with_mixed_dtypes():
     _assert_follows(ema, model)
     assert ema.resolved_strategy == "flat" and ema.modes == ["cast"]
     sparse = [torch.zeros(2, 2).to_sparse()]
-    assert choose_strategy(sparse) == "gated"
+    assert resolve_strategy("auto", sparse) == "gated"
 
 
 def test_no_recompiles_across_100_steps_of_a_changing_tensor_decay():
@@ -347,7 +348,7 @@ def test_converting_only_the_buffers_of_a_flattened_model_is_detected():
 
 def test_without_the_use_count_binding_every_step_takes_the_exact_check(monkeypatch) -> None:
     """On a torch without ``_storage_Use_Count`` the O(1) check is off, the per-slot check still catches."""
-    monkeypatch.setattr(steps, "_USE_COUNT", None)
+    monkeypatch.setattr(flat_step, "_USE_COUNT", None)
     model = models.build("tiny_cnn")
     ema = ModelEMA(model, decay=0.5, tau=1e-9, strategy="flat")
     ema.update(model)
@@ -368,11 +369,11 @@ def test_without_the_use_count_binding_every_step_takes_the_exact_check(monkeypa
 
 def test_cat_runs_stay_under_the_grain_and_cover_every_tensor_in_order() -> None:
     numels = [1000] * 70 + [30000, 5, 40000, 7]
-    runs = steps._runs(numels, 32768)
+    runs = flat_step._runs(numels, 32768)
     assert [i for r in runs for i in r] == list(range(len(numels)))
     assert all(sum(numels[i] for i in r) < 32768 or len(r) == 1 for r in runs)
     assert [len(r) for r in runs] == [32, 32, 6, 2, 1, 1]  # a 33rd 1000 would reach 32768; 40000 runs alone
-    assert steps._runs([], 32768) == []
+    assert flat_step._runs([], 32768) == []
 
 
 def test_the_cat_part_gives_the_same_bits_built_at_one_and_two_threads() -> None:

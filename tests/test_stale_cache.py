@@ -10,7 +10,8 @@ from ema_lab import ModelEMA, flatten_model
 from ema_lab.bench import models
 from ema_lab.bench.seed import CachedListEMA
 from ema_lab.lessons.staleness import CONVERSIONS, follows_after
-from ema_lab.steps import Watch, collect_pairs
+from ema_lab.pairs import collect_pairs
+from ema_lab.watch import Watch
 
 from .helpers import float_entries
 
@@ -188,7 +189,7 @@ def test_swap_tensors_on_a_model_parameter_works_and_is_followed(strategy: str) 
 @pytest.mark.requires_torch("2.3", "torch.utils.swap_tensors")
 def test_swap_tensors_on_a_flattened_model_is_followed_once_the_old_tensor_is_released() -> None:
     # A flattened model's fused groups are checked by the flat storage's reference count (O(1) per group):
-    # a swap whose swapped-out tensor the caller keeps alive holds that count; documented in ema_lab.steps.
+    # a swap whose swapped-out tensor the caller keeps alive holds that count (ema_lab.flat_step says so).
     model = models.build("tiny_cnn")
     ema = _ema(model, "flatten_model")
     ema.update(model)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["environment", "format_environment", "available_devices", "quick_mode"]
+__all__ = ["environment", "available_devices", "quick_mode"]
 
 
 def quick_mode() -> bool:
@@ -89,16 +89,3 @@ def environment(device: str = "cpu") -> dict[str, object]:
     elif device == "mps":
         env["device_name"] = f"Apple MPS ({cpu_model()})"
     return env
-
-
-def format_environment(env: dict[str, object] | None = None) -> str:
-    """A few human-readable lines for the versions/hardware cell at the top of each notebook."""
-    env = environment() if env is None else env
-    devices = available_devices()
-    lines = [
-        f"torch {env['torch']}, Python {env['python']}, ema_lab {env['ema_lab']} ({env['git_revision']})",
-        f"{env['os']} {env['machine']}, CPU: {env['cpu']} ({env['cpu_count']} logical cores), "
-        f"{env['threads']} intra-op threads",
-    ]
-    lines += [f"{name}: {reason or 'available'}" for name, reason in devices.items()]
-    return "\n".join(lines)

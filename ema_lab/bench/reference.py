@@ -1,24 +1,17 @@
-"""Every update strategy against an independent float64 EMA on the same model trajectory."""
+"""Every ``ModelEMA`` strategy against an independent float64 EMA on the same model trajectory."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from copy import deepcopy
 
 import torch
 from torch import Tensor, nn
 
 from ..ema import STRATEGIES, ModelEMA
-from ..steps import collect_pairs
-from ..updates import foreach_update, gated_update, loop_update
+from ..pairs import collect_pairs
 
-__all__ = ["strategy_errors"]
-
-STRATEGY_FUNCTIONS: dict[str, Callable[[Sequence[Tensor], Sequence[Tensor], float], None]] = {
-    "loop": loop_update,
-    "foreach": foreach_update,
-    "gated": gated_update,
-}
+__all__ = ["model_ema_errors"]
 
 
 def _walk(model_tensors: Sequence[Tensor], gen: torch.Generator, noise: float) -> None:
@@ -39,30 +32,6 @@ def _max_error(tensors: Sequence[Tensor], ref: Sequence[Tensor]) -> float:
     return max((e.double() - r).abs().max().item() for e, r in zip(tensors, ref))
 
 
-def strategy_errors(
-    model: nn.Module, steps: int = 10, decay: float = 0.999, seed: int = 0, noise: float = 0.01
-) -> dict[str, float]:
-    """Max |EMA - float64 reference| of each strategy after ``steps`` updates; ``model`` is left untouched.
-
-    A private copy of the model takes a seeded random walk (a stand-in for optimizer steps); each
-    strategy keeps its own EMA tensors, and the reference applies ``d * ema + (1 - d) * model`` in
-    float64 to the same trajectory.
-    """
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    model = deepcopy(model)
-    pairs = collect_pairs(deepcopy(model), model)
-    emas = {name: [t.detach().clone() for t in pairs.ema] for name in STRATEGY_FUNCTIONS}
-    ref = [t.detach().double() for t in pairs.ema]
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        _walk(pairs.model, gen, noise)
-        for name, update in STRATEGY_FUNCTIONS.items():
-            update(emas[name], pairs.model, decay)
-        _reference_step(ref, pairs.model, decay)
-    return {name: _max_error(tensors, ref) for name, tensors in emas.items()}
-
-
 def model_ema_errors(
     model: nn.Module,
     strategies: Sequence[str] = STRATEGIES,
@@ -71,7 +40,11 @@ def model_ema_errors(
     seed: int = 0,
     noise: float = 0.01,
 ) -> dict[str, float]:
-    """Like :func:`strategy_errors` for ``ModelEMA(strategy=...)`` (caching, flat buffers and all)."""
+    """Max |EMA - float64 reference| of each ``ModelEMA(strategy=...)`` after ``steps`` updates.
+
+    ``model`` is left untouched: a private copy takes a seeded random walk (a stand-in for optimizer
+    steps), and the reference applies ``d * ema + (1 - d) * model`` in float64 to the same trajectory.
+    """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     model = deepcopy(model)

@@ -56,7 +56,7 @@ class CachedListEMA(ModelEMA):
     ``model.double()`` / ``.to()`` or an in-place ``ema.ema.half()`` give the modules new memory.
     From then on the update averages dead tensors: the EMA module either stops moving or follows a
     frozen snapshot of the model, with no error. :class:`ema_lab.ModelEMA` checks its cache with
-    a per-slot ``data_ptr()`` check (:class:`ema_lab.steps.Watch`) on every update instead.
+    a per-slot ``data_ptr()`` check (:class:`ema_lab.watch.Watch`) on every update instead.
     """
 
     _cached: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (ema, model), built once

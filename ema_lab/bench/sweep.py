@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import json
-from collections import Counter
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from pathlib import Path
@@ -52,7 +51,7 @@ from .results import (
 from .seed import seed_after, seed_before
 from .timing import progress_bar, time_candidates
 
-__all__ = ["DEFAULT_MODELS", "count_candidate_ops", "run_bench", "write_results", "compare", "floor_fraction"]
+__all__ = ["DEFAULT_MODELS", "run_bench", "write_results", "compare", "floor_fraction"]
 
 # gpt2 (124M parameters) is left out by default: every candidate holds its own EMA copy, about 4 GB in
 # all, and it measures nothing resnet50 does not (both bandwidth-bound, beyond the cache); ask for it.
@@ -121,18 +120,6 @@ def _model_ema_step(
     ema.update(model)
     ema.updates = RAMP_UPDATES
     return lambda: ema.update(model)
-
-
-def count_candidate_ops(model_name: str, names: Sequence[str] | None = None) -> dict[str, Counter[str]]:
-    """The ATen ops one steady-state update of each candidate dispatches on zoo model ``model_name`` (CPU)."""
-    names = list(names or candidate_names())
-    unknown = [n for n in names if n not in candidate_names()]
-    if unknown:
-        raise ValueError(f"unknown candidate(s) {unknown}; expected some of {candidate_names()}")
-    fns = candidates(zoo.build(model_name), names, lambda: zoo.build(model_name))
-    for fn in fns.values():  # the first call builds caches (ModelEMA's pairs)
-        fn()
-    return {k: count_ops(fn) for k, fn in fns.items()}
 
 
 def _kind(name: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.benchmark import Timer
 
-__all__ = ["time_candidates", "synchronize", "cold_vs_warm", "unsynced_vs_synced", "progress_bar"]
+__all__ = ["time_candidates", "synchronize", "progress_bar"]
 
 
 def progress_bar(**kwargs: Any) -> Any:
@@ -138,36 +138,3 @@ def time_candidates(
         q1, med, q3 = quantiles(times[k])
         out[k] = TimingResult(k, device, threads, numbers[k], rounds, med, q1, q3, tuple(times[k]))
     return out
-
-
-def cold_vs_warm(fn: Callable[[], object], device: str = "cpu", repeats: int = 9) -> tuple[float, float]:
-    """(seconds of the first call, median seconds of the next ``repeats``): why warm-up matters."""
-    times = []
-    for _ in range(repeats + 1):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return times[0], statistics.median(times[1:])
-
-
-def unsynced_vs_synced(fn: Callable[[], object], device: str, repeats: int = 9) -> tuple[float, float]:
-    """Median seconds per call read without and with a device sync before the clock: why sync matters.
-
-    Without the sync the clock stops when the kernels are *queued* (CUDA/MPS run asynchronously).
-    """
-    synchronize(device)
-    fn()
-    unsynced, synced = [], []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        unsynced.append(time.perf_counter() - t0)  # deliberately no sync: the wrong way
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        synced.append(time.perf_counter() - t0)
-    return statistics.median(unsynced), statistics.median(synced)

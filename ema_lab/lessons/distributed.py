@@ -16,7 +16,6 @@ import socket
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,13 +23,13 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..bench.counting import count_ops
 from ..bench.models import build
 from ..ema import ModelEMA
 from ..sharded import ShardedModelEMA
 
-__all__ = ["missing_apis", "loopback_interface", "ddp_model_ema", "count_ops", "launch", "reference", "main"]
+__all__ = ["missing_apis", "loopback_interface", "ddp_model_ema", "launch", "reference", "main"]
 
 #: (import path, name) of every torch API the runs need; checked before anything is spawned.
 REQUIRED_APIS = (
@@ -75,31 +74,6 @@ def missing_apis() -> list[str]:
     """What the runs need and do not find: torch APIs this torch lacks, then packages not installed."""
     apis, packages = _unavailable()
     return apis + packages
-
-
-class _OpCounter(TorchDispatchMode):
-    """Counts each ATen overload dispatched while active (ops inside another op's kernel are not seen)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(
-        self, func: object, types: object, args: tuple = (), kwargs: dict | None = None
-    ) -> object:
-        self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def count_ops(fn: Callable[..., object], *args: object, **kwargs: object) -> Counter[str]:
-    """Run ``fn(*args, **kwargs)`` once; the ATen ops it dispatched, keyed by overload name.
-
-    Kept here rather than imported from ``ema_lab.bench``: the lessons never depend on the benchmarks.
-    """
-    counter = _OpCounter()
-    with counter:
-        fn(*args, **kwargs)
-    return counter.counts
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,198 @@
+"""The ``"flat"`` step: the EMA in one buffer per (device, EMA dtype, model dtype) group.
+
+Each group reads the model side by its layout, then every group is one :func:`ema_lab.updates.lerp_`:
+
+- ``fused``: the model's tensors tile one storage, as after :func:`ema_lab.flatten_model`: one ``lerp_``
+  over the whole buffer (after one cast-copy into scratch if the dtypes differ);
+- ``cast``: the model's dtype differs: one ``_foreach_copy_`` casts into scratch, then one ``lerp_``;
+- ``cat``, ``foreach``, ``cat+foreach``: same dtype: small tensors gathered by ``torch.cat``, large ones
+  read as they are, all in one ``_foreach_lerp_`` over views of the buffer (one ``lerp_`` if only a cat).
+
+Its flat buffers (the EMA's, a fused model's) are checked by their storages' reference counts, O(1) each:
+a replacement drops a reference; when a count moved, the exact per-slot check runs once. Limit: a fused
+tensor replaced while something else keeps a new view of its buffer, or the replaced tensor, alive.
+A 0-dim tensor decay is a tensor weight (no ``.item()``): sync-free, and data under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from operator import getitem
+
+import torch
+from torch import Tensor, nn
+
+from .flat import Counters, empty_flat, group, into_one_buffer, tiles_in_order, whole_storage
+from .gates import foreach_lerp_supported
+from .pairs import Pairs, Slot
+from .step import StepOptions
+from .updates import lerp_, validate_pairs
+from .watch import Watch
+
+__all__ = ["FlatStep", "CAT_RUN_NUMEL"]
+
+#: ATen's ``GRAIN_SIZE``: a CPU ``torch.cat`` with a bigger result at 2+ threads copies input by input, so
+#: a step built at 2+ threads gathers in runs under it (benchmarks/cat_runs.py).
+CAT_RUN_NUMEL = 32768
+
+# A private binding (present from torch 2.1 to at least 2.13). Without it every flat step takes the
+# exact per-slot check: slower, never unsafe.
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class _FusedGroup:
+    """The model's tensors of the group tile one storage: one ``lerp_`` (after one cast-copy if needed)."""
+
+    mode = "fused"
+    checked_slots: list[Slot] = []  # watched by the two storages' reference counts instead
+
+    def __init__(self, ema: list[Tensor], model: list[Tensor]) -> None:
+        self.model = whole_storage(model[0])
+        order = sorted(range(len(model)), key=lambda i: model[i].storage_offset())
+        self.ema = into_one_buffer([ema[i] for i in order])  # the model's layout: one lerp_ covers all
+        cast = model[0].dtype != ema[0].dtype  # bf16/fp16 model, fp32 EMA
+        self.scratch = empty_flat(self.ema.numel(), self.ema.dtype, self.ema.device) if cast else None
+        source = self.model if self.scratch is None else self.scratch
+        self.targets, self.sources, self.foreach = [self.ema], [source], False
+        self.storages = [self.ema.untyped_storage(), self.model.untyped_storage()]
+
+    def read(self) -> None:
+        if self.scratch is not None:
+            self.scratch.copy_(self.model)
+
+
+class _CastGroup:
+    """Model dtype differs from the EMA's: one ``_foreach_copy_`` casts into scratch, then one ``lerp_``."""
+
+    mode = "cast"
+
+    def __init__(self, ema: list[Tensor], model: list[Tensor], slots: list[Slot]) -> None:
+        self.ema = into_one_buffer(ema)
+        scratch = empty_flat(self.ema.numel(), self.ema.dtype, self.ema.device)
+        off = [0, *accumulate(e.numel() for e in ema)]
+        self.scratch_views = [scratch[a:b].view(e.shape) for a, b, e in zip(off, off[1:], ema)]
+        self.model = model
+        self.targets, self.sources, self.foreach = [self.ema], [scratch], False
+        self.storages, self.checked_slots = [self.ema.untyped_storage()], slots
+
+    def read(self) -> None:
+        torch._foreach_copy_(self.scratch_views, self.model)
+
+
+class _SplitGroup:
+    """Same dtype: the small tensors (first in the buffer) by ``torch.cat`` runs, the large read as they are.
+
+    The small 1-D tensors (BatchNorm's vectors, biases) are read live from their module slots by
+    :meth:`read`, with no ``data_ptr()`` check: whatever a slot holds now is what is read, and one that
+    changed size, dtype or device fails the gather, before anything is written.
+    """
+
+    def __init__(self, ema: list[Tensor], model: list[Tensor], slots: list[Slot], cat_max_numel: int) -> None:
+        small = [i for i, m in enumerate(model) if m.numel() < cat_max_numel and m.is_contiguous()]
+        small.sort(key=lambda i: model[i].dim() != 1)  # the live 1-D ones first
+        large = sorted(set(range(len(model))) - set(small))
+        live = {i for i in small if model[i].dim() == 1}
+        self.checked_slots = [slots[i] for i in range(len(model)) if i not in live]
+        self.mode = "cat+foreach" if small and large else "cat" if small else "foreach"
+        self.ema = into_one_buffer([ema[i] for i in small + large])
+        self.storages = [self.ema.untyped_storage()]
+        numels = [model[i].numel() for i in small]
+        ends = [0, *accumulate(numels)]
+        # One cat at one thread (or off the CPU); at 2+ threads runs under CAT_RUN_NUMEL (see above).
+        threaded = self.ema.device.type == "cpu" and torch.get_num_threads() > 1
+        runs = _runs(numels, CAT_RUN_NUMEL) if threaded else [range(len(small))] if small else []
+        self.runs = []
+        for r in runs:
+            members = [small[k] for k in r]
+            read = [slots[i] for i in members if i in live]
+            dicts, keys = (tuple(x) for x in zip(*read)) if read else ((), ())
+            aliases = [model[i].detach().view(-1) for i in members if i not in live]
+            self.runs.append((self.ema[ends[r.start] : ends[r.stop]], dicts, keys, aliases))
+        self.targets = [run[0] for run in self.runs] + [ema[i].detach() for i in large]
+        self.large = [model[i] for i in large]
+        self.sources: list[Tensor] = []  # the runs' gathered values, then the large tensors: set by read()
+        self.foreach = len(self.targets) > 1 and foreach_lerp_supported(None, self.ema.device.type)
+
+    def read(self) -> None:
+        """Gather the small tensors; raises if a slot read live no longer fits."""
+        gathered = []
+        for ema, dicts, keys, aliases in self.runs:
+            src = torch.cat([*map(getitem, dicts, keys), *aliases])
+            if src.shape != ema.shape or src.dtype != ema.dtype or src.device != ema.device:
+                raise ValueError(f"the model's tensors gather to {src.numel()} {src.dtype} on {src.device}")
+            gathered.append(src)
+        self.sources = gathered + self.large
+
+
+def _runs(numels: list[int], limit: int) -> list[range]:
+    """Consecutive tensors (by element count) in runs under ``limit`` elements; a bigger one runs alone."""
+    runs, start, total = [], 0, 0
+    for i, n in enumerate(numels):
+        if total + n >= limit and i > start:
+            runs.append(range(start, i))
+            start, total = i, 0
+        total += n
+    return [*runs, range(start, len(numels))] if numels else []
+
+
+class FlatStep:
+    """``"flat"``: one buffer per (device, EMA dtype, model dtype) group; modes in the module docstring."""
+
+    tensor_decay = True
+    in_place = False  # the EMA's tensors move into the groups' buffers
+
+    def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None:
+        validate_pairs(pairs.ema, pairs.model, pairs.names)
+        ema, mod = pairs.ema, [m.detach() for m in pairs.model]
+        self.groups: list[_FusedGroup | _CastGroup | _SplitGroup] = []
+        for idx in group(range(len(ema)), lambda i: (ema[i].device, ema[i].dtype, mod[i].dtype)):
+            es, ms, slots = [ema[i] for i in idx], [mod[i] for i in idx], [pairs.model_slots[i] for i in idx]
+            if tiles_in_order(sorted(ms, key=Tensor.storage_offset)):
+                self.groups.append(_FusedGroup(es, ms))
+            elif ms[0].dtype != es[0].dtype:
+                self.groups.append(_CastGroup(es, ms, slots))
+            else:
+                self.groups.append(_SplitGroup(es, ms, slots, options.cat_max_numel))
+        self.counters = Counters(pairs.ema_counters, pairs.model_counters)
+        self.modes = [g.mode for g in self.groups]
+        # Every read slot that is not a view of a watched buffer is checked per step (counters included).
+        checked = [slot for g in self.groups for slot in g.checked_slots]
+        self.watch = Watch(model, checked + pairs.model_slots[len(ema) :])
+        self.exact = Watch(model, pairs.ema_slots + pairs.model_slots)  # when a reference count moved
+        self.storages = [s for g in self.groups for s in g.storages]
+        self.counts = self.use_counts()
+
+    def use_counts(self) -> list[int]:
+        """How many tensors (views included) hold each flat storage now; [] if torch cannot say."""
+        return [] if _USE_COUNT is None else [_USE_COUNT(s._cdata) for s in self.storages]
+
+    def current(self, model: nn.Module) -> bool:
+        """Per-slot check of the checked reads, O(1) per flat buffer (the exact check if a count moved),
+        then every group reads the model: :meth:`apply` updates from what this read."""
+        if not self.watch.current(model):
+            return False
+        if _USE_COUNT is None or self.use_counts() != self.counts:
+            if not self.exact.current(model):
+                return False
+            self.counts = self.use_counts()  # a view made or dropped elsewhere: the new intact state
+        try:
+            with torch.no_grad():
+                for g in self.groups:
+                    g.read()
+        except (TypeError, RuntimeError, ValueError):  # a live slot holds None, or another size/dtype/device
+            return False
+        return True
+
+    def apply(self, decay: float | Tensor) -> None:
+        """One update of every group, then the counters; ``decay`` is a float or a checked 0-dim tensor."""
+        with torch.no_grad():
+            if isinstance(decay, float):
+                weights = [1.0 - decay] * len(self.groups)
+            else:  # no host sync; the weight in each buffer's dtype (torch < 2.10 wants them equal)
+                for g in self.groups:
+                    if decay.device != g.ema.device:
+                        raise ValueError(f"decay is on {decay.device} but the EMA group is on {g.ema.device}")
+                weights = [(1 - decay).to(g.ema.dtype) for g in self.groups]
+            for g, w in zip(self.groups, weights):
+                lerp_(g.targets, g.sources, w, g.foreach)
+            self.counters()
