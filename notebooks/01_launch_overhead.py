@@ -286,9 +286,9 @@ print("before / after: {:.1f}x (range {:.1f}x to {:.1f}x)".format(*ratio(pr["bef
 
 # %% [markdown]
 # Much of both times is the two walks, which the PR kept; the floor is far below either. The ratio is
-# your machine's version of the PR's 2.2x (12.8 -> 5.8 ms, yolo26n on an Apple M-series laptop). It is
-# not one number: here it is next to the committed runs of `python3 dev.py bench`, each with its
-# quartile range:
+# your machine's version of the PR's 2.2x (12.8 -> 5.8 ms, yolo26n on an Apple M-series laptop). The PR
+# gave one number; a ratio of two noisy times has a range. Yours, beside the committed runs of
+# `python3 dev.py bench` (each bar spans the ratios the quartiles of both times allow):
 
 # %% tags=["nbval-ignore-output"]
 import json
