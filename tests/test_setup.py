@@ -70,12 +70,17 @@ def test_environment_yml_installs_the_project_with_its_dev_extra() -> None:
 
 def test_readme_starts_a_newcomer_with_clone_and_lab_and_ci_runs_its_test_command() -> None:
     readme = (ROOT / "README.md").read_text()
-    first_block = readme.split("```")[1]  # the first code block: what a newcomer types from nothing
-    assert "git clone" in first_block and "python3 dev.py lab" in first_block
+    before, first_block = readme.split("```")[:2]  # the first code block: what a newcomer types from nothing
+    assert "git clone" in before and "python3 dev.py lab" in first_block
+    # No placeholder address: the README names the repository's URL only once pyproject.toml has one.
+    assert "<" not in first_block
+    assert all(url in readme for url in _pyproject()["project"].get("urls", {}).values())
     assert "01_launch_overhead" in readme[: readme.index("```", readme.index("```") + 3) + 600]
     assert len(readme.split()) < 1300  # a front door, not a measurement log
     commands = re.findall(r"^(python3 dev\.py \w+)", readme, flags=re.M)
     assert {"python3 dev.py lab", "python3 dev.py bench", "python3 dev.py test"} <= set(commands)
+    # The copy of the notebooks is made by a command that is safe to repeat (cp -r nests a second copy).
+    assert "cp -r notebooks" not in readme and "python3 dev.py lab --notebook-dir ~/" in readme
     lines = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln and not ln.startswith("#")]
     # Before the test command CI may only set up the machine (the browser test's Chromium), nothing else.
     i = lines.index("python3 dev.py test")
