@@ -78,7 +78,13 @@ print("shards of the update == update of the whole:", torch.equal(torch.cat(shar
 # - **FSDP2** (`fully_shard`) keeps a row-slice (*shard*) of every parameter on each rank, as a DTensor:
 #   a tensor from `torch.distributed.tensor` that knows it is one shard of a larger tensor. Full weights
 #   exist only briefly, inside forward and backward. `ModelEMA` cannot deep-copy such a model and says
-#   so; `ShardedModelEMA` copies the local shards only and updates them with one `_foreach_lerp_`.
+#   so.
+
+# %% [markdown]
+# ![FSDP2 splits 5 rows over 4 ranks as 2/2/1/0; each rank updates the EMA of its own rows](figures/06_fsdp_rows.svg)
+#
+# `ema_lab.ShardedModelEMA` is section 1's update, packaged: it copies each rank's local shards and
+# updates them with one `_foreach_lerp_`, with no message to the other ranks.
 
 # %% [markdown]
 # ## 3. The training script
@@ -206,7 +212,8 @@ if __name__ == "__main__":
 # `torchrun` starts the ranks. Before they can talk, they need a *rendezvous*: an agreed address and
 # port where they find each other; `--standalone` picks a free local one. torchrun passes it to
 # `init_process_group` as `MASTER_ADDR` and `MASTER_PORT`, with `RANK` (this rank's number) and
-# `WORLD_SIZE` (the number of ranks). The helper below runs it and prints what rank 0 printed:
+# `WORLD_SIZE` (the number of ranks). The helper below runs it and prints what rank 0 printed. Each run
+# starts fresh Python processes: expect 10-20 seconds on 2 cores.
 
 
 # %%
@@ -214,6 +221,7 @@ def torchrun(nproc: int, *args: str) -> str:
     """Run train_ema.py in ``nproc`` processes over gloo; return rank 0's output, raise if a rank failed."""
     if missing_apis():
         return f"skipped: this torch lacks {', '.join(missing_apis())}"
+    print(f"starting {nproc} ranks (10-20 s) ...", flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     env = dict(os.environ)
     if loopback_interface():  # keep gloo on the loopback network interface (lo)
@@ -224,6 +232,7 @@ def torchrun(nproc: int, *args: str) -> str:
     return proc.stdout
 
 
+# %% tags=["nbval-ignore-output"]
 print(torchrun(2, "memory_2.json"))
 
 # %% [markdown]
@@ -233,9 +242,10 @@ print(torchrun(2, "memory_2.json"))
 # %% [markdown]
 # ## 4. Uneven shards
 #
-# FSDP2 gives each rank `ceil(rows / world size)` rows until the rows run out. On four ranks:
+# FSDP2 gives each rank `ceil(rows / world size)` rows until the rows run out, as in the picture of
+# section 2. On four ranks (10-20 s again):
 
-# %%
+# %% tags=["nbval-ignore-output"]
 print(torchrun(4, "memory_4.json"))
 
 # %% [markdown]
@@ -256,7 +266,7 @@ for rows, world in [(64, 3), (5, 4), (3, 4)]:
 #
 # The point of sharding is memory. The bytes of EMA each rank held in the two runs:
 
-# %%
+# %% tags=["nbval-ignore-output"]
 memory = {}
 for world in (2, 4):
     path = workdir / f"memory_{world}.json"
@@ -324,7 +334,7 @@ plt.show()
 #
 # Each solution cell is collapsed: click it to open.
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"source_hidden": true, "outputs_hidden": true} tags=["nbval-ignore-output"]
 # 1. 64 rows split 22/22/20, 5 rows 2/2/1, 3 rows 1/1/1; ranks 0 and 1 hold the most bytes.
 print(torchrun(3))
 
@@ -335,25 +345,29 @@ pieces = [p.clone() for p in ema7.chunk(3)]
 torch._foreach_lerp_(pieces, list(model7.chunk(3)), 1 - d)
 print([p.shape[0] for p in pieces], torch.equal(torch.cat(pieces), ema7.clone().lerp_(model7, 1 - d)))
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"source_hidden": true, "outputs_hidden": true} tags=["nbval-ignore-output"]
 # 3. The EMA update issues none; the all-reduce is one collective.
 import torch.distributed as dist
-from torch.distributed.tensor.debug import CommDebugMode
 
 from ema_lab import ModelEMA
 
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-try:
-    net = torch.nn.Linear(4, 4)
-    net_ema = ModelEMA(net)
-    with CommDebugMode() as comm:
-        net_ema.update(net)
-    print("ema.update():", comm.get_total_counts(), "collectives")
-    with CommDebugMode() as comm:
-        dist.all_reduce(torch.ones(3))
-    print("dist.all_reduce:", comm.get_total_counts(), "collective")
-finally:
-    dist.destroy_process_group()
+if missing_apis():
+    print(f"skipped: this torch lacks {', '.join(missing_apis())}")
+else:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        net = torch.nn.Linear(4, 4)
+        net_ema = ModelEMA(net)
+        with CommDebugMode() as comm:
+            net_ema.update(net)
+        print("ema.update():", comm.get_total_counts(), "collectives")
+        with CommDebugMode() as comm:
+            dist.all_reduce(torch.ones(3))
+        print("dist.all_reduce:", comm.get_total_counts(), "collective")
+    finally:
+        dist.destroy_process_group()
 
 # %%
 shutil.rmtree(workdir)  # the temporary folder of section 3
