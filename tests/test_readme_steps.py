@@ -8,6 +8,7 @@ test's environment (``EMA_LAB_VENV``) instead of installing its own. About 3 min
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -100,7 +101,7 @@ def _lab_on_a_copy(clone: Path, env: dict[str, str], copy: Path) -> None:
                 assert time.monotonic() < deadline, "the lab did not answer within 90 s"
                 time.sleep(0.5)
         kernel = _api(url, "/api/kernels", method="POST")
-        if CHROMIUM is not None:
+        if CHROMIUM is not None and importlib.util.find_spec("playwright") is not None:
             from playwright.sync_api import (
                 sync_playwright,
             )  # the browser part: a notebook opens, gets a kernel
