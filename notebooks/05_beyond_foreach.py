@@ -16,7 +16,7 @@
 # # 05 · Beyond foreach: one `lerp_` over one buffer
 #
 # - Put the EMA and the model each in one contiguous buffer, and the whole update is one `lerp_`.
-# - Views into a buffer go stale when the model moves, and a bf16 EMA stops moving: check both.
+# - Views go stale when the model moves, so check them; a bf16 EMA stops moving, so keep it in fp32.
 # - On a GPU, launches are the cost: replay them as one CUDA graph, with the decay as a tensor.
 
 # %% tags=["nbval-ignore-output"]
@@ -216,7 +216,7 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
 # ## 5. What ema_lab packages
 #
 # `ema_lab.ModelEMA` packages sections 2-4: it flattens its EMA copy, checks the views before every
-# update (rebuilding when they moved) and keeps an fp32 EMA of a low-precision model.
+# update (rebuilding when they moved), and updates an fp32 EMA (`ema.ema.float()`) from a bf16 model.
 # `ema_lab.flatten_model` is our `flatten` for the model, and `ema_lab.lessons.precision.ema_stall` our
 # `stall`. `ema.modes` names how each buffer is updated; a ten-line op counter (notebook 01) shows what
 # one update calls:
@@ -358,8 +358,9 @@ for strategy, n in launches["yolo"].items():
 #   graph reads.
 # - The capture: a warm-up on a side stream, then recording, each time the step is rebuilt.
 #
-# The gain, measured on an H200 with torch 2.11 (host at 1 thread; medians of 11 interleaved rounds
-# of 10 synchronised updates). ema_lab's `ModelEMA` does not capture graphs.
+# The gain, measured on an H200 with torch 2.11 (host at 1 thread; each figure the median of 11
+# interleaved rounds, a round timing 10 updates between two synchronisations). ema_lab's `ModelEMA`
+# does not capture graphs.
 
 # %% tags=["nbval-ignore-output"]
 h200_ms = {  # ms per update, NVIDIA H200, torch 2.11.0+cu130
