@@ -52,7 +52,10 @@ def run(*cmd: str | Path, env: dict | None = None) -> int:
     """Run a command from the repo root and return its exit code; stopping dev.py stops the command too."""
     proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env)
     try:
-        return proc.wait()
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # the command got the same Ctrl-C: let it end its own way (a summary)
+            return proc.wait()
     finally:  # a signal (SIGTERM, Ctrl-C) ended dev.py early: leave nothing running behind it
         if proc.poll() is None:
             proc.terminate()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -236,3 +238,29 @@ def test_dev_lab_copies_the_notebooks_once_and_keeps_the_readers_edits(monkeypat
     assert (copy / "01_launch_overhead.ipynb").read_text() == "the reader's edit"
     assert calls[0][calls[0].index("--notebook-dir") + 1] == str(copy)
     assert f"--notebook-dir={copy}" in calls[1]
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds processes through Linux's /proc")
+def test_stopping_dev_py_stops_the_command_it_runs(tmp_path) -> None:
+    import signal
+
+    from .processes import leftovers, marked, marked_env
+
+    # An environment whose python only sleeps: `dev.py test` starts it (as ruff) and waits on it.
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\nexec sleep 120\n")
+    python.chmod(0o755)
+    env, mark = marked_env({**os.environ, "EMA_LAB_VENV": str(tmp_path / "venv")})
+    job = subprocess.Popen([sys.executable, str(ROOT / "dev.py"), "test"], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while len(found := marked(mark)) < 2 and time.monotonic() < deadline:  # dev.py and its command
+            time.sleep(0.1)
+        time.sleep(1)  # the command runs before Popen returns: let run() get its handle first
+        job.send_signal(signal.SIGTERM)
+        rc = job.wait(timeout=30)
+    finally:
+        left = leftovers(mark)  # and killed, whatever happened above
+    assert len(found) == 2 and rc == 128 + signal.SIGTERM, (found, rc)
+    assert left == []
