@@ -31,8 +31,8 @@ def _never(*args, **kwargs):
             "cannot write to --out '/proc/forbidden': No such file or directory",
             marks=linux,
         ),
-        # A folder that exists but takes no files, even for root.
-        pytest.param("bench", "/sys", "cannot write to --out '/sys': Permission denied", marks=linux),
+        # A folder that exists but takes no files, even for root (permission denied, or a read-only mount).
+        pytest.param("bench", "/sys", "cannot write to --out '/sys': ", marks=linux),
         ("compare", "{tmp}/a_file", "--out '{tmp}/a_file' exists and is not a folder"),
         pytest.param(
             "compare",
@@ -51,7 +51,7 @@ def test_an_unwritable_out_is_one_line_and_exit_2_before_any_work(
     files = [str(RUN)] if cmd == "compare" else ["--models", "tiny_cnn"]
     assert cli.main([cmd, *files, "--out", out.format(tmp=tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert f"{cmd}: error: {message.format(tmp=tmp_path)}\n" in err and err.count("\n") == 1, err
+    assert f"{cmd}: error: {message.format(tmp=tmp_path)}" in err and err.count("\n") == 1, err
 
 
 def test_a_new_out_is_created_and_left_empty(tmp_path) -> None:
