@@ -350,7 +350,11 @@ for strategy, n in launches["yolo"].items():
 
 # %% [markdown]
 # Flattening took the loop's one launch per op down to two. A *CUDA graph* takes any update to one
-# call: record its kernels once (*capture*), then launch them all at once (*replay*). The costs:
+# call: record its kernels once (*capture*), then launch them all at once (*replay*).
+#
+# ![Eager: the host launches each kernel. A graph: one launch replays them all](figures/05_cuda_graph.svg)
+#
+# The costs:
 #
 # - A replay reuses the recorded addresses: if the model's memory moves (section 3), it silently
 #   updates the old tensors. Check the slots before each replay; recapture when they moved.
