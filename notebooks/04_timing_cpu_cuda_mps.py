@@ -185,6 +185,10 @@ for name, r in packaged.items():
 print(f"speed-up: {packaged['PR before'].median_s / packaged['PR after'].median_s:.2f}x")
 
 # %% [markdown]
+# A second estimate of the same ratio. It differs from the first by noise and by the calls per
+# measurement; the per-round range above tells how far apart they may fairly be.
+
+# %% [markdown]
 # ## 4. Threads: which ops can use a second core?
 #
 # `torch.set_num_threads(n)` lets one op split its elements over n threads, but ATen (PyTorch's C++
@@ -254,11 +258,11 @@ from ema_lab.bench.results import bench_files, load, results_dir
 h200 = results_dir() / "gpu-linux-intel-xeon-16c-nvidia-h200"
 print("NVIDIA H200, torch", json.loads((h200 / "summary.json").read_text())["torch"])
 saved_nb = json.loads((h200 / "notebooks" / "04_timing_cpu_cuda_mps.ipynb").read_text())
-for cell in saved_nb["cells"]:
-    for out in cell.get("outputs", []):
-        for line in "".join(out.get("text", "")).splitlines():
-            if line.startswith("cuda, "):  # the sync cell of section 1, as the H200 ran it
-                print(line)
+for cell in saved_nb["cells"]:  # the sync cell of section 1, as the H200 ran it
+    text = "".join("".join(out.get("text", "")) for out in cell.get("outputs", []))
+    if "cuda, " in text:
+        print("\n".join(line for line in text.splitlines() if line.startswith("cuda, ")))
+        break
 launches = json.loads((h200 / "kernel-launches.json").read_text())
 print("CUDA kernels per EMA update:")
 for name in ("yolo", "tiny_tensors"):
