@@ -22,9 +22,11 @@ MAX_CELL_WORDS = 150  # a cell says one thing; more is a section or an aside
 MAX_MEDIAN_WORDS = 60  # (exclusive) the reference chapters' median cell is 16-26 words
 MAX_NOTEBOOK_WORDS = 1500  # (exclusive) one sitting, with time to run and change the cells
 MAX_TAKEAWAYS = 3
+MAX_SECTIONS = 6  # numbered sections: one story per notebook (summary and exercises are not counted)
+MAX_CELLS = 42  # about 40 cells: a side topic goes into a <details> block or docs/
+FIGURE = re.compile(r"!\[[^\]]*\]\((figures/[^)]+\.svg)\)")  # a diagram committed beside the notebooks
 MAX_NAMES_BEFORE_PACKAGING = 3  # the learner builds the idea before meeting ema_lab's version of it
 # Notebooks held to that limit (issue 31); 04-06 join when their rewrite lands.
-BUILD_THEN_IMPORT = [p for p in NOTEBOOKS if p.name[:3] in {"01_", "02_", "03_"}]
 # The cell that introduces the packaged version says so in its markdown: "`x` is this, packaged",
 # "`x` packages it".
 PACKAGING = re.compile(r"\bpackag(?:ed|es)\b", re.IGNORECASE)
@@ -160,7 +162,7 @@ def names_before_packaging(nb: nbformat.NotebookNode) -> tuple[int | None, list[
     return None, names
 
 
-@pytest.mark.parametrize("path", BUILD_THEN_IMPORT, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_the_lesson_builds_before_it_imports(path: Path) -> None:
     """At most three ema_lab names are imported before the first cell that says what ema_lab packages."""
     at, names = names_before_packaging(read(path))
@@ -170,6 +172,19 @@ def test_the_lesson_builds_before_it_imports(path: Path) -> None:
     assert len(names) <= MAX_NAMES_BEFORE_PACKAGING, (
         f"{path.stem}: {len(names)} ema_lab names imported before the packaging cell (index {at}): {names}"
     )
+
+
+def test_one_story_with_a_diagram(notebook: tuple[str, nbformat.NotebookNode]) -> None:
+    """Each lesson has at most MAX_SECTIONS numbered sections, MAX_CELLS cells and a diagram that exists."""
+    name, nb = notebook
+    text = "\n".join(markdown_cells(nb))
+    sections = re.findall(r"^## \d+\.", text, re.MULTILINE)
+    assert len(sections) <= MAX_SECTIONS, f"{name}: {len(sections)} numbered sections"
+    assert len(nb.cells) <= MAX_CELLS, f"{name}: {len(nb.cells)} cells"
+    figures = FIGURE.findall(text)
+    assert figures, f"{name}: no diagram (![...](figures/....svg)) in its markdown"
+    missing = [f for f in figures if not (NOTEBOOKS[0].parent / f).is_file()]
+    assert not missing, f"{name}: {missing} not in notebooks/figures/"
 
 
 def test_names_before_packaging_counts_imports_until_the_marker() -> None:
