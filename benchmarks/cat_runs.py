@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from result_homes import STUDIES, shown
+from result_homes import add_study_out
 
 from ema_lab import ModelEMA, flatten_tensors
 from ema_lab.bench import models
@@ -53,14 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", default="yolo", choices=sorted(models.ZOO))
     parser.add_argument("--rounds", type=int, default=21)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        nargs="?",
-        const=STUDIES,
-        metavar="FOLDER",
-        help=f"write the record (JSON and Markdown) into this folder; --out alone: {shown(STUDIES)}",
-    )
+    add_study_out(parser)
     args = parser.parse_args(argv)
     base = models.build(args.model)
     one_model, runs_model = deepcopy(base), deepcopy(base)

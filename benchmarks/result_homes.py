@@ -11,11 +11,24 @@ A script in this folder imports it as a sibling (``python benchmarks/x.py`` puts
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = ROOT / "docs" / "results"
 GALLERY = ROOT / "results"
+
+
+def add_study_out(parser: argparse.ArgumentParser) -> None:
+    """``--out [FOLDER]`` for a script whose record is optional: ``--out`` alone writes it to ``STUDIES``."""
+    parser.add_argument(
+        "--out",
+        type=Path,
+        nargs="?",
+        const=STUDIES,
+        metavar="FOLDER",
+        help=f"write the record (JSON and Markdown) into this folder; --out alone: {shown(STUDIES)}",
+    )
 
 
 def shown(folder: Path) -> str:

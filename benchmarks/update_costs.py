@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from result_homes import STUDIES, shown
+from result_homes import add_study_out
 
 from ema_lab import ModelEMA, flatten_tensors
 from ema_lab.bench import models
@@ -56,14 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["yolo", "tiny_tensors"], choices=sorted(models.ZOO))
     parser.add_argument("--splits", nargs="+", type=int, default=list(SPLITS))
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        nargs="?",
-        const=STUDIES,
-        metavar="FOLDER",
-        help=f"write the record (JSON and Markdown) into this folder; --out alone: {shown(STUDIES)}",
-    )
+    add_study_out(parser)
     args = parser.parse_args(argv)
     rows = []
     for name in args.models:

@@ -3,7 +3,6 @@ Also the CUDA-graph test the check runs (``-k test_cuda_``): a captured update r
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -14,22 +13,19 @@ import torch
 from ema_lab import ModelEMA
 from ema_lab.bench import models
 
-from .helpers import float_entries
+from .helpers import BENCHMARKS, float_entries, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-# A script, not a package module: loaded from its file, with benchmarks/ on sys.path as when it runs (it
-# imports its sibling result_homes.py).
-sys.path.insert(0, str(SCRIPT.parent))
-_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-gpu_check = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_check)
+gpu_check = load_script("gpu_check")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the check itself, not its skip")
 def test_without_cuda_it_prints_one_line_writes_nothing_and_exits_0(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True, timeout=120
+        [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("\n") == 1

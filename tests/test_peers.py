@@ -3,22 +3,16 @@ lines, where it writes; and on CUDA (``-k test_cuda_``) a short run that times a
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from .helpers import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "peers.py"
-# A script, not a package module: loaded from its file, with benchmarks/ on sys.path as when it runs (it
-# imports its sibling result_homes.py). ultralytics, timm and ema-pytorch load only when a model is built.
-sys.path.insert(0, str(SCRIPT.parent))
-_spec = importlib.util.spec_from_file_location("peers", SCRIPT)
-peers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(peers)
+peers = load_script("peers")
 
 
 def test_defaults_write_the_study_to_docs_results_on_cpu() -> None:
