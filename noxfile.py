@@ -22,7 +22,6 @@ CORE_TESTS = [
     "tests/test_gates.py",
     "tests/test_reference.py",
     "tests/test_stale_cache.py",
-    "tests/test_training.py",
     "tests/test_updates.py",
 ]
 
