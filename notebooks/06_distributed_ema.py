@@ -32,13 +32,13 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from ema_lab.lessons.distributed import loopback_interface, missing_apis
+from ema_lab.lessons.distributed import loopback_interface, skip_reason
 
 torch.set_num_threads(1)
 print(
     f"torch {torch.__version__}, Python {platform.python_version()}, {platform.system()} {platform.machine()}"
 )
-print("torch.distributed APIs missing:", missing_apis() or "none")
+print(skip_reason() or "torch.distributed: everything the runs below need is here")
 
 # %% [markdown]
 # Training on several GPUs runs one process per GPU, called a *rank*. Each rank holds some of the
@@ -219,8 +219,8 @@ if __name__ == "__main__":
 # %%
 def torchrun(nproc: int, *args: str) -> str:
     """Run train_ema.py in ``nproc`` processes over gloo; return rank 0's output, raise if a rank failed."""
-    if missing_apis():
-        return f"skipped: this torch lacks {', '.join(missing_apis())}"
+    if skip_reason():
+        return skip_reason()
     print(f"starting {nproc} ranks (10-20 s) ...", flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     env = dict(os.environ)
@@ -351,8 +351,8 @@ import torch.distributed as dist
 
 from ema_lab import ModelEMA
 
-if missing_apis():
-    print(f"skipped: this torch lacks {', '.join(missing_apis())}")
+if skip_reason():
+    print(skip_reason())
 else:
     from torch.distributed.tensor.debug import CommDebugMode
 

@@ -31,8 +31,8 @@ from ema_lab.bench.models import build
 from ema_lab.lessons import distributed as dist_demo
 
 ROOT = Path(__file__).resolve().parents[1]
-MISSING = dist_demo.missing_apis()
-needs_distributed = pytest.mark.skipif(bool(MISSING), reason=f"skipped: torch lacks {', '.join(MISSING)}")
+SKIP = dist_demo.skip_reason()
+needs_distributed = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 CFG = dist_demo.Config(world_size=2)
 FULL_BYTES = 19_712 * 4  # tiny_transformer: 19,712 distinct float elements (the tied head once)
 
@@ -45,8 +45,8 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 @pytest.fixture(scope="module")
 def two_ranks() -> tuple[list[dict], dict, dict, int]:
     """Two real gloo ranks (DDP then FSDP2) and the float64 one-process reference, run once."""
-    if MISSING:
-        pytest.skip(f"skipped: torch lacks {', '.join(MISSING)}")
+    if SKIP:
+        pytest.skip(SKIP)
     ranks = dist_demo.launch(dist_demo.rank_run, CFG.world_size, CFG)
     return (ranks, *dist_demo.reference(CFG))
 
@@ -248,8 +248,8 @@ def test_bad_command_line_is_rejected() -> None:
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    if MISSING:
-        pytest.skip(f"skipped: torch lacks {', '.join(MISSING)}")
+    if SKIP:
+        pytest.skip(SKIP)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -29,7 +29,8 @@ from ..bench.models import build
 from ..ema import ModelEMA
 from ..sharded import ShardedModelEMA
 
-__all__ = ["missing_apis", "loopback_interface", "ddp_model_ema", "launch", "reference", "main"]
+__all__ = ["missing_apis", "skip_reason", "loopback_interface", "ddp_model_ema", "launch", "reference"]
+__all__ += ["main"]
 
 #: (import path, name) of every torch API the runs need; checked before anything is spawned.
 REQUIRED_APIS = (
@@ -74,6 +75,14 @@ def missing_apis() -> list[str]:
     """What the runs need and do not find: torch APIs this torch lacks, then packages not installed."""
     apis, packages = _unavailable()
     return apis + packages
+
+
+def skip_reason() -> str | None:
+    """Why the runs cannot start here, as one line ("skipped: ..."), or None when they can."""
+    apis, packages = _unavailable()
+    reasons = [f"this torch ({torch.__version__}) lacks {', '.join(apis)}"] if apis else []
+    reasons += [", ".join(packages)] if packages else []
+    return f"skipped: {'; '.join(reasons)}" if reasons else None
 
 
 @dataclass(frozen=True)
@@ -334,11 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.steps} steps, batch {cfg.batch_per_rank} per rank, decay {cfg.decay}, tau {cfg.tau}",
         flush=True,
     )
-    apis, packages = _unavailable()
-    if apis or packages:
-        reasons = [f"this torch ({torch.__version__}) lacks {', '.join(apis)}"] if apis else []
-        reasons += [", ".join(packages)] if packages else []
-        print(f"skipped: {'; '.join(reasons)}")
+    reason = skip_reason()
+    if reason:
+        print(reason)
         return 0
     torch.set_num_threads(1)
     try:
