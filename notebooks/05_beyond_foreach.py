@@ -487,7 +487,7 @@ torch._logging.set_logs()
 #
 # Each solution cell is collapsed: click it to open.
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true} tags=["nbval-ignore-output"]
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 # 1. Far larger: 2,000 tiny tensors are almost all per-tensor overhead.
 tiny, tiny_ema = models.build("tiny_tensors"), models.build("tiny_tensors").requires_grad_(False)
 tE, tM = float_tensors(tiny_ema), float_tensors(tiny)
@@ -503,7 +503,7 @@ tiny_times = medians(
 print("tiny_tensors:", tiny_times, f"{tiny_times['foreach'] / tiny_times['one lerp_']:.0f}x")
 print(f"yolo-sized:   {times['foreach'] / times['one lerp_']:.1f}x")
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true} tags=["nbval-ignore-output"]
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 # 2. Hardly, on a CPU: the step dwarfs every EMA update. The share grows when the step is short
 #    (small batches, small images, a fast GPU).
 import time
@@ -531,7 +531,7 @@ print(f"training step, batch {batch} at {size}x{size}: {step_ms:.0f} ms")
 for k in ("loop", "foreach", "ModelEMA", "flatten_model + ModelEMA"):
     print(f"  {k:<25} {times[k]:6.2f} ms = {times[k] / (step_ms + times[k]):6.2%} of the step")
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # 3. "fused" before; after unflatten_model each tensor has its own memory again, so the next update
 #    rebuilds and runs the default's "cat+foreach", as for any model that is not flattened.
 cnn = models.build("tiny_cnn")

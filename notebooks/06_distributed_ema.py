@@ -334,18 +334,18 @@ plt.show()
 #
 # Each solution cell is collapsed: click it to open.
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true} tags=["nbval-ignore-output"]
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 # 1. 64 rows split 22/22/20, 5 rows 2/2/1, 3 rows 1/1/1; ranks 0 and 1 hold the most bytes.
 print(torchrun(3))
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # 2. Yes: 3/3/1 rows, and lerp is still elementwise.
 ema7, model7 = torch.randn(7, 3, generator=g), torch.randn(7, 3, generator=g)
 pieces = [p.clone() for p in ema7.chunk(3)]
 torch._foreach_lerp_(pieces, list(model7.chunk(3)), 1 - d)
 print([p.shape[0] for p in pieces], torch.equal(torch.cat(pieces), ema7.clone().lerp_(model7, 1 - d)))
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true} tags=["nbval-ignore-output"]
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 # 3. The EMA update issues none; the all-reduce is one collective.
 import torch.distributed as dist
 

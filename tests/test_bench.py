@@ -290,8 +290,9 @@ def test_compare_keeps_runs_of_one_machine_apart(quick_run, tmp_path, capsys):
     path = tmp_path / "same-machine.json"
     path.write_text(json.dumps(quick))
     fig = plot_compare([full, quick])
-    panels = [ax.get_title() for ax in fig.axes]
+    panels = [ax.get_title().split("\n")[0] for ax in fig.axes]  # the model, then what a run lacks
     assert panels == ["yolo", "resnet50", "gpt2", "tiny_tensors", *MODELS]  # every model of either run
+    assert fig.axes[0].get_title() == "yolo\nnot measured in runs 2, 3"  # the quick run has no yolo
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert len(labels) == 4 and len(set(labels)) == 4  # full at 1 thread, quick at 1 and 2, floor
     assert all(full["machine"][:20] in label for label in labels[:3])

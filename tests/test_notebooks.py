@@ -50,6 +50,11 @@ def test_the_pair_is_in_sync(ipynb: Path) -> None:
         f"{ipynb.name} is out of sync with {ipynb.with_suffix('.py').name}: "
         f"run `python3 dev.py notebooks notebooks/{ipynb.with_suffix('.py').name}`"
     )
+    # Byte for byte what jupytext writes from the .ipynb: otherwise JupyterLab's jupytext refuses to open a
+    # copy whose .ipynb is the newer file (metadata in another key order is enough).
+    assert jupytext.writes(stored, "py:percent") == ipynb.with_suffix(".py").read_text(), (
+        f"{ipynb.with_suffix('.py').name} is not what jupytext writes: run `jupytext --sync {ipynb.name}`"
+    )
 
 
 def _stream(name: str, text: str) -> dict:
