@@ -8,7 +8,7 @@
     python dev.py lab [args]     open JupyterLab on notebooks/; --notebook-dir DIR: on DIR, a copy of
                                  notebooks/ made there the first time (later runs keep your edits)
     python dev.py demo           a short demo of every EMA strategy on a built-in model
-    python dev.py gpu-check      on a CUDA machine: bench, kernel counts, CUDA tests, peers (benchmarks/gpu_check.py)
+    python dev.py gpu-check      on a CUDA machine: bench, kernels, CUDA tests, peers (benchmarks/)
 
 Only the standard library is used here, so it runs on a bare Python >= 3.10.
 lab, bench, compare and demo install the readers' extra (`notebooks`); test, notebooks and gpu-check the

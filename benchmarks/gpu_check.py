@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))  # this checkout's ema_lab, also when run as a plain script
     reason = no_cuda_reason()
     if reason:
-        print(f"gpu-check skipped (CUDA bench, kernel counts, CUDA tests, peers, notebook CUDA cells): {reason}")
+        skipped = "CUDA bench, kernel counts, CUDA tests, peers, notebook CUDA cells"
+        print(f"gpu-check skipped ({skipped}): {reason}")
         return 0
     clock = Clock(args.budget_s)
     folder = machine_folder(args.out)
