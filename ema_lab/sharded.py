@@ -32,9 +32,9 @@ def _dtensor_cls() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
-        try:  # torch 2.4 (public from 2.5)
+        try:  # torch before 2.5
             from torch.distributed._tensor import DTensor
-        except ImportError:  # torch < 2.4's DTensor lacks what FSDP2 needs, or no distributed build
+        except ImportError:  # a build without torch.distributed
             return None
     return DTensor
 
@@ -81,7 +81,7 @@ class ShardedModelEMA(EMASchedule):
     ) -> None:
         check_arguments(model, decay, tau, updates, strategy, SHARDED_STRATEGIES)
         if _dtensor_cls() is None:
-            raise RuntimeError("ShardedModelEMA needs torch.distributed.tensor.DTensor (torch >= 2.4)")
+            raise RuntimeError("ShardedModelEMA needs DTensor, and this torch build has no torch.distributed")
         self._init_schedule(decay, tau, updates, strategy)
         with torch.no_grad():
             self.ema = _holder({key: getitem(*slot) for key, slot in module_entries(unwrap_model(model))})

@@ -332,7 +332,7 @@ ax.grid(alpha=0.3, axis="x")
 plt.show()
 
 # %% [markdown]
-# On the 2-core CPU the speed-up was 1.4x one day and 1.8x the next, each with a wide range. On the
+# On the 2-core CPU the speed-up was 1.4x one day (a wide range) and 1.8x the next. On the
 # H200 it was 4.2x in a short run (3 rounds) and 5.8x in a full one: larger on the GPU every time. Why
 # the GPU gains more is the last section.
 #
@@ -368,14 +368,14 @@ for m in ("yolo", "tiny_tensors"):
     )
 
 # %% [markdown]
-# The before-code launches one kernel per op, as your CPU dispatched them. The after-code's one
-# `_foreach_lerp_` became 10 launches for 594 tensors and 32 for 2,000: in that build a launch carries
-# at most 64 tensors, torch's limit for this op when a kernel's arguments must fit in 4 KB (builds
-# that allow larger arguments pack more). One `lerp_` over one flat buffer is one launch.
+# The before-code launches one kernel per `mul_`, `mul` and `add_` (3 x 594); its `detach`es launch none.
+# The after-code's one `_foreach_lerp_` became 10 launches for 594 tensors and 32 for 2,000: in that
+# build a launch carries at most 64 tensors, torch's limit for this op when a kernel's arguments must fit
+# in 4 KB (builds that allow larger arguments pack more). One `lerp_` over one flat buffer is one launch.
 #
 # Why is the GPU's speed-up larger? Not because its arithmetic is cheap: on a CPU too, one flat `lerp_`
-# over all the numbers takes a small part of the before-code's time (the floor above). The prices
-# differ. The bench fits the cost model of section 4 on each machine:
+# over all the numbers takes a small part of the before-code's time (the floor above). The prices differ.
+# The bench fits the cost model of section 4 on each machine:
 
 # %% tags=["nbval-ignore-output"]
 cpu_run, h200_fits = ref["2-core AMD EPYC VM, Dec 3"], h200["cost_model"]["cuda"]["fits"]
@@ -409,8 +409,8 @@ print(
 # - At a fixed total size, a loop's time grows with the number of tensors; one flat `lerp_` does not.
 # - `_foreach_lerp_` goes through the dispatcher once per list; on a CPU it still does per-tensor work inside.
 # - The PR's before-code also pays for two `state_dict()` walks per update, and so does its after-code.
-# - Its speed-up moves from run to run, and is larger on a GPU, where a launch costs more than a CPU op
-#   and a tensor inside `_foreach_lerp_` less.
+# - Its speed-up moves from run to run, and is larger on a GPU, where a tensor inside `_foreach_lerp_`
+#   costs far less than a loop's op.
 
 # %% [markdown]
 # ## Exercises

@@ -347,7 +347,7 @@ print(
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
 # Solution 1
-# With tau=5 the decay is above 0.98 after 25 of the 300 updates, so from the first epoch on
+# With tau=5 the decay is above 0.98 after 25 of the 300 updates, so from epoch 2 on
 # the EMA averages about 1 / (1 - 0.99) = 100 steps, early bad weights included: it lags behind the
 # improving model for most of the run. With tau=50 the window grows as the model improves, and the
 # EMA trails only in the first epochs, by little.

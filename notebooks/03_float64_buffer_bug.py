@@ -400,8 +400,8 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 #
 # <details><summary>A second opinion on the count: torch's FlopCounterMode</summary>
 #
-# `torch.utils.flop_counter.FlopCounterMode` counts FLOPs (one MAC is two) without hooks or buffers, so
-# it cannot leak. It agrees with thop on convolutions and linear layers and differs elsewhere (BatchNorm,
+# `torch.utils.flop_counter.FlopCounterMode` counts FLOPs (one MAC is two) at the dispatcher and stores
+# nothing on the model, so it cannot leak. It agrees with thop on convolutions and linear layers and differs elsewhere (BatchNorm,
 # attention, fused kernels); `docs/flop_counters.md` in the repository compares the two on
 # three models.
 # </details>

@@ -99,7 +99,7 @@ for device in [d for d, ok in present.items() if ok]:
 print("not present:", ", ".join(d for d, ok in present.items() if not ok) or "none")
 
 # %% [markdown]
-# On a CPU the two agree up to noise: the call returns when the work is done. On an NVIDIA H200 (torch
+# On a CPU there is nothing to wait for: the call returns when the work is done. On an NVIDIA H200 (torch
 # 2.11) the same cell measured the 128 MiB `lerp_` at 0.008 ms without sync and 0.107 ms with it
 # (section 5 shows that saved run). `torch.utils.benchmark.Timer`, used from here on, synchronises.
 
@@ -270,7 +270,7 @@ for name in ("yolo", "tiny_tensors"):
     print(f"  {name:<13}", ", ".join(f"{k} {n}" for k, n in counts.items()))
 
 # %% [markdown]
-# The loop launches a kernel per op: 3 per tensor. One `_foreach_lerp_` carries at most 64 tensors per
+# The loop launches a kernel per arithmetic op: 3 per tensor. One `_foreach_lerp_` carries at most 64 tensors per
 # launch in that build, so yolo's 594 tensors take 10 launches, plus one for BatchNorm's integer
 # counters. A flattened model (notebook 05) needs one or two.
 #

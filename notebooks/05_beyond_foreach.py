@@ -260,9 +260,8 @@ print("flattened:", ema_fused.modes, ops_of(ema_fused.update, net_flat))
 print("model buffers:", [(b.dtype, b.numel()) for b in buffers])
 
 # %% [markdown]
-# By default the small tensors (BatchNorm vectors, biases) go through one `cat` and one `lerp_`, the
-# large conv weights through one `_foreach_lerp_`; the second `cat` copies BatchNorm's integer
-# counters. A flattened model: one `lerp_`, one `copy_`. Time all six ways in turns, after turning
+# By default one `cat` gathers the small tensors (BatchNorm vectors, biases) and one `_foreach_lerp_`
+# updates them with the large conv weights; the second `cat` copies BatchNorm's integer counters. A flattened model: one `lerp_`, one `copy_`. Time all six ways in turns, after turning
 # section 3's model back to float32:
 
 # %% tags=["nbval-ignore-output"]
@@ -333,7 +332,7 @@ for strategy in ("gated", "auto"):
 # %% [markdown]
 # ## 6. On a GPU: launches, CUDA graphs and a tensor decay
 #
-# On CUDA every op is a kernel launch, queued by the CPU (notebook 04). An NVIDIA H200 run (torch 2.11)
+# On CUDA every op that computes is a kernel launch, queued by the CPU (notebook 04). An NVIDIA H200 run (torch 2.11)
 # counted the kernels of one update on the yolo-sized model:
 
 # %%
@@ -362,48 +361,10 @@ for strategy, n in launches["yolo"].items():
 #   graph reads.
 # - The capture: a warm-up on a side stream, then recording, each time the step is rebuilt.
 #
-# The gain, measured on an H200 with torch 2.11 (host at 1 thread; each figure the median of 11
-# interleaved rounds, a round timing 10 updates between two synchronisations). ema_lab's `ModelEMA`
-# does not capture graphs.
-
-# %% tags=["nbval-ignore-output"]
-h200_ms = {  # ms per update, NVIDIA H200, torch 2.11.0+cu130
-    "yolo26n (594 tensors)": {
-        "ultralytics ModelEMA": 0.250,
-        "foreach, graph-replayed": 0.070,
-        "one lerp_": 0.013,
-    },
-    "yolo-like (495)": {"ultralytics ModelEMA": 0.179, "foreach, graph-replayed": 0.023, "one lerp_": 0.009},
-    "2,000 tiny tensors": {
-        "ultralytics ModelEMA": 1.005,
-        "foreach, graph-replayed": 0.047,
-        "one lerp_": 0.016,
-    },
-    "resnet50-like (247)": {
-        "ultralytics ModelEMA": 0.133,
-        "foreach, graph-replayed": 0.113,
-        "one lerp_": 0.068,
-    },
-    "gpt2-like (144)": {"ultralytics ModelEMA": 0.298, "foreach, graph-replayed": 0.275, "one lerp_": 0.244},
-}
-fig, ax = plt.subplots(figsize=(7.5, 3.6))
-kinds = {"ultralytics ModelEMA": "tab:gray", "foreach, graph-replayed": "tab:green", "one lerp_": "tab:blue"}
-for y, row in enumerate(h200_ms.values()):
-    for j, (kind, color) in enumerate(kinds.items()):
-        ax.barh(y + 0.27 * (j - 1), row[kind], height=0.25, color=color, label=kind if y == 0 else None)
-    ratio = row["ultralytics ModelEMA"] / row["foreach, graph-replayed"]
-    ax.text(row["ultralytics ModelEMA"], y - 0.27, f" replay {ratio:.1f}x faster", va="center", fontsize=9)
-ax.set_yticks(range(len(h200_ms)), list(h200_ms))
-ax.invert_yaxis()
-ax.set(xscale="log", xlim=(0.005, 5), xlabel="ms per EMA update on an H200 (log scale)")
-ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=9, frameon=False)
-fig.tight_layout()
-plt.show()
+# A replay saves the host's work per launch (notebook 01 priced it): it pays where launches dominate,
+# not where moving the bytes does. ema_lab's `ModelEMA` does not capture graphs.
 
 # %% [markdown]
-# Replay pays off where launches dominate: the detector-shaped models and the 2,000 tiny tensors (the
-# ratios are of the medians). On resnet50 and gpt2, moving the bytes takes most of the time.
-#
 # `torch.compile` has the same rule. Dynamo, its front end, records a function's tensor ops into a
 # graph and bakes a Python float in as a constant, so a new decay compiles again. Count the graphs over
 # the ramp's first 20 decays (`CompileCounter` counts them without compiling further):
@@ -469,7 +430,7 @@ torch._logging.set_logs()
 #
 # - On a CPU, foreach still runs one `lerp_` per tensor; flat buffers make the update one `lerp_`.
 # - Views go stale after `model.half()` or `.to()`: check them every update, as `ModelEMA` does.
-# - Keep the EMA in fp32: a bf16 EMA at decay 0.9999 never moves.
+# - Keep the EMA in fp32: at decay 0.9999 a bf16 EMA's small steps round away.
 # - On a GPU a captured graph replays all launches at once; the decay then lives in a tensor.
 
 # %% [markdown]
@@ -492,15 +453,15 @@ torch._logging.set_logs()
 tiny, tiny_ema = models.build("tiny_tensors"), models.build("tiny_tensors").requires_grad_(False)
 tE, tM = float_tensors(tiny_ema), float_tensors(tiny)
 tE_flat, tM_flat = flatten(tE), flatten(tM)
-tiny_times = medians(
-    time_rounds(
-        {
-            "foreach": torch.no_grad()(lambda: torch._foreach_lerp_(tE, tM, 1 - D)),
-            "one lerp_": torch.no_grad()(lambda: tE_flat.lerp_(tM_flat, 1 - D)),
-        }
-    )
+tiny_runs = time_rounds(
+    {
+        "foreach": torch.no_grad()(lambda: torch._foreach_lerp_(tE, tM, 1 - D)),
+        "one lerp_": torch.no_grad()(lambda: tE_flat.lerp_(tM_flat, 1 - D)),
+    }
 )
-print("tiny_tensors:", tiny_times, f"{tiny_times['foreach'] / tiny_times['one lerp_']:.0f}x")
+print("tiny_tensors:", medians(tiny_runs))
+ratio = statistics.median(tiny_runs["foreach"]) / statistics.median(tiny_runs["one lerp_"])
+print(f"tiny_tensors: {ratio:.0f}x")  # of the unrounded medians
 print(f"yolo-sized:   {times['foreach'] / times['one lerp_']:.1f}x")
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
