@@ -186,7 +186,6 @@ class ModelEMA(EMASchedule):
         self.ema = deepcopy(unwrap_model(model)).eval()
         for p in self.ema.parameters():
             p.requires_grad_(False)
-        self.cat_max_numel = cat_max_numel
         floats = [t for t in (*self.ema.parameters(), *self.ema.buffers()) if t.is_floating_point()]
         self.resolved_strategy = resolve_strategy(strategy, floats)
         self._options = StepOptions(self.resolved_strategy, cat_max_numel)
