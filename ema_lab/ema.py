@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .flat_step import FlatStep
+from .graph_step import GraphStep
 from .list_step import ListStep
 from .pairs import Pairs, collect_pairs
 from .step import CAT_MAX_NUMEL, Step, StepOptions
@@ -95,6 +96,7 @@ class EMASchedule:
     ema: nn.Module
     resolved_strategy: str
     _options: StepOptions
+    _step_type: type[Step]  # what a new step is built as
 
     def _init_schedule(self, decay: float, tau: float, updates: int, strategy: str) -> None:
         install_hooks()  # torch's global registration hooks: on the first EMA made, once per process
@@ -124,7 +126,7 @@ class EMASchedule:
         step = self._step
         if step is None or not step.current(model):
             self._step = None  # a failed rebuild must not leave the stale step behind
-            step = STEPS[self.resolved_strategy](self._collect(model), model, self._options)
+            step = self._step_type(self._collect(model), model, self._options)
             if not step.current(model):  # reads the model; only a model changed meanwhile fails here
                 raise RuntimeError("the model changed while its EMA step was being built")
             self._step = step
@@ -139,7 +141,7 @@ class EMASchedule:
         """
         if not self.enabled:
             return
-        tensor_ok = STEPS[self.resolved_strategy].tensor_decay
+        tensor_ok = self._step_type.tensor_decay
         decay = self.decay(self.updates + 1) if decay is None else check_decay(decay, tensor_ok)
         self._current_step(unwrap_model(model)).apply(decay)
         self.updates += 1
@@ -164,6 +166,8 @@ class ModelEMA(EMASchedule):
     integer counters) are views of one buffer per group: ``torch.save(ema.ema.state_dict())`` stores each
     buffer once, but saving a *subset* of the entries stores the whole buffer; clone the subset first.
     ``cat_max_numel``: model tensors under this many elements are gathered by ``torch.cat``.
+    ``cuda_graph=True`` (EMA on one CUDA device, "auto" or "flat"): the update is recorded once in a CUDA
+    graph and replayed, one launch instead of one per kernel (:mod:`ema_lab.graph_step`).
     """
 
     def __init__(
@@ -175,6 +179,7 @@ class ModelEMA(EMASchedule):
         strategy: str = "auto",
         *,
         cat_max_numel: int = CAT_MAX_NUMEL,
+        cuda_graph: bool = False,
     ) -> None:
         check_arguments(model, decay, tau, updates, strategy, STRATEGIES)
         if _is_fully_sharded(unwrap_model(model)):
@@ -189,6 +194,16 @@ class ModelEMA(EMASchedule):
         floats = [t for t in (*self.ema.parameters(), *self.ema.buffers()) if t.is_floating_point()]
         self.resolved_strategy = resolve_strategy(strategy, floats)
         self._options = StepOptions(self.resolved_strategy, cat_max_numel)
+        self.cuda_graph = cuda_graph
+        self._step_type = STEPS[self.resolved_strategy]
+        if cuda_graph:
+            if self.resolved_strategy != "flat":
+                raise ValueError(
+                    f"cuda_graph=True records the 'flat' step; strategy {strategy!r} runs "
+                    f"{self.resolved_strategy!r} for this model"
+                )
+            GraphStep.check_devices(floats)
+            self._step_type = GraphStep
 
     def update_attr(
         self, model: nn.Module, include: tuple = (), exclude: tuple = ("process_group", "reducer")
@@ -200,5 +215,5 @@ class ModelEMA(EMASchedule):
     def __repr__(self) -> str:
         return (
             f"ModelEMA(decay={self.max_decay}, tau={self.tau}, updates={self.updates}, "
-            f"strategy={self.strategy!r})"
+            f"strategy={self.strategy!r}, cuda_graph={self.cuda_graph})"
         )

@@ -167,32 +167,46 @@ class FlatStep:
         return [] if _USE_COUNT is None else [_USE_COUNT(s._cdata) for s in self.storages]
 
     def current(self, model: nn.Module) -> bool:
-        """Per-slot check of the checked reads, O(1) per flat buffer (the exact check if a count moved),
-        then every group reads the model: :meth:`apply` updates from what this read."""
+        """True while the step's memory is intact and every group could read the model: :meth:`apply`
+        updates from what this read."""
+        return self.intact(model) and self.read()
+
+    def intact(self, model: nn.Module) -> bool:
+        """Per-slot check of the checked reads, O(1) per flat buffer (the exact check if a count moved)."""
         if not self.watch.current(model):
             return False
         if _USE_COUNT is None or self.use_counts() != self.counts:
             if not self.exact.current(model):
                 return False
             self.counts = self.use_counts()  # a view made or dropped elsewhere: the new intact state
+        return True
+
+    def read(self) -> bool:
+        """Every group reads the model; False if a live slot holds None or another size, dtype or device."""
         try:
             with torch.no_grad():
                 for g in self.groups:
                     g.read()
-        except (TypeError, RuntimeError, ValueError):  # a live slot holds None, or another size/dtype/device
+        except (TypeError, RuntimeError, ValueError):
             return False
         return True
 
     def apply(self, decay: float | Tensor) -> None:
         """One update of every group, then the counters; ``decay`` is a float or a checked 0-dim tensor."""
+        self.lerp(1.0 - decay)
+
+    def lerp(self, weight: float | Tensor) -> None:
+        """``e += weight * (m - e)`` in every group, then the counters; a tensor ``weight`` is 0-dim."""
         with torch.no_grad():
-            if isinstance(decay, float):
-                weights = [1.0 - decay] * len(self.groups)
+            if isinstance(weight, float):
+                weights = [weight] * len(self.groups)
             else:  # no host sync; the weight in each buffer's dtype (torch < 2.10 wants them equal)
                 for g in self.groups:
-                    if decay.device != g.ema.device:
-                        raise ValueError(f"decay is on {decay.device} but the EMA group is on {g.ema.device}")
-                weights = [(1 - decay).to(g.ema.dtype) for g in self.groups]
+                    if weight.device != g.ema.device:
+                        raise ValueError(
+                            f"decay is on {weight.device} but the EMA group is on {g.ema.device}"
+                        )
+                weights = [weight.to(g.ema.dtype) for g in self.groups]
             for g, w in zip(self.groups, weights):
                 lerp_(g.targets, g.sources, w, g.foreach)
             self.counters()

@@ -87,6 +87,7 @@ class ShardedModelEMA(EMASchedule):
             self.ema = _holder({key: getitem(*slot) for key, slot in module_entries(unwrap_model(model))})
         self.resolved_strategy = resolve_strategy(strategy, [], in_place=True)
         self._options = StepOptions(self.resolved_strategy, sharded=True)
+        self._step_type = STEPS[self.resolved_strategy]
 
     def local_tensors(self) -> dict[str, Tensor]:
         """This rank's EMA tensors by state_dict key (shards of sharded entries), tied weights once."""

@@ -23,11 +23,18 @@ def _watch(ema: nn.Module, model: nn.Module) -> Watch:
 
 
 def _ema(model: nn.Module, strategy: str) -> ModelEMA:
-    """``"flatten_model"``: the model flattened first, then the default EMA."""
-    if strategy == "flatten_model":
+    """``"flatten_model"``: the model flattened first, then the default EMA. ``"cuda_graph"``: the model
+    moved to CUDA, an EMA with ``cuda_graph=True``, and its graph recorded (decay 1 keeps the EMA as it is),
+    so the test's own updates are replays."""
+    graph = strategy.endswith("cuda_graph")
+    if graph:
+        model.cuda()
+    if strategy.startswith("flatten_model"):
         flatten_model(model)
-        strategy = "auto"
-    return ModelEMA(model, strategy=strategy)
+    ema = ModelEMA(model, strategy=strategy if strategy in EAGER else "auto", cuda_graph=graph)
+    for _ in range(2 if graph else 0):
+        ema.update(model, decay=1.0)
+    return ema
 
 
 def _shift(model: nn.Module, by: float) -> None:
@@ -144,7 +151,10 @@ def test_follows_after_rejects_unknown_conversion() -> None:
 
 # --- torch's own tensor swaps: the EMA must never block them, and must follow the new tensors -------------
 
-STRATEGIES_ = ("auto", "flat", "flatten_model", "gated", "foreach", "loop")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="skipped: no CUDA device")
+EAGER = ("auto", "flat", "gated", "foreach", "loop")
+GRAPHS = [pytest.param(s, marks=CUDA) for s in ("cuda_graph", "flatten_model+cuda_graph")]
+STRATEGIES_ = (*EAGER, "flatten_model", *GRAPHS)
 
 
 def _fill(model: nn.Module) -> None:
@@ -173,7 +183,7 @@ def swap_on_conversion():
 
 
 @pytest.mark.requires_torch("2.3", "torch.utils.swap_tensors")
-@pytest.mark.parametrize("strategy", [s for s in STRATEGIES_ if s != "flatten_model"])
+@pytest.mark.parametrize("strategy", [*EAGER, GRAPHS[0]])
 def test_swap_tensors_on_a_model_parameter_works_and_is_followed(strategy: str) -> None:
     model = models.build("tiny_cnn")
     ema = _ema(model, strategy)
@@ -226,7 +236,7 @@ def test_direct_slot_assignment_is_followed(strategy: str, entry: str) -> None:
     elif entry == "_buffers":
         bn._buffers["running_mean"] = bn.running_mean.clone()
     else:
-        bn._buffers["num_batches_tracked"] = torch.tensor(7)
+        bn._buffers["num_batches_tracked"] = torch.tensor(7, device=bn.weight.device)
     _follows(ema, model)
     assert ema.ema[0].bn.num_batches_tracked.item() == bn.num_batches_tracked.item()
 

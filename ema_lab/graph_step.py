@@ -1,0 +1,98 @@
+"""``ModelEMA(..., cuda_graph=True)``: the flat step recorded once in a CUDA graph, then replayed per update.
+
+On a GPU the arithmetic of an EMA update is nearly free; what remains is host work per kernel launch. A
+CUDA graph records the kernels of one update once and launches them all with one ``replay()``. It costs:
+
+- fixed addresses: a replay reads and writes the memory it was recorded over. The step is rebuilt and
+  recorded again whenever the staleness watch (:mod:`ema_lab.watch`) says a slot moved, and every model
+  tensor is read through a watched slot: the flat step is built with ``cat_max_numel=0`` (no live
+  ``torch.cat`` reads, which also copy every small tensor once more);
+- the weight on the device: a replay cannot take a new Python number, so each update first writes its
+  weight ``1 - decay`` (computed in double on the host, as the eager step does) into a 0-dim float32 device
+  tensor that the graph reads. ``fill_`` carries the number as a kernel argument: no host sync, and no
+  pinned host buffer that the next update could overwrite before its copy ran;
+- recording: the first update after a (re)build runs eagerly (it also warms the kernels up), the second
+  records the graph on a side stream (nothing runs while recording) and replays it. A failed recording
+  raises before anything is written;
+- memory: the graph's private pool holds its temporaries (the per-group weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+
+import torch
+from torch import Tensor, nn
+
+from .flat_step import FlatStep
+from .pairs import Pairs
+from .step import StepOptions
+
+__all__ = ["GraphStep"]
+
+
+def _record(body: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """Record ``body``'s kernels in a CUDA graph (nothing runs); return the graph's ``replay``."""
+    # capture_begin on a side stream, not torch.cuda.graph(): that one synchronizes the device and
+    # empties the caching allocator, which the training loop would pay for at its next allocations.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        # "thread_local": a DataLoader's pin-memory thread may allocate while this records.
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            body()
+        finally:
+            graph.capture_end()
+    return graph.replay
+
+
+class GraphStep:
+    """The flat step without gathers, run eagerly once, then recorded in a CUDA graph and replayed."""
+
+    tensor_decay = True
+    in_place = False  # the EMA's tensors move into the flat step's buffers
+
+    @staticmethod
+    def check_devices(tensors: Iterable[Tensor]) -> torch.device:
+        """The one CUDA device every EMA tensor is on, else a ValueError naming the devices found."""
+        devices = {t.device for t in tensors}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            found = ", ".join(sorted(map(str, devices))) or "no float tensors"
+            raise ValueError(
+                f"cuda_graph=True needs every EMA float tensor on one CUDA device, found {found}"
+            )
+        return devices.pop()
+
+    def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None:
+        device = self.check_devices(pairs.ema)  # before the flat step moves any EMA tensor
+        self.flat = FlatStep(pairs, model, replace(options, cat_max_numel=0))
+        self.modes = self.flat.modes
+        self.weight = torch.zeros((), dtype=torch.float32, device=device)  # what every replay reads
+        self.replay: Callable[[], None] | None = None  # set when the graph is recorded
+        self.warm = False  # the first update runs eagerly
+
+    def current(self, model: nn.Module) -> bool:
+        """True while every slot holds the memory the graph was recorded over (it reads the model itself)."""
+        return self.flat.intact(model)
+
+    def apply(self, decay: float | Tensor) -> None:
+        """Write ``1 - decay`` where the graph reads it, then replay the graph (recording it on first use)."""
+        if isinstance(decay, Tensor) and decay.device != self.weight.device:
+            raise ValueError(f"decay is on {decay.device} but the EMA is on {self.weight.device}")
+        if self.replay is None and self.warm:
+            self.replay = _record(self._update, self.weight.device)
+        with torch.no_grad():
+            if isinstance(decay, Tensor):
+                self.weight.copy_(1 - decay)
+            else:
+                self.weight.fill_(1.0 - decay)
+        if self.replay is None:
+            self._update()
+            self.warm = True
+        else:
+            self.replay()
+
+    def _update(self) -> None:
+        self.flat.read()  # cannot fail: with no gathers, every read is a copy between fixed tensors
+        self.flat.lerp(self.weight)
