@@ -4,12 +4,15 @@ On a CUDA machine, within 8 minutes, it writes into ``results/gpu-<machine>/`` (
 elsewhere):
 
 1. ``python -m ema_lab bench --device cuda --quick``: timings, op counts and kernel launches per candidate;
-2. ``kernel-launches.json``: the CUDA kernels one ``ModelEMA.update`` launches, per strategy and model;
-3. ``cuda-tests.xml`` / ``.log``: the CUDA tests (``pytest -k test_cuda_``: a sync-free update under
-   ``torch.cuda.set_sync_debug_mode("error")``, an update captured in and replayed from a CUDA graph,
-   kernel launches of one foreach call, the peers' CUDA timer);
+2. ``kernel-launches.json``: the CUDA kernels one ``ModelEMA.update`` launches, per strategy and model,
+   and with ``cuda_graph=True``;
+3. ``cuda-tests.xml`` / ``.log``: the CUDA tests (``pytest -k "test_cuda_ or cuda_graph"``: a sync-free
+   update under ``torch.cuda.set_sync_debug_mode("error")``, ``ModelEMA(cuda_graph=True)`` bit for bit with
+   the eager step, sync-free and through every staleness test, an update captured in and replayed from a
+   CUDA graph by the user, kernel launches of one foreach call, the peers' CUDA timer and memory);
 4. ``peers.log``: the peers on CUDA (``benchmarks/peers.py --device cuda --rounds 11``: ultralytics, timm,
-   torch's AveragedModel, ema-pytorch; kernels per update; the issue 29 targets, met or not), whose study
+   torch's AveragedModel, ema-pytorch against the default and ``cuda_graph=True``; kernels per update; the
+   extra device memory; the issue 29 targets, met or not), whose study
    goes where the studies live, ``docs/results/peers-<date>-cuda-<machine>.{json,md}`` (``--studies-out``
    elsewhere); skipped, with a line saying why, where ultralytics is not importable;
 5. the full bench (``--device cuda``), leaving ``NOTEBOOKS_S`` of the budget to:
@@ -146,9 +149,10 @@ def kernel_launches(folder: Path) -> str:
     from ema_lab.bench.sweep import QUICK_MODELS
     from ema_lab.ema import STRATEGIES
 
-    def launches(model: torch.nn.Module, strategy: str) -> object:
-        ema = ModelEMA(model, strategy=strategy)
-        ema.update(model)  # the first update builds the cached step
+    def launches(model: torch.nn.Module, strategy: str, cuda_graph: bool = False) -> object:
+        ema = ModelEMA(model, strategy=strategy, cuda_graph=cuda_graph)
+        for _ in range(2):  # the first update builds the cached step; with cuda_graph, the second records
+            ema.update(model)
         counts = kernel_launches_or_reason(ema.update, model, device="cuda")
         return counts if isinstance(counts, str) else {"total": sum(counts.values()), "kernels": counts}
 
@@ -156,8 +160,10 @@ def kernel_launches(folder: Path) -> str:
     for name in QUICK_MODELS:
         model = models.build(name).cuda()
         table[name] = {strategy: launches(model, strategy) for strategy in STRATEGIES}
+        table[name]["auto, cuda_graph"] = launches(model, "auto", cuda_graph=True)
         flatten_model(model)  # the floor's layout: the default EMA then runs one lerp_ per group
         table[name]["auto, flatten_model"] = launches(model, "auto")
+        table[name]["auto, flatten_model, cuda_graph"] = launches(model, "auto", cuda_graph=True)
         del model
         torch.cuda.empty_cache()
     (folder / "kernel-launches.json").write_text(json.dumps(table, indent=2) + "\n")
@@ -289,8 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     def upto(seconds: float) -> float:
         return min(seconds, clock.left() - RESERVE_S)
 
-    # The CUDA tests are named test_cuda_*; a bare "cuda" would also pick notebook 04's file checks.
-    tests = [py, "-m", "pytest", "tests", "-k", "test_cuda_", "-rs", "--junitxml", f"{folder}/cuda-tests.xml"]
+    # The CUDA tests are named test_cuda_* or carry the id cuda_graph (the staleness tests); a bare "cuda"
+    # would also pick notebook 04's file checks.
+    tests = [py, "-m", "pytest", "tests", "-k", "test_cuda_ or cuda_graph", "-rs"]
+    tests += ["--junitxml", f"{folder}/cuda-tests.xml"]
     summary: dict[str, dict] = {}
     step(summary, "bench quick", lambda: bench([*cmd, "--quick"], folder / "bench-quick.log", upto(150)))
     step(summary, "kernel launches", lambda: kernel_launches(folder))

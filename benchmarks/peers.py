@@ -24,9 +24,10 @@ alternating 3x3 and 1x1: 495 float tensors, 0.52M elements) and the zoo's ``yolo
 ``gpt2``, ``tiny_tensors``. Candidates: the floor (one ``lerp_`` over two flat buffers, as
 torch allocates them, and on CPU again as ``ema_lab.flatten_tensors`` allocates ema_lab's own, 2 MiB
 pages), ``ModelEMA(model)`` (the default), ``flat_model`` (the default after ``ema_lab.flatten_model``),
-ultralytics' live ``ModelEMA``, timm's ModelEmaV3, torch's AveragedModel and ema-pytorch. timm's
-ModelEmaV3 is loaded from its own source file (``timm/utils/model_ema.py`` imports only torch), so a
-missing torchvision cannot skip it. Each candidate gets its own copy of the model, on ``--device``.
+on CUDA both again with ``cuda_graph=True``, ultralytics' live ``ModelEMA``, timm's ModelEmaV3, torch's
+AveragedModel and ema-pytorch. timm's ModelEmaV3 is loaded from its own source file
+(``timm/utils/model_ema.py`` imports only torch), so a missing torchvision cannot skip it. Each
+candidate gets its own copy of the model, on ``--device``.
 
 Timing, all candidates in one process, interleaved (each round visits every candidate, the order rotating),
 at each ``--threads`` count in turn (intra-op threads: a flat ``lerp_`` parallelises, a foreach over tensors
@@ -38,13 +39,15 @@ under the grain size does not):
   ``torch.cuda.synchronize()`` calls, divided by 10, once per candidate per round; the median of
   ``--rounds`` rounds, after at least 2 s of warm-up calls (an idle GPU clocks down). The kernels of one
   steady update are counted per candidate with ``torch.profiler``
-  (:func:`ema_lab.bench.counting.kernel_launches_or_reason`; memcpy and memset count too).
+  (:func:`ema_lab.bench.counting.kernel_launches_or_reason`; memcpy and memset count too), and the device
+  memory each ema_lab EMA adds (:func:`extra_memory`).
 
 The Markdown file ends with a line per model and thread count, met or not: on CPU the issue 12 targets
 (the default no slower than the fastest peer, >= 1.2x ultralytics on the launch-bound models yolo26n,
 yolo_like and tiny_tensors, ``flat_model`` within 1.5x of the floor); on CUDA the issue 29 targets (the
 default >= 2x faster than ultralytics on yolo26n, yolo_like and tiny_tensors, no more than 1.05x slower on
-resnet50 and gpt2, ``flat_model`` within 3x of the floor on every model).
+resnet50 and gpt2, ``flat_model`` within 3x of the floor on every model), then the same for
+``cuda_graph=True``.
 """
 
 from __future__ import annotations
@@ -81,8 +84,10 @@ FLOOR = "floor (one lerp_)"
 FLOOR_HUGE = "floor in huge pages (one lerp_)"
 DEFAULT = "ema_lab ModelEMA() default"
 FLAT_MODEL = "ema_lab flat_model"
+GRAPH = "ema_lab ModelEMA(cuda_graph=True)"  # CUDA only
+FLAT_GRAPH = "ema_lab flat_model, cuda_graph=True"
 BASELINE = "ema_lab baseline ModelEMA() default"  # --baseline: another version's default
-OURS = (FLOOR, FLOOR_HUGE, DEFAULT, FLAT_MODEL, "ema_lab gated", BASELINE)
+OURS = (FLOOR, FLOOR_HUGE, DEFAULT, FLAT_MODEL, GRAPH, FLAT_GRAPH, "ema_lab gated", BASELINE)
 NOISE = 1.05  # the default counts as slower than the baseline only beyond this ratio of medians
 # On an accelerator: updates per measurement, and the warm-up before the first (the H200 idles at 345 MHz).
 CALLS = 10
@@ -173,17 +178,20 @@ def peer_candidates(
         (ah,), (bh,) = flatten_tensors([a.clone()]), flatten_tensors([b.clone()])
         fns[FLOOR_HUGE] = lambda: ah.lerp_(bh, 1 - DECAY)
 
-    def ours(strategy: str) -> Callable[[], object]:
+    def ours(flat_model: bool = False, **kwargs: object) -> Callable[[], object]:
         model = deepcopy(base)
-        if strategy == "flat_model":
+        if flat_model:
             flatten_model(model)
-        ema = ModelEMA(model, strategy=strategy if strategy == "gated" else "auto")
+        ema = ModelEMA(model, **kwargs)
         ema.updates = 10_000
         return lambda: ema.update(model)
 
-    fns[DEFAULT] = ours("default")
-    fns[FLAT_MODEL] = ours("flat_model")
-    fns["ema_lab gated"] = ours("gated")
+    fns[DEFAULT] = ours()
+    fns[FLAT_MODEL] = ours(flat_model=True)
+    fns["ema_lab gated"] = ours(strategy="gated")
+    if device == "cuda":
+        fns[GRAPH] = ours(cuda_graph=True)
+        fns[FLAT_GRAPH] = ours(flat_model=True, cuda_graph=True)
     if baseline is not None:
         m_b = deepcopy(base)
         old = baseline.ModelEMA(m_b)
@@ -309,6 +317,7 @@ def run(
     rows = []
     per_build: list[dict] = []  # per (model, threads, build): ultralytics' median over the default's
     skipped: dict[str, str] = {}
+    memory: dict[str, dict[str, int]] = {}  # on CUDA: extra_memory per model
     for name in names:
         pooled: dict[int, dict[str, list[float]]] = {n: {} for n in threads}
         kernels: dict[str, int | str] = {}
@@ -337,6 +346,8 @@ def run(
         if not pooled[threads[0]]:
             print(skipped.get(name), flush=True)
             continue
+        if device == "cuda":
+            memory[name] = extra_memory(name, device)
         for n_threads in threads:
             stats = {k: quantiles(v) for k, v in pooled[n_threads].items()}
             floor = stats[FLOOR][1]
@@ -374,6 +385,7 @@ def run(
         "skipped": skipped,
         "rows": rows,
         "per_build": per_build,
+        "memory": memory,
     }
 
 
@@ -433,38 +445,77 @@ def targets(rows: list[dict]) -> list[str]:
 
 
 def targets_cuda(rows: list[dict]) -> list[str]:
-    """The issue 29 targets per (model, threads) on CUDA: one line comparing the default with ultralytics,
-    one for flat_model against the floor, each saying met or NOT met with the figures."""
+    """The issue 29 targets per (model, threads) on CUDA: for the default, then for ``cuda_graph=True`` where
+    it ran, one line against ultralytics and one for its flattened model against the floor, each saying met
+    or NOT met with the figures."""
     lines = []
     keys = sorted({(r["model"], r["threads"]) for r in rows}, key=lambda k: (k[1], MODELS.index(k[0])))
     for model, threads in keys:
         got = {
             r["candidate"]: r["median_ms"] for r in rows if r["model"] == model and r["threads"] == threads
         }
-        default, flat, ultra = got[DEFAULT], got[FLAT_MODEL], _ultralytics(got)
+        ultra = _ultralytics(got)
         at = f"- {model}, {threads} thread(s): "
-        if ultra is None:
-            lines.append(at + "default vs ultralytics: not measured (ultralytics not installed)")
-        else:
-            versus = f"default {default:.3f} ms, ultralytics {ultra:.3f} ms: the default "
-            versus += (
-                f"{ultra / default:.2f}x faster" if default <= ultra else f"{default / ultra:.2f}x slower"
-            )
-            if model in LAUNCH_BOUND:
-                ok = ultra / default >= FASTER
-                lines.append(at + f"{versus}; target >= {FASTER:g}x faster: {'met' if ok else 'NOT met'}")
-            elif model in BANDWIDTH_BOUND:
-                ok = default / ultra <= NO_SLOWER
-                lines.append(at + f"{versus}; target <= {NO_SLOWER}x slower: {'met' if ok else 'NOT met'}")
+        for ours, flat, label in ((DEFAULT, FLAT_MODEL, "default"), (GRAPH, FLAT_GRAPH, "cuda_graph")):
+            if ours not in got:
+                continue
+            if ultra is None:
+                lines.append(at + f"{label} vs ultralytics: not measured (ultralytics not installed)")
             else:
-                lines.append(at + f"{versus}; no issue 29 target for this model")
-        ratio = flat / got[FLOOR]
-        ok = ratio <= FLAT_CUDA
-        lines.append(
-            at + f"flat_model {flat:.3f} ms, floor {got[FLOOR]:.3f} ms: {ratio:.2f}x the floor; "
-            f"target <= {FLAT_CUDA:g}x: {'met' if ok else 'NOT met'}"
-        )
+                mine = got[ours]
+                who = "the default" if ours == DEFAULT else label
+                versus = f"{label} {mine:.3f} ms, ultralytics {ultra:.3f} ms: {who} "
+                versus += f"{ultra / mine:.2f}x faster" if mine <= ultra else f"{mine / ultra:.2f}x slower"
+                if model in LAUNCH_BOUND:
+                    ok = ultra / mine >= FASTER
+                    lines.append(at + f"{versus}; target >= {FASTER:g}x faster: {'met' if ok else 'NOT met'}")
+                elif model in BANDWIDTH_BOUND:
+                    ok = mine / ultra <= NO_SLOWER
+                    lines.append(
+                        at + f"{versus}; target <= {NO_SLOWER}x slower: {'met' if ok else 'NOT met'}"
+                    )
+                else:
+                    lines.append(at + f"{versus}; no issue 29 target for this model")
+            ratio = got[flat] / got[FLOOR]
+            ok = ratio <= FLAT_CUDA
+            name = "flat_model" if label == "default" else "flat_model+cuda_graph"
+            lines.append(
+                at + f"{name} {got[flat]:.3f} ms, floor {got[FLOOR]:.3f} ms: {ratio:.2f}x the floor; "
+                f"target <= {FLAT_CUDA:g}x: {'met' if ok else 'NOT met'}"
+            )
     return lines
+
+
+def extra_memory(name: str, device: str) -> dict[str, int]:
+    """Device bytes each ema_lab EMA adds at its peak over its model alone (``max_memory_allocated`` from
+    just before the EMA is made through 3 updates), and the model's own float bytes."""
+    out: dict[str, int] = {}
+    for label, kwargs in ((DEFAULT, {}), (GRAPH, {"cuda_graph": True})):
+        model = build(name).to(device)
+        out["model float bytes"] = 4 * float_elements(model)
+        gc.collect()
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        ema = ModelEMA(model, **kwargs)
+        for _ in range(3):
+            ema.update(model)
+        torch.cuda.synchronize(device)
+        out[label] = torch.cuda.max_memory_allocated(device) - before
+        del ema, model
+    return out
+
+
+def format_memory(memory: dict[str, dict[str, int]]) -> str:
+    """The extra device memory of each EMA per model, in MiB and as a multiple of the model's floats."""
+    lines = ["## Extra device memory (peak over the model alone, 3 updates)", ""]
+    for name, got in memory.items():
+        model = got["model float bytes"]
+        for label in (DEFAULT, GRAPH):
+            lines.append(
+                f"- {name}: {label}: {got[label] / 2**20:.1f} MiB ({got[label] / model:.2f}x the model)"
+            )
+    return "\n".join(lines)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -559,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         checks = f"## Issue 29 targets ({args.device})\n\n" + "\n".join(targets_cuda(record["rows"]))
     body = format_table(record["rows"]) + "\n\n" + checks
+    if record["memory"]:
+        body += "\n\n" + format_memory(record["memory"])
     if args.builds > 1:
         body += "\n\n" + format_per_build(record["per_build"])
     stem.with_suffix(".md").write_text(header + body + "\n")

@@ -362,7 +362,13 @@ for strategy, n in launches["yolo"].items():
 # - The capture: a warm-up on a side stream, then recording, each time the step is rebuilt.
 #
 # A replay saves the host's work per launch (notebook 01 priced it): it pays where launches dominate,
-# not where moving the bytes does. ema_lab's `ModelEMA` does not capture graphs.
+# not where moving the bytes does.
+
+# %% [markdown]
+# `ModelEMA(model, cuda_graph=True)` pays those three costs: it checks the slots before every replay,
+# writes the weight `1 - decay` into a device tensor first (`fill_` passes the number inside the launch,
+# so the CPU never waits for the GPU), and records again after every rebuild. It records the flat step
+# without `torch.cat` gathers, which copy the small tensors once more.
 
 # %% [markdown]
 # `torch.compile` has the same rule. Dynamo, its front end, records a function's tensor ops into a
@@ -431,7 +437,8 @@ torch._logging.set_logs()
 # - On a CPU, foreach still runs one `lerp_` per tensor; flat buffers make the update one `lerp_`.
 # - Views go stale after `model.half()` or `.to()`: check them every update, as `ModelEMA` does.
 # - Keep the EMA in fp32: at decay 0.9999 a bf16 EMA's small steps round away.
-# - On a GPU a captured graph replays all launches at once; the decay then lives in a tensor.
+# - On a GPU a captured graph replays all launches at once; the decay then lives in a tensor
+#   (`ModelEMA(model, cuda_graph=True)`).
 
 # %% [markdown]
 # ## Exercises

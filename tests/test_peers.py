@@ -114,6 +114,22 @@ def test_issue_29_target_lines_compare_the_default_with_ultralytics_per_model() 
         "- gpt2, 1 thread(s): default vs ultralytics: not measured (ultralytics not installed)",
         "- gpt2, 1 thread(s): flat_model 0.246 ms, floor 0.244 ms: 1.01x the floor; target <= 3x: met",
     ]
+    g, fg = peers.GRAPH, peers.FLAT_GRAPH
+    rows = _rows("yolo26n", {floor: 0.013, d: 0.385, f: 0.057, u: 0.250, g: 0.080, fg: 0.045})
+    assert peers.targets_cuda(rows)[2:] == [
+        "- yolo26n, 1 thread(s): cuda_graph 0.080 ms, ultralytics 0.250 ms: cuda_graph 3.12x faster; "
+        "target >= 2x faster: met",
+        "- yolo26n, 1 thread(s): flat_model+cuda_graph 0.045 ms, floor 0.013 ms: 3.46x the floor; "
+        "target <= 3x: NOT met",
+    ]
+
+
+def test_the_extra_memory_lines_give_mib_and_the_multiple_of_the_model() -> None:
+    got = {"model float bytes": 4 << 20, peers.DEFAULT: 5 << 20, peers.GRAPH: 6 << 20}
+    assert peers.format_memory({"yolo": got}).splitlines()[2:] == [
+        f"- yolo: {peers.DEFAULT}: 5.0 MiB (1.25x the model)",
+        f"- yolo: {peers.GRAPH}: 6.0 MiB (1.50x the model)",
+    ]
 
 
 def test_a_cpu_run_times_every_candidate_as_before_and_counts_no_kernels() -> None:
@@ -137,4 +153,7 @@ def test_cuda_peers_time_synced_updates_and_count_their_kernels() -> None:
     assert all(isinstance(r["kernels"], int) and r["kernels"] >= 1 for r in rows.values()), rows
     assert all(r["device"] == "cuda" and r["rounds"] == 3 and r["median_ms"] > 0 for r in rows.values())
     assert "torch.cuda.synchronize()" in record["timing"]
-    assert len(peers.targets_cuda(record["rows"])) == 2  # one line vs ultralytics (or why not), one flat
+    assert peers.GRAPH in rows and peers.FLAT_GRAPH in rows
+    assert len(peers.targets_cuda(record["rows"])) == 4  # per EMA: one vs ultralytics (or why not), one flat
+    memory = record["memory"]["yolo_like"]
+    assert memory["model float bytes"] > 0 and memory[peers.DEFAULT] > 0 and memory[peers.GRAPH] > 0
