@@ -1,8 +1,10 @@
 """What a cached EMA step is: built once per model layout, it says whether it is still current and applies.
 
 :class:`ema_lab.list_step.ListStep` runs ``"loop"``, ``"foreach"`` and ``"gated"``;
-:class:`ema_lab.flat_step.FlatStep` runs ``"flat"``. ``ModelEMA`` and ``ShardedModelEMA`` keep one and
-rebuild it when :meth:`Step.current` says the model's or the EMA's tensors moved (:mod:`ema_lab.watch`).
+:class:`ema_lab.flat_step.FlatStep` runs ``"flat"``, and :class:`ema_lab.graph_step.GraphStep` the flat
+step recorded in a CUDA graph (``ModelEMA(cuda_graph=True)``). ``ModelEMA`` and ``ShardedModelEMA`` keep
+one and rebuild it when :meth:`Step.current` says the model's or the EMA's tensors moved
+(:mod:`ema_lab.watch`).
 """
 
 from __future__ import annotations
