@@ -35,12 +35,31 @@ __all__ = ["FlatStep", "CAT_RUN_NUMEL"]
 #: a step built at 2+ threads gathers in runs under it (benchmarks/cat_runs.py).
 CAT_RUN_NUMEL = 32768
 
+#: Devices whose ``_foreach_lerp_`` has a fused kernel. It takes a tensor weight only as one tensor shaped
+#: like each target: with a 0-dim weight per target it launches one kernel per tensor.
+_FUSED_FOREACH = ("cuda",)
+#: There the weights are views of one buffer filled with the weight; a target above this many elements
+#: gets its own ``lerp_`` instead (one launch is small beside its bytes): the buffer stays near 4 MiB.
+DENSE_WEIGHT_NUMEL = 1 << 20
+
 # A private binding (present from torch 2.1 to at least 2.13). Without it every flat step takes the
 # exact per-slot check: slower, never unsafe.
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
-class _FusedGroup:
+class _Group:
+    """A group moves its ``targets`` (views of its EMA buffer) towards its ``sources`` (set by ``read``)."""
+
+    targets: list[Tensor]
+    sources: list[Tensor]
+    foreach: bool
+
+    def lerp(self, weight: float | Tensor) -> None:
+        """``e += weight * (m - e)`` over the group."""
+        lerp_(self.targets, self.sources, weight, self.foreach)
+
+
+class _FusedGroup(_Group):
     """The model's tensors of the group tile one storage: one ``lerp_`` (after one cast-copy if needed)."""
 
     mode = "fused"
@@ -61,7 +80,7 @@ class _FusedGroup:
             self.scratch.copy_(self.model)
 
 
-class _CastGroup:
+class _CastGroup(_Group):
     """Model dtype differs from the EMA's: one ``_foreach_copy_`` casts into scratch, then one ``lerp_``."""
 
     mode = "cast"
@@ -79,7 +98,7 @@ class _CastGroup:
         torch._foreach_copy_(self.scratch_views, self.model)
 
 
-class _SplitGroup:
+class _SplitGroup(_Group):
     """Same dtype: the small tensors (first in the buffer) by ``torch.cat`` runs, the large read as they are.
 
     The small 1-D tensors (BatchNorm's vectors, biases) are read live from their module slots by
@@ -90,7 +109,10 @@ class _SplitGroup:
     def __init__(self, ema: list[Tensor], model: list[Tensor], slots: list[Slot], cat_max_numel: int) -> None:
         small = [i for i, m in enumerate(model) if m.numel() < cat_max_numel and m.is_contiguous()]
         small.sort(key=lambda i: model[i].dim() != 1)  # the live 1-D ones first
-        large = sorted(set(range(len(model))) - set(small))
+        # The large tensors that take a dense weight (see lerp) first: one slice of the lists holds them.
+        large = sorted(
+            set(range(len(model))) - set(small), key=lambda i: (model[i].numel() > DENSE_WEIGHT_NUMEL, i)
+        )
         live = {i for i in small if model[i].dim() == 1}
         self.checked_slots = [slots[i] for i in range(len(model)) if i not in live]
         self.mode = "cat+foreach" if small and large else "cat" if small else "foreach"
@@ -112,6 +134,10 @@ class _SplitGroup:
         self.large = [model[i] for i in large]
         self.sources: list[Tensor] = []  # the runs' gathered values, then the large tensors: set by read()
         self.foreach = len(self.targets) > 1 and foreach_lerp_supported(None, self.ema.device.type)
+        # Where foreach is fused, a tensor weight goes as views of one buffer (made on first use).
+        self.packed = len(self.runs) + sum(model[i].numel() <= DENSE_WEIGHT_NUMEL for i in large)
+        self.dense = self.foreach and self.packed > 0 and self.ema.device.type in _FUSED_FOREACH
+        self.dense_views: list[Tensor] = []
 
     def read(self) -> None:
         """Gather the small tensors; raises if a slot read live no longer fits."""
@@ -122,6 +148,22 @@ class _SplitGroup:
                 raise ValueError(f"the model's tensors gather to {src.numel()} {src.dtype} on {src.device}")
             gathered.append(src)
         self.sources = gathered + self.large
+
+    def lerp(self, weight: float | Tensor) -> None:
+        """``e += weight * (m - e)``; where foreach is fused, a tensor weight goes as views of one buffer
+        filled with it (one kernel, no sync), and the targets above ``DENSE_WEIGHT_NUMEL`` one by one."""
+        if isinstance(weight, float) or not self.dense:
+            super().lerp(weight)
+            return
+        n = self.packed
+        if not self.dense_views:  # a cat run may be larger than DENSE_WEIGHT_NUMEL: sized to the largest
+            self.dense_buffer = torch.empty(
+                max(t.numel() for t in self.targets[:n]), dtype=weight.dtype, device=weight.device
+            )
+            self.dense_views = [self.dense_buffer[: t.numel()].view(t.shape) for t in self.targets[:n]]
+        self.dense_buffer.fill_(weight)
+        lerp_(self.targets[:n], self.sources[:n], self.dense_views)
+        lerp_(self.targets[n:], self.sources[n:], weight, foreach=False)
 
 
 def _runs(numels: list[int], limit: int) -> list[range]:
@@ -208,5 +250,5 @@ class FlatStep:
                         )
                 weights = [weight.to(g.ema.dtype) for g in self.groups]
             for g, w in zip(self.groups, weights):
-                lerp_(g.targets, g.sources, w, g.foreach)
+                g.lerp(w)
             self.counters()

@@ -119,14 +119,18 @@ def _prepare_loop(ema: list[Tensor], model: list[Tensor]) -> Update:
     return step
 
 
-def lerp_(ema: list[Tensor], model: list[Tensor], weight: float | Tensor, foreach: bool = True) -> None:
-    """``e += weight * (m - e)`` for every pair: one ``torch._foreach_lerp_``, or one ``lerp_`` per pair."""
+def lerp_(
+    ema: list[Tensor], model: list[Tensor], weight: float | Tensor | list[Tensor], foreach: bool = True
+) -> None:
+    """``e += weight * (m - e)`` for every pair: one ``torch._foreach_lerp_``, or one ``lerp_`` per pair.
+
+    ``weight``: a number, a 0-dim tensor, or (foreach only) one tensor shaped like each pair's."""
     if not foreach:
         for e, m in zip(ema, model):
             e.lerp_(m, weight)
     elif ema:  # _foreach_lerp_([], [], w) raises "Tensor list must have at least one tensor"
-        # A tensor weight goes once per pair: torch before 2.10 has no single-tensor-weight overload.
-        torch._foreach_lerp_(ema, model, weight if isinstance(weight, float) else [weight] * len(ema))
+        # torch has no single-tensor-weight overload (to 2.13 at least): a 0-dim weight goes once per pair.
+        torch._foreach_lerp_(ema, model, weight if isinstance(weight, (float, list)) else [weight] * len(ema))
 
 
 def _prepare_foreach(ema: list[Tensor], model: list[Tensor]) -> Update:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ema_lab import ModelEMA, flatten_model, graph_step
+from ema_lab import ModelEMA, flat_step, flatten_model, graph_step
 from ema_lab.bench import models
 from ema_lab.graph_step import GraphStep
 
@@ -39,8 +39,11 @@ def test_cuda_graph_devices_are_named_when_they_differ() -> None:
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=CUDA)])
 def device(request, monkeypatch) -> str:
     """Where the graph step runs. On "cpu" its lifecycle runs with an eager recorder in place of the CUDA
-    graph: recording runs nothing and returns the body, a replay runs it (what a CUDA replay does)."""
+    graph: recording runs nothing and returns the body, a replay runs it (what a CUDA replay does); and the
+    CPU stands in for a device with a fused foreach (the weight as views of one buffer, the largest alone)."""
     if request.param == "cpu":
+        monkeypatch.setattr(flat_step, "_FUSED_FOREACH", ("cpu",))
+        monkeypatch.setattr(flat_step, "DENSE_WEIGHT_NUMEL", 3000)
         monkeypatch.setattr(GraphStep, "check_devices", staticmethod(lambda tensors: torch.device("cpu")))
         monkeypatch.setattr(graph_step, "_record", lambda body, device: RECORDED.append(body) or body)
     RECORDED.clear()

@@ -448,3 +448,27 @@ def test_flatten_model_makes_every_group_fused_and_unflatten_undoes_it():
     assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
     ema.update(model)
     assert ema.modes != ["fused"] and ema.rebuilds == 2
+
+
+def test_a_tensor_weight_where_foreach_is_fused_goes_as_views_of_one_filled_buffer(monkeypatch) -> None:
+    # On CUDA _foreach_lerp_ keeps its fused kernel only with a weight shaped like each tensor: a 0-dim weight
+    # per tensor launches one kernel per tensor. Here the CPU stands in for such a device.
+    model = models.build("tiny_cnn")
+    per_tensor = ModelEMA(model)
+    decay = torch.tensor(0.75)
+    per_tensor.update(model, decay=decay)  # builds its step before the patch: 0-dim weights
+    monkeypatch.setattr(flat_step, "_FUSED_FOREACH", ("cpu",))
+    monkeypatch.setattr(flat_step, "DENSE_WEIGHT_NUMEL", 3000)  # tiny_cnn's 4608-element weight goes alone
+    dense = ModelEMA(model)
+    dense.update(model, decay=decay)
+    with torch.no_grad():
+        for v in model.parameters():
+            v.add_(1.0)
+    counts = count_ops(dense.update, model, decay=decay)
+    per_tensor.update(model, decay=decay)
+    assert dense.modes == ["cat+foreach"]
+    assert counts["aten.fill_.Tensor"] == 1  # the weight buffer, from the device tensor: no .item()
+    assert counts["aten._foreach_lerp_.List"] == 1 and counts["aten.lerp_.Tensor"] == 1
+    want = per_tensor.ema.state_dict()
+    for k, v in dense.ema.state_dict().items():
+        assert torch.equal(v, want[k]), k
