@@ -149,17 +149,20 @@ def kernel_launches(folder: Path) -> str:
     from ema_lab.bench.sweep import QUICK_MODELS
     from ema_lab.ema import STRATEGIES
 
-    def launches(model: torch.nn.Module, strategy: str, cuda_graph: bool = False) -> object:
+    def launches(
+        model: torch.nn.Module, strategy: str, cuda_graph: bool = False, decay: object = None
+    ) -> object:
         ema = ModelEMA(model, strategy=strategy, cuda_graph=cuda_graph)
         for _ in range(2):  # the first update builds the cached step; with cuda_graph, the second records
-            ema.update(model)
-        counts = kernel_launches_or_reason(ema.update, model, device="cuda")
+            ema.update(model, decay=decay)
+        counts = kernel_launches_or_reason(ema.update, model, decay=decay, device="cuda")
         return counts if isinstance(counts, str) else {"total": sum(counts.values()), "kernels": counts}
 
     table: dict[str, dict[str, object]] = {}
     for name in QUICK_MODELS:
         model = models.build(name).cuda()
         table[name] = {strategy: launches(model, strategy) for strategy in STRATEGIES}
+        table[name]["auto, tensor decay"] = launches(model, "auto", decay=torch.tensor(0.999, device="cuda"))
         table[name]["auto, cuda_graph"] = launches(model, "auto", cuda_graph=True)
         flatten_model(model)  # the floor's layout: the default EMA then runs one lerp_ per group
         table[name]["auto, flatten_model"] = launches(model, "auto")

@@ -147,3 +147,16 @@ def test_cuda_kernel_launches_foreach_vs_loop():  # pragma: no cover - needs a G
     looped = count_kernel_launches(lambda: [e.lerp_(m, 0.1) for e, m in zip(ema, model)])
     assert sum(looped.values()) == 64
     assert 1 <= sum(fused.values()) < 64  # multi_tensor_apply: a few chunked launches
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="skipped: no CUDA device")
+def test_cuda_a_tensor_decay_keeps_the_fused_foreach_kernel():  # pragma: no cover - needs a GPU
+    model = models.build("tiny_tensors").cuda()  # 2,000 tensors: one kernel each would be 2,000
+    ema = ModelEMA(model, cat_max_numel=0)  # every tensor in the foreach, none gathered
+    decay = torch.tensor(0.999, device="cuda")
+    ema.update(model, decay=decay)
+    with_float = sum(count_kernel_launches(ema.update, model).values())
+    with_tensor = sum(count_kernel_launches(ema.update, model, decay=decay).values())
+    # A third list (the weights) packs fewer tensors per launch (48 against 64 in torch 2.11's
+    # MultiTensorApply.cuh), plus 1 - decay and the buffer's fill; one launch per tensor would be 2,000.
+    assert with_tensor <= 2 * with_float < 200
