@@ -329,7 +329,7 @@ def test_a_live_slot_that_changes_dtype_is_followed_after_a_rebuild() -> None:
 def _reviewed_in_place(strategy: str, which: str) -> tuple[nn.Module, ModelEMA, dict, str]:
     """A model whose ``entry`` was re-viewed in place (``p.data = p.view(new_shape)``) after one update."""
     model = nn.Sequential(nn.Linear(64, 64), nn.Conv2d(4, 4, 3), nn.Linear(64, 64))  # 4096, 144 elements
-    ema = ModelEMA(model, strategy=strategy)
+    ema = _ema(model, strategy)
     ema.update(model)
     before = {k: v.clone() for k, v in ema.ema.state_dict().items()}
     _shift(model, 1.0)  # every pair would move: a partial update could not hide
@@ -342,7 +342,7 @@ def _reviewed_in_place(strategy: str, which: str) -> tuple[nn.Module, ModelEMA, 
 WHICH = ["large (foreach)", "small N-D (cat alias)"]
 
 
-@pytest.mark.parametrize("strategy", ["auto", "flat", "gated", "foreach", "loop"])
+@pytest.mark.parametrize("strategy", [*EAGER, GRAPHS[0]])
 @pytest.mark.parametrize("which", WHICH)
 def test_a_tensor_reviewed_in_place_is_averaged_as_its_memory_by_every_strategy(
     strategy: str, which: str
