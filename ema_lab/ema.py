@@ -167,7 +167,8 @@ class ModelEMA(EMASchedule):
     buffer once, but saving a *subset* of the entries stores the whole buffer; clone the subset first.
     ``cat_max_numel``: model tensors under this many elements are gathered by ``torch.cat``.
     ``cuda_graph=True`` (EMA on one CUDA device, "auto" or "flat"): the update is recorded once in a CUDA
-    graph and replayed, one launch instead of one per kernel (:mod:`ema_lab.graph_step`).
+    graph and replayed: two launches (the weight, the replay) instead of one per kernel
+    (:mod:`ema_lab.graph_step`).
     """
 
     def __init__(
