@@ -456,14 +456,16 @@ def targets_cuda(rows: list[dict]) -> list[str]:
         }
         ultra = _ultralytics(got)
         at = f"- {model}, {threads} thread(s): "
-        for ours, flat, label in ((DEFAULT, FLAT_MODEL, "default"), (GRAPH, FLAT_GRAPH, "cuda_graph")):
+        for ours, flat, label, who, flat_label in (
+            (DEFAULT, FLAT_MODEL, "default", "the default", "flat_model"),
+            (GRAPH, FLAT_GRAPH, "cuda_graph", "cuda_graph", "flat_model+cuda_graph"),
+        ):
             if ours not in got:
                 continue
             if ultra is None:
                 lines.append(at + f"{label} vs ultralytics: not measured (ultralytics not installed)")
             else:
                 mine = got[ours]
-                who = "the default" if ours == DEFAULT else label
                 versus = f"{label} {mine:.3f} ms, ultralytics {ultra:.3f} ms: {who} "
                 versus += f"{ultra / mine:.2f}x faster" if mine <= ultra else f"{mine / ultra:.2f}x slower"
                 if model in LAUNCH_BOUND:
@@ -478,9 +480,8 @@ def targets_cuda(rows: list[dict]) -> list[str]:
                     lines.append(at + f"{versus}; no issue 29 target for this model")
             ratio = got[flat] / got[FLOOR]
             ok = ratio <= FLAT_CUDA
-            name = "flat_model" if label == "default" else "flat_model+cuda_graph"
             lines.append(
-                at + f"{name} {got[flat]:.3f} ms, floor {got[FLOOR]:.3f} ms: {ratio:.2f}x the floor; "
+                at + f"{flat_label} {got[flat]:.3f} ms, floor {got[FLOOR]:.3f} ms: {ratio:.2f}x the floor; "
                 f"target <= {FLAT_CUDA:g}x: {'met' if ok else 'NOT met'}"
             )
     return lines

@@ -195,16 +195,15 @@ class ModelEMA(EMASchedule):
         floats = [t for t in (*self.ema.parameters(), *self.ema.buffers()) if t.is_floating_point()]
         self.resolved_strategy = resolve_strategy(strategy, floats)
         self._options = StepOptions(self.resolved_strategy, cat_max_numel)
-        self.cuda_graph = cuda_graph
-        self._step_type = STEPS[self.resolved_strategy]
+        if cuda_graph and self.resolved_strategy != "flat":
+            raise ValueError(
+                f"cuda_graph=True records the 'flat' step; strategy {strategy!r} runs "
+                f"{self.resolved_strategy!r} for this model"
+            )
         if cuda_graph:
-            if self.resolved_strategy != "flat":
-                raise ValueError(
-                    f"cuda_graph=True records the 'flat' step; strategy {strategy!r} runs "
-                    f"{self.resolved_strategy!r} for this model"
-                )
             GraphStep.check_devices(floats)
-            self._step_type = GraphStep
+        self.cuda_graph = cuda_graph
+        self._step_type = GraphStep if cuda_graph else STEPS[self.resolved_strategy]
 
     def update_attr(
         self, model: nn.Module, include: tuple = (), exclude: tuple = ("process_group", "reducer")

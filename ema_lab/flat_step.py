@@ -137,6 +137,7 @@ class _SplitGroup(_Group):
         # Where foreach is fused, a tensor weight goes as views of one buffer (made on first use).
         self.packed = len(self.runs) + sum(model[i].numel() <= DENSE_WEIGHT_NUMEL for i in large)
         self.dense = self.foreach and self.packed > 0 and self.ema.device.type in _FUSED_FOREACH
+        self.dense_buffer: Tensor | None = None
         self.dense_views: list[Tensor] = []
 
     def read(self) -> None:
@@ -156,7 +157,7 @@ class _SplitGroup(_Group):
             super().lerp(weight)
             return
         n = self.packed
-        if not self.dense_views:  # a cat run may be larger than DENSE_WEIGHT_NUMEL: sized to the largest
+        if self.dense_buffer is None:  # a cat run may exceed DENSE_WEIGHT_NUMEL: sized to the largest
             self.dense_buffer = torch.empty(
                 max(t.numel() for t in self.targets[:n]), dtype=weight.dtype, device=weight.device
             )
