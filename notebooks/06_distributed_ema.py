@@ -223,6 +223,7 @@ def torchrun(nproc: int, *args: str) -> str:
         return skip_reason()
     print(f"starting {nproc} ranks (10-20 s) ...", flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd.append(f"--log-dir={workdir / 'logs'}")  # torchrun's own logs, else a new temporary folder per run
     env = dict(os.environ)
     if loopback_interface():  # keep gloo on the loopback network interface (lo)
         env["GLOO_SOCKET_IFNAME"] = loopback_interface()

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,9 +215,11 @@ def _failing_rank(rank: int, world: int) -> None:
 
 @needs_distributed
 def test_a_failing_rank_is_reported_with_its_error() -> None:
+    error_files = set(Path(tempfile.gettempdir()).glob("pytorch-errorfile-*"))  # torch's, for tracebacks
     with pytest.raises(RuntimeError, match=r"(?s)a worker failed: .*ValueError: rank \d fails"):
         dist_demo.launch(_failing_rank, 2)
     assert multiprocessing.active_children() == []
+    assert set(Path(tempfile.gettempdir()).glob("pytorch-errorfile-*")) <= error_files
 
 
 def test_missing_api_is_a_named_skip(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:

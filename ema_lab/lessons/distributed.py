@@ -11,6 +11,7 @@ notebook 06 shows the same training-plus-EMA code in its own cells.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import sys
@@ -189,6 +190,10 @@ def launch(
                 if p.is_alive():
                     p.kill()
                     p.join()
+            # Newer torch hands a failed rank's traceback over in a temporary file it leaves behind.
+            for name in getattr(ctx, "error_files", ()):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(name)
         return [torch.load(Path(out) / f"rank{r}.pt") for r in range(world_size)]
 
 
