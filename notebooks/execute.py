@@ -62,7 +62,7 @@ def execute(path: str | Path, timeout: int = 1800) -> nbformat.NotebookNode:
         record_timing=False,  # per-cell timestamps would make every refresh a diff
         resources={"metadata": {"path": str(source.parent)}},
     )
-    client.execute()
+    client.execute(cleanup_kc=True)  # nbclient keeps a kernel it did not start alive unless told
     nbformat.validate(nb)
     nbformat.write(nb, target)
     return nb

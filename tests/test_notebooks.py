@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -101,7 +102,8 @@ def test_nbval_fails_on_a_wrong_stored_count_and_ignores_stderr(tmp_path: Path) 
 def test_execute_writes_the_pair_in_order_and_never_a_failure(tmp_path: Path, capsys) -> None:
     execute = _execute_module()
     good = tmp_path / "01_good.py"
-    good.write_text("# %%\nimport os\nprint(os.getcwd())\n\n# %%\nimport ema_lab\nema_lab.__name__\n")
+    cells = ["import os\nprint(os.getcwd())", "import ema_lab\nema_lab.__name__", "os.getpid()"]
+    good.write_text("".join(f"# %%\n{c}\n\n" for c in cells))
     bad = tmp_path / "02_bad.py"
     bad.write_text("# %%\nprint('ran')\n\n# %%\n1 / 0\n\n# %%\nprint('never')\n")
     committed = "committed outputs"
@@ -113,10 +115,12 @@ def test_execute_writes_the_pair_in_order_and_never_a_failure(tmp_path: Path, ca
     assert "FAILED 02_bad.py" in err and "ZeroDivisionError" in err and "1 of 2 failed" in err
 
     nb = nbformat.read(tmp_path / "01_good.ipynb", as_version=4)
-    assert [c.execution_count for c in nb.cells] == [1, 2]
+    assert [c.execution_count for c in nb.cells] == [1, 2, 3]
     assert nb.cells[0].outputs[0].text.strip() == str(tmp_path)  # cwd is the notebook's folder
     assert nb.cells[1].outputs[0].data["text/plain"] == "'ema_lab'"  # this interpreter's ema_lab
     assert nb.metadata.kernelspec.name == "python3" and "jupytext" not in nb.metadata
+    with pytest.raises(ProcessLookupError):  # each kernel is shut down when its notebook is done
+        os.kill(int(nb.cells[2].outputs[0].data["text/plain"]), 0)
     with pytest.raises(ValueError, match="not a notebook"):
         execute.pair(tmp_path / "x.txt")
     with pytest.raises(FileNotFoundError, match="no such jupytext notebook source"):
