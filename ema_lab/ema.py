@@ -201,7 +201,7 @@ class ModelEMA(EMASchedule):
                 f"{self.resolved_strategy!r} for this model"
             )
         if cuda_graph:
-            GraphStep.check_devices(floats)
+            GraphStep.check_devices([*self.ema.parameters(), *self.ema.buffers()])
         self.cuda_graph = cuda_graph
         self._step_type = GraphStep if cuda_graph else STEPS[self.resolved_strategy]
 

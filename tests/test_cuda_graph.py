@@ -22,7 +22,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="skipped: no CUD
 def test_cuda_graph_is_refused_off_cuda_and_for_a_step_other_than_flat() -> None:
     model = models.build("tiny_cnn")
     with pytest.raises(
-        ValueError, match="^cuda_graph=True needs every EMA float tensor on one CUDA device, found cpu$"
+        ValueError, match="^cuda_graph=True needs every EMA tensor on one CUDA device, found cpu$"
     ):
         ModelEMA(model, cuda_graph=True)
     with pytest.raises(ValueError, match="^cuda_graph=True records the 'flat' step; strategy 'gated' runs"):
@@ -33,8 +33,16 @@ def test_cuda_graph_devices_are_named_when_they_differ() -> None:
     tensors = [torch.zeros(1), torch.zeros(1, device="meta")]
     with pytest.raises(ValueError, match="found cpu, meta$"):
         GraphStep.check_devices(tensors)
-    with pytest.raises(ValueError, match="found no float tensors$"):
+    with pytest.raises(ValueError, match="found no tensors$"):
         GraphStep.check_devices([])
+
+
+def test_cuda_graph_checks_the_counters_device_too() -> None:
+    """A counter elsewhere would be copied on the host once, while recording, and never again."""
+    model = models.build("tiny_cnn")
+    model.register_buffer("steps", torch.zeros((), dtype=torch.long, device="meta"))
+    with pytest.raises(ValueError, match="found cpu, meta$"):
+        ModelEMA(model, cuda_graph=True)
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=CUDA)])
