@@ -4,8 +4,8 @@ On a CUDA machine, within 8 minutes, it writes into ``results/gpu-<machine>/`` (
 elsewhere):
 
 1. ``python -m ema_lab bench --device cuda --quick``: timings, op counts and kernel launches per candidate;
-2. ``kernel-launches.json``: the CUDA kernels one ``ModelEMA.update`` launches, per strategy and model,
-   and with ``cuda_graph=True``;
+2. ``kernel-launches.json``: the CUDA kernels one ``ModelEMA.update`` runs, per strategy and model,
+   and with ``cuda_graph=True``, and the host calls that launched them (a graph's replay is one);
 3. ``cuda-tests.xml`` / ``.log``: the CUDA tests (``pytest -k "test_cuda_ or cuda_graph"``: a sync-free
    update under ``torch.cuda.set_sync_debug_mode("error")``, ``ModelEMA(cuda_graph=True)`` bit for bit with
    the eager step, sync-free and through every staleness test, an update captured in and replayed from a
@@ -145,7 +145,7 @@ def kernel_launches(folder: Path) -> str:
 
     from ema_lab import ModelEMA, flatten_model
     from ema_lab.bench import models
-    from ema_lab.bench.counting import kernel_launches_or_reason
+    from ema_lab.bench.counting import count_host_launches, kernel_launches_or_reason
     from ema_lab.bench.sweep import QUICK_MODELS
     from ema_lab.ema import STRATEGIES
 
@@ -156,7 +156,10 @@ def kernel_launches(folder: Path) -> str:
         for _ in range(2):  # the first update builds the cached step; with cuda_graph, the second records
             ema.update(model, decay=decay)
         counts = kernel_launches_or_reason(ema.update, model, decay=decay, device="cuda")
-        return counts if isinstance(counts, str) else {"total": sum(counts.values()), "kernels": counts}
+        if isinstance(counts, str):
+            return counts
+        host = count_host_launches(ema.update, model, decay=decay)  # a graph replay: one for all its kernels
+        return {"total": sum(counts.values()), "host_launches": host, "kernels": counts}
 
     table: dict[str, dict[str, object]] = {}
     for name in QUICK_MODELS:
@@ -235,7 +238,7 @@ def notebooks(folder: Path, clock: Clock) -> str:
             km = execute.kernel_manager()
             client = NotebookClient(nb, km=km, timeout=int(clock.left()), resources=where)
             try:
-                client.execute()
+                client.execute(cleanup_kc=True)  # shut its kernel (and CUDA context) down before the next
                 outcomes.append(f"{stem} ok")
             except Exception as exc:  # a failing notebook is reported; the next one still runs
                 outcomes.append(f"{stem} error: {type(exc).__name__}: {str(exc).strip().splitlines()[-1]}")

@@ -39,8 +39,9 @@ under the grain size does not):
   ``torch.cuda.synchronize()`` calls, divided by 10, once per candidate per round; the median of
   ``--rounds`` rounds, after at least 2 s of warm-up calls (an idle GPU clocks down). The kernels of one
   steady update are counted per candidate with ``torch.profiler``
-  (:func:`ema_lab.bench.counting.kernel_launches_or_reason`; memcpy and memset count too), and the device
-  memory each ema_lab EMA adds (:func:`extra_memory`).
+  (:func:`ema_lab.bench.counting.kernel_launches_or_reason`; memcpy and memset count too), with the host
+  calls that launched them (:func:`ema_lab.bench.counting.count_host_launches`: a CUDA graph's replay is
+  one), and the device memory each ema_lab EMA adds (:func:`extra_memory`).
 
 The Markdown file ends with a line per model and thread count, met or not: on CPU the issue 12 targets
 (the default no slower than the fastest peer, >= 1.2x ultralytics on the launch-bound models yolo26n,
@@ -71,7 +72,7 @@ from torch import nn
 
 from ema_lab import ModelEMA, flatten_model, flatten_tensors
 from ema_lab.bench import models
-from ema_lab.bench.counting import kernel_launches_or_reason
+from ema_lab.bench.counting import count_host_launches, kernel_launches_or_reason
 from ema_lab.bench.environment import environment
 from ema_lab.bench.timing import quantiles, time_candidates
 
@@ -288,14 +289,20 @@ def time_synced(
     return times
 
 
-def kernels_per_update(candidates: dict[str, Callable[[], object]], device: str) -> dict[str, int | str]:
-    """CUDA kernels (memcpy and memset included) of one call of each candidate, or why they cannot be
-    counted ("not available: ...")."""
-    out: dict[str, int | str] = {}
+def kernels_per_update(
+    candidates: dict[str, Callable[[], object]], device: str
+) -> tuple[dict[str, int | str], dict[str, int]]:
+    """One call of each candidate: its CUDA kernels (memcpy and memset included), or why they cannot be
+    counted ("not available: ..."); and where they can, the host calls that launched them (a CUDA
+    graph's replay is one call for all its kernels)."""
+    kernels: dict[str, int | str] = {}
+    host: dict[str, int] = {}
     for k, fn in candidates.items():
         counts = kernel_launches_or_reason(fn, device=device)
-        out[k] = counts if isinstance(counts, str) else sum(counts.values())
-    return out
+        kernels[k] = counts if isinstance(counts, str) else sum(counts.values())
+        if not isinstance(counts, str):
+            host[k] = count_host_launches(fn, device=device)
+    return kernels, host
 
 
 def run(
@@ -321,6 +328,7 @@ def run(
     for name in names:
         pooled: dict[int, dict[str, list[float]]] = {n: {} for n in threads}
         kernels: dict[str, int | str] = {}
+        host: dict[str, int] = {}
         for build_index in range(builds):
             fns, skip = peer_candidates(name, baseline, device)
             skipped.update(skip)
@@ -340,7 +348,7 @@ def run(
                     ratio = ultra / medians[DEFAULT]
                     per_build.append({"model": name, "threads": n_threads, "ultralytics_over_default": ratio})
             if device != "cpu" and build_index == 0:
-                kernels = kernels_per_update(fns, device)
+                kernels, host = kernels_per_update(fns, device)
             del fns
             gc.collect()
         if not pooled[threads[0]]:
@@ -364,6 +372,7 @@ def run(
                         "x_floor": med / floor,
                         "ultralytics_over_this": None if ultra is None else ultra / med,
                         "kernels": kernels.get(k),
+                        "host_launches": host.get(k),
                         "threads": n_threads,
                         "rounds": len(pooled[n_threads][k]),
                         "builds": builds,
@@ -488,8 +497,9 @@ def targets_cuda(rows: list[dict]) -> list[str]:
 
 
 def extra_memory(name: str, device: str) -> dict[str, int]:
-    """Device bytes each ema_lab EMA adds at its peak over its model alone (``max_memory_allocated`` from
-    just before the EMA is made through 3 updates), and the model's own float bytes."""
+    """Device bytes each ema_lab EMA adds over its model alone: at its peak (``max_memory_allocated`` from
+    just before the EMA is made through 3 updates) and held after them (``memory_allocated``; the peak
+    includes the moment the EMA's tensors are copied into their flat buffers), and the model's float bytes."""
     out: dict[str, int] = {}
     for label, kwargs in ((DEFAULT, {}), (GRAPH, {"cuda_graph": True})):
         model = build(name).to(device)
@@ -503,34 +513,39 @@ def extra_memory(name: str, device: str) -> dict[str, int]:
             ema.update(model)
         torch.cuda.synchronize(device)
         out[label] = torch.cuda.max_memory_allocated(device) - before
+        out[f"{label}, held"] = torch.cuda.memory_allocated(device) - before
         del ema, model
     return out
 
 
 def format_memory(memory: dict[str, dict[str, int]]) -> str:
     """The extra device memory of each EMA per model, in MiB and as a multiple of the model's floats."""
-    lines = ["## Extra device memory (peak over the model alone, 3 updates)", ""]
+    lines = ["## Extra device memory over the model alone (3 updates): peak, then held after them", ""]
     for name, got in memory.items():
         model = got["model float bytes"]
         for label in (DEFAULT, GRAPH):
+            peak, held = got[label], got[f"{label}, held"]
             lines.append(
-                f"- {name}: {label}: {got[label] / 2**20:.1f} MiB ({got[label] / model:.2f}x the model)"
+                f"- {name}: {label}: peak {peak / 2**20:.1f} MiB ({peak / model:.2f}x the model), "
+                f"held {held / 2**20:.1f} MiB ({held / model:.2f}x)"
             )
     return "\n".join(lines)
 
 
 def format_table(rows: list[dict]) -> str:
-    """A Markdown table: model, candidate, median ms (IQR), times the floor, kernels per update."""
+    """A Markdown table: model, candidate, median ms (IQR), times the floor, kernels and host launches
+    per update."""
     lines = [
-        "| model | threads | candidate | median ms (q1-q3) | x floor | ultralytics / this | kernels |",
-        "|---|---|---|---|---|---|---|",
+        "| model | threads | candidate | median ms (q1-q3) | x floor | ultralytics / this | kernels "
+        "| host launches |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        u, k = r.get("ultralytics_over_this"), r.get("kernels")
+        u, k, h = r.get("ultralytics_over_this"), r.get("kernels"), r.get("host_launches")
         lines.append(
             f"| {r['model']} | {r['threads']} | {r['candidate']} | {r['median_ms']:.3f} "
             f"({r['q1_ms']:.3f}-{r['q3_ms']:.3f}) | {r['x_floor']:.2f} | {'-' if u is None else f'{u:.2f}'} "
-            f"| {'-' if k is None else k} |"
+            f"| {'-' if k is None else k} | {'-' if h is None else h} |"
         )
     return "\n".join(lines)
 

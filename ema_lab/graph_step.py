@@ -17,11 +17,12 @@ CUDA graph records the kernels of one update once and launches them all with one
   records the graph on a side stream (nothing runs while recording) and replays it. A failed recording
   raises before anything is written;
 - memory: the graph's private pool keeps what the update allocates (the weight in the dtype of a group
-  that is not float32); benchmarks/peers.py measures what each EMA adds on a CUDA device.
+  that is not float32); benchmarks/peers.py measures the device memory each EMA adds, at its peak and held.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
@@ -45,8 +46,11 @@ def _record(body: Callable[[], None], device: torch.device) -> Callable[[], None
         graph.capture_begin(capture_error_mode="thread_local")
         try:
             body()
-        finally:
-            graph.capture_end()
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # ends the broken capture; body's error is the one to see
+                graph.capture_end()
+            raise
+        graph.capture_end()
     return graph.replay
 
 

@@ -105,7 +105,8 @@ for name, ms in turns.items():
     print(f"{name:<15} median {np.median(ms):.3f} ms, range {min(ms):.3f} to {max(ms):.3f} ms")
 
 # %% [markdown]
-# The range shows how much one measurement can move; a ratio inside it would be within the noise.
+# The range shows how much one measurement can move: when two ways' ranges overlap, their difference
+# is within the noise.
 # `ema_lab.bench.timing.time_candidates` is this timer, packaged: it also rotates the order within each
 # round and reports the quartiles. It times the sweep of `n` from 1 to 4096 tensors:
 
@@ -143,7 +144,7 @@ plt.show()
 # The flat `lerp_` stays level: the work is the same at every `n`. The loop climbs with the number of
 # tensors: past a few dozen, its time is mostly the fixed price of each op, not arithmetic. That price is
 # called launch overhead (on a CPU, per-op overhead; section 2 says why). `_foreach_lerp_` climbs
-# too, but more slowly.
+# too, several times below the loop.
 #
 # ## 2. What an op goes through
 #
@@ -157,7 +158,7 @@ plt.show()
 # On a CPU nothing is "launched": the kernel is a function call, and the overhead is Python and the
 # dispatcher. `_foreach_lerp_` does not bypass the dispatcher: it goes through it once for the whole
 # list. On a CPU its kernel then calls `lerp_` for each tensor, through the dispatcher again but
-# without Python and below the autograd layer: that is why its line still climbs, more slowly.
+# without Python and below the autograd layer: that is why its line still climbs, below the loop's.
 #
 # ## 3. Count the ops
 #
@@ -258,8 +259,8 @@ for fn in (ema_before, ema_after):
 
 # %% [markdown]
 # The before-code dispatches 3 ops per float tensor (`mul_`, `mul`, `add_`); the after-code one
-# `_foreach_lerp_`. Both also dispatch a `detach` for each of the 1416 `state_dict()` entries they
-# walk (two walks per update), and the before-code one per tensor. Time both, the walks alone, and one
+# `_foreach_lerp_`. Both also dispatch a `detach` for every entry of the two `state_dict()` walks
+# per update (2 x 708 = 1416), and the before-code one per tensor. Time both, the walks alone, and one
 # flat `lerp_` over as many numbers (the floor):
 
 # %% tags=["nbval-ignore-output"]
@@ -285,10 +286,10 @@ def ratio(before, after):  # median ratio, and its range from the quartiles of b
 print("before / after: {:.1f}x (range {:.1f}x to {:.1f}x)".format(*ratio(pr["before"], pr["after"])))
 
 # %% [markdown]
-# Much of both times is the two walks, which the PR kept; the floor is far below either. The ratio is
-# your machine's version of the PR's 2.2x (12.8 -> 5.8 ms, yolo26n on an Apple M-series laptop). The PR
-# gave one number; a ratio of two noisy times has a range. Yours, beside the committed runs of
-# `python3 dev.py bench` (each bar spans the ratios the quartiles of both times allow):
+# The PR kept the two walks: compare their line with the after-code's. The floor is far below either.
+# The ratio is your machine's version of the PR's 2.2x (12.8 -> 5.8 ms, yolo26n on an Apple M-series
+# laptop). The PR gave one number; a ratio of two noisy times has a range. Yours, beside the runs saved
+# in `results/` (each bar spans the ratios the quartiles of both times allow):
 
 # %% tags=["nbval-ignore-output"]
 import json
@@ -396,11 +397,10 @@ print(
 )
 
 # %% [markdown]
-# Compare the H200 with the 2-core CPU, whose prices the bench fitted the same way (your column comes
-# from the smaller sweep of section 4). On the H200 an op in a Python loop costs about 3x more (each
-# one is a launch), a tensor inside `_foreach_lerp_` less than half, and the numbers themselves almost
-# nothing. The before-code pays the first price 1782 times, the after-code the second 594 times: both
-# differences favour the after-code, so its speed-up grows.
+# Read each column down (yours comes from the smaller sweep of section 4). On a CPU an op of the loop
+# costs a few times what a tensor inside `_foreach_lerp_` costs; on the H200 about 20 times, because each
+# op of the loop is a kernel launch from the host. The before-code pays the first price 1782 times, the
+# after-code the second 594 times: the wider the gap between the two prices, the larger the speed-up.
 
 # %% [markdown]
 # ## Summary

@@ -182,8 +182,8 @@ print("same EMA losses, to 1e-5:", max(abs(a - b) for a, b in zip(avg, avg2)) < 
 print("same ramp:", all(packaged.decay(n) == ramp(n, 0.99, 50) for n in range(0, 5000, 7)))
 
 # %% [markdown]
-# ModelEMA also unwraps DDP and compiled models, copies the integer BatchNorm counters, and applies
-# the step in fewer ops, the subject of the next section.
+# ModelEMA also unwraps models wrapped for multi-GPU training (DDP) or by `torch.compile`, copies the
+# integer BatchNorm counters, and applies the step in fewer ops, the subject of the next section.
 #
 # ## 3. Three ways to apply one step
 #
@@ -340,7 +340,8 @@ print(
 #
 # 1. Train with `tau=5` instead of 50 (`train(HandEMA, tau=5)`). In which epochs is the EMA's loss
 #    worse than the raw model's? Why?
-# 2. Add the conversion `model.bfloat16()` to `ema_lab.lessons.staleness.CONVERSIONS` and check both EMAs.
+# 2. Add the conversion `model.bfloat16()` to `ema_lab.lessons.staleness.CONVERSIONS`, then run
+#    `follows_after` on `ModelEMA` and on the packaged cached-list EMA, `ema_lab.bench.seed.CachedListEMA`.
 # 3. Count the ops of `loop_update` and `foreach_update` on `models.build("tiny_tensors")`.
 #
 # Solutions are in the hidden cells below (click to expand).
@@ -360,13 +361,13 @@ for tau in (5, 50):
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
 # Solution 2
-# ModelEMA notices the new memory and follows; the cached lists freeze again.
-# (follows_after takes a class built like ModelEMA: ema_lab.bench.seed has the cached one so.)
-from ema_lab.bench.seed import CachedListEMA as UltralyticsCachedEMA
+# ModelEMA notices the new memory and follows; the cached lists freeze again. follows_after builds
+# cls(model, decay=..., tau=...), so it takes the packaged class, not the two-argument one above.
+from ema_lab.bench import seed
 from ema_lab.lessons.staleness import CONVERSIONS, follows_after
 
 CONVERSIONS["model.bfloat16()"] = lambda model, ema: model.bfloat16()
-for cls in (UltralyticsCachedEMA, ModelEMA):
+for cls in (seed.CachedListEMA, ModelEMA):
     r = follows_after(cls, "model.bfloat16()")
     print(f"{cls.__name__:<14} follows the model: {r.follows}")
 del CONVERSIONS["model.bfloat16()"]

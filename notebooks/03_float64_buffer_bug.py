@@ -108,8 +108,8 @@ print("leaked keys:", leaked_keys(block))
 
 # %% [markdown]
 # `conv` and `bn` have rules and were cleaned; the block (a custom class) and `SiLU` (no rule in thop
-# 0.1.1) were not. The count itself is right: 16 × 32 × 32 outputs × 27 MACs each for the convolution,
-# plus the 4 per output element thop charges BatchNorm, make 507,904.
+# 0.1.1) were not. The count follows thop's rules: 16 × 32 × 32 outputs × 27 MACs each for the
+# convolution, plus the 4 per output element thop charges BatchNorm, make 507,904 (SiLU adds nothing).
 #
 # thop has no `try/finally` either. When the profiled forward raises (a 1-channel input into a
 # 3-channel convolution), the buffers stay on every module, the hooks stay registered, and the block
@@ -428,7 +428,8 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 # ## Exercises
 #
 # 1. Profile `models.resnet50()` in place (inside `with shared_act_leak():` from
-#    `ema_lab.lessons.float64_bug`). Why does it keep fewer stray keys than the YOLO-sized net?
+#    `ema_lab.lessons.float64_bug`, which puts section 2's shared-SiLU leak back and removes it on
+#    exit). Why does it keep fewer stray keys than the YOLO-sized net?
 # 2. With ultralytics' `d = 0.9999`, how much weight does the fallback of section 3 give the model per
 #    step, and what happens to the averaging window?
 # 3. Put a module whose forward raises into a model. Run `thop.profile` on it in place, and

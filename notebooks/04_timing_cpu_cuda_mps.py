@@ -249,8 +249,8 @@ for r in record["results"]:
 # `copy` one `copy_` of the same bytes.
 
 # %% [markdown]
-# Without a GPU, read what the H200 run saved in `results/` (one `python3 dev.py gpu-check`): the
-# sync lesson of section 1, and the CUDA kernels each update launched, counted with `torch.profiler`:
+# Without a GPU, read what a run on an NVIDIA H200 saved in `results/`: the sync lesson of section 1,
+# and the CUDA kernels each update launched, counted with `torch.profiler`:
 
 # %%
 from ema_lab.bench.results import bench_files, load, results_dir
@@ -276,11 +276,12 @@ for name in ("yolo", "tiny_tensors"):
 #
 # <details><summary>Will a newer torch pack more tensors into one launch?</summary>
 #
-# The limit comes from the 4 KB a CUDA kernel's arguments may fill. torch 2.13's
-# `aten/src/ATen/native/cuda/MultiTensorApply.cuh` raises it to 448 tensors per launch (32 KB of
-# arguments), but only in builds made with CUDA 13 or later: yolo would then take 2 launches. The
-# H200 run's torch 2.11, built with CUDA 13.0, still packed 64. Count on your own build before you
-# quote a number. Mixed dtypes or devices in one list leave this fast path: one kernel per tensor.
+# The limit comes from the 4 KB a CUDA kernel's arguments may fill. torch's
+# `aten/src/ATen/native/cuda/MultiTensorApply.cuh` can give a foreach kernel 32 KB of arguments (448
+# tensors per launch) where the build, the driver and the GPU allow it, and not while a CUDA graph is
+# recorded. The H200 run's torch 2.11 (CUDA 13.0) still packed 64 tensors into each `_foreach_lerp_`
+# launch. Count on your own build before you quote a number. Mixed dtypes or devices in one list leave
+# this fast path: one kernel per tensor.
 # </details>
 
 # %% [markdown]
@@ -307,7 +308,7 @@ for rec, f in saved:
 # %% [markdown]
 # Milliseconds depend on the machine and its load; a speed-up measured within one run cancels part of
 # that. Plot the speed-ups on `tiny_tensors` of the CPU reference, your newest CPU runs, the H200 and
-# the run above; each line spans the speed-up's spread within its run (IQR against IQR):
+# the run above; each line runs from the least to the most favourable ratio of the two times' quartiles:
 
 
 # %% tags=["nbval-ignore-output"]
@@ -399,8 +400,8 @@ for label, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_fu
 # ## Solutions (click to expand)
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
-# 1. One: the first call builds the update (rebuilds stays 1) and costs many times more; later calls
-#    differ from each other far less.
+# 1. The first call builds the update (rebuilds stays 1) and costs tens of times more; the next one or
+#    two can still be a little slower (caches warming up); then the times settle.
 net = models.build("tiny_tensors")
 fresh = ModelEMA(net)
 for call in range(1, 6):

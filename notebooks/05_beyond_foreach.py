@@ -17,7 +17,7 @@
 #
 # - Put the EMA and the model each in one contiguous buffer, and the whole update is one `lerp_`.
 # - Views go stale when the model moves, so check them; a bf16 EMA stops moving, so keep it in fp32.
-# - On a GPU, launches are the cost: replay them as one CUDA graph, with the decay as a tensor.
+# - On a GPU, launches are the cost: flatten the model, or replay the update as one CUDA graph.
 
 # %% tags=["nbval-ignore-output"]
 import copy
@@ -314,7 +314,8 @@ print(
 
 # %% [markdown]
 # Rebuilt, and the EMA stayed fp32: mode "cast". Count what an fp32 EMA of a bf16 model costs per
-# update with the PR's gated foreach and with the default:
+# update with `strategy="gated"` and with the default. (The PR's own after-code raises on such a pair:
+# `_foreach_lerp_` wants one dtype; "gated" is the PR's gate plus a fallback.)
 
 # %%
 bf16_net = models.build("yolo").bfloat16()
@@ -326,7 +327,7 @@ for strategy in ("gated", "auto"):
     print(f"{strategy:<6} {sum(ops.values())} ops: {ops}")
 
 # %% [markdown]
-# The gated foreach falls back to a `mul_` and an `add_` per tensor. The default copies the bf16 model
+# "gated" falls back to a `mul_` and an `add_` per mixed pair. The default copies the bf16 model
 # into an fp32 scratch buffer with one `_foreach_copy_`, then runs one `lerp_`.
 
 # %% [markdown]
@@ -348,8 +349,9 @@ for strategy, n in launches["yolo"].items():
         print(f"{strategy:<22} {n['total']:>5} kernels")
 
 # %% [markdown]
-# Flattening took the loop's one launch per op down to two. A *CUDA graph* takes any update to one
-# call: record its kernels once (*capture*), then launch them all at once (*replay*).
+# Flattening took the loop's one launch per op down to two. A *CUDA graph* takes any number of
+# launches down to one: record an update's kernels once (*capture*), then launch them all at once
+# (*replay*).
 #
 # ![Eager: the host launches each kernel. A graph: one launch replays them all](figures/05_cuda_graph.svg)
 #
@@ -368,7 +370,8 @@ for strategy, n in launches["yolo"].items():
 # `ModelEMA(model, cuda_graph=True)` pays those three costs: it checks the slots before every replay,
 # writes the weight `1 - decay` into a device tensor first (`fill_` passes the number inside the launch,
 # so the CPU never waits for the GPU), and records again after every rebuild. It records the flat step
-# without `torch.cat` gathers, which copy the small tensors once more.
+# without `torch.cat` gathers, which copy the small tensors once more. It has not been timed on a GPU
+# yet: measure it on yours as notebook 04 does before you rely on it.
 
 # %% [markdown]
 # `torch.compile` has the same rule. Dynamo, its front end, records a function's tensor ops into a
@@ -407,11 +410,12 @@ print("torch", torch.__version__, "| graphs after each of 20 calls:")
 print("  tensor decay:                ", graphs_after_each_call(step, True))
 print("  float decay:                 ", graphs_after_each_call(step, False))
 print("  float, automatic dynamic off:", graphs_after_each_call(step, False, automatic_dynamic_shapes=False))
+config = torch._dynamo.config  # older torch names the limit cache_size_limit
+print("  Dynamo's recompile limit:", getattr(config, "recompile_limit", None) or config.cache_size_limit)
 print(
     "  ModelEMA.update, tensor decay:",
     graphs_after_each_call(lambda d: small_ema.update(small, decay=d), True),
 )
-print("  Dynamo's recompile limit:", torch._dynamo.config.recompile_limit)
 print(
     "host syncs in one ModelEMA update:",
     ops_of(small_ema.update, small, torch.tensor(0.999)).get("_local_scalar_dense", 0),
@@ -421,8 +425,9 @@ torch._logging.set_logs()
 # %% [markdown]
 # A 0-dim tensor decay is data, not a constant: one graph. A float recompiles once, then *automatic
 # dynamic* (Dynamo marking an input that changed as symbolic) makes it a variable; with that off, every
-# new float compiles until the recompile limit. `ModelEMA.update` takes a tensor decay: its count stops
-# growing after the first calls, and it never waits for the GPU (a *host sync*, op `_local_scalar_dense`).
+# new float compiles until the recompile limit. `ModelEMA.update` compiles in several pieces on its
+# first call (Dynamo splits a function where it meets code it cannot trace); with a tensor decay its
+# count then stops growing, and it never waits for the GPU (a *host sync*, op `_local_scalar_dense`).
 #
 # <details><summary>Why the counts depend on the torch version</summary>
 #
@@ -438,7 +443,7 @@ torch._logging.set_logs()
 # - Views go stale after `model.half()` or `.to()`: check them every update, as `ModelEMA` does.
 # - Keep the EMA in fp32: at decay 0.9999 a bf16 EMA's small steps round away.
 # - On a GPU a captured graph replays all launches at once; the decay then lives in a tensor
-#   (`ModelEMA(model, cuda_graph=True)`).
+#   (`ModelEMA(model, cuda_graph=True)`, not yet timed on a GPU).
 
 # %% [markdown]
 # ## Exercises

@@ -41,8 +41,9 @@ print(
 print(skip_reason() or "torch.distributed: everything the runs below need is here")
 
 # %% [markdown]
-# Training on several GPUs runs one process per GPU, called a *rank*. Each rank holds some of the
-# weights. Can each rank keep an EMA of what it holds, without asking the others?
+# Training on several GPUs runs one process per GPU, called a *rank*. Each rank holds a full copy of
+# the weights or, when the model is sharded, a slice of them. Can each rank keep an EMA of what it
+# holds, without asking the others?
 
 # %% [markdown]
 # ## 1. An EMA is elementwise, so it shards

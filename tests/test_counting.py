@@ -13,6 +13,7 @@ from ema_lab import ModelEMA
 from ema_lab.bench import models
 from ema_lab.bench.counting import (
     KernelCountUnavailable,
+    count_host_launches,
     count_kernel_launches,
     count_ops,
     is_view_op,
@@ -134,6 +135,8 @@ def test_kernel_counter_says_not_available_instead_of_a_number():
     for device in ("cpu", "mps"):
         with pytest.raises(KernelCountUnavailable, match=r"^not available: "):
             count_kernel_launches(x.add_, 1, device=device)
+        with pytest.raises(KernelCountUnavailable, match=r"^not available: "):
+            count_host_launches(x.add_, 1, device=device)
         assert kernel_launches_or_reason(x.add_, 1, device=device).startswith("not available: ")
     if not torch.cuda.is_available():
         assert "no CUDA device" in kernel_launches_or_reason(x.add_, 1, device="cuda")
@@ -147,6 +150,17 @@ def test_cuda_kernel_launches_foreach_vs_loop():  # pragma: no cover - needs a G
     looped = count_kernel_launches(lambda: [e.lerp_(m, 0.1) for e, m in zip(ema, model)])
     assert sum(looped.values()) == 64
     assert 1 <= sum(fused.values()) < 64  # multi_tensor_apply: a few chunked launches
+    assert count_host_launches(lambda: [e.lerp_(m, 0.1) for e, m in zip(ema, model)]) == 64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="skipped: no CUDA device")
+def test_cuda_graph_update_is_two_host_launches():  # pragma: no cover - needs a GPU
+    model = models.build("tiny_tensors").cuda()
+    ema = ModelEMA(model, cuda_graph=True)
+    for _ in range(2):  # eager, then recorded and replayed
+        ema.update(model)
+    assert count_host_launches(ema.update, model) == 2  # the weight's fill_, the graph's launch
+    assert sum(count_kernel_launches(ema.update, model).values()) >= 2  # what the replay ran
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="skipped: no CUDA device")

@@ -147,3 +147,14 @@ def test_cuda_graph_updates_never_sync_with_the_host() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert ema.rebuilds == 1
+
+
+@CUDA
+def test_cuda_graph_recording_that_fails_raises_the_error_of_the_update() -> None:
+    def body() -> None:
+        torch.zeros(1, device="cuda").add_(1)
+        raise ValueError("the update's own error")
+
+    with pytest.raises(ValueError, match="the update's own error"):
+        graph_step._record(body, torch.device("cuda"))
+    torch.cuda.synchronize()  # nothing left capturing

@@ -81,9 +81,10 @@ def test_synced_timer_warms_up_for_the_time_asked(monkeypatch) -> None:
 
 
 def test_kernel_counts_say_why_they_are_missing_on_cpu() -> None:
-    counts = peers.kernels_per_update({"floor": lambda: None}, "cpu")
+    counts, host = peers.kernels_per_update({"floor": lambda: None}, "cpu")
     assert counts["floor"].startswith("not available: ")  # the counter's own reason, passed on
     assert counts["floor"] == peers.kernel_launches_or_reason(lambda: None, device="cpu")
+    assert host == {}
 
 
 def _rows(model: str, ms: dict[str, float]) -> list[dict]:
@@ -125,10 +126,11 @@ def test_issue_29_target_lines_compare_the_default_with_ultralytics_per_model() 
 
 
 def test_the_extra_memory_lines_give_mib_and_the_multiple_of_the_model() -> None:
-    got = {"model float bytes": 4 << 20, peers.DEFAULT: 5 << 20, peers.GRAPH: 6 << 20}
+    got = {"model float bytes": 4 << 20, peers.DEFAULT: 8 << 20, peers.GRAPH: 10 << 20}
+    got |= {f"{peers.DEFAULT}, held": 4 << 20, f"{peers.GRAPH}, held": 6 << 20}
     assert peers.format_memory({"yolo": got}).splitlines()[2:] == [
-        f"- yolo: {peers.DEFAULT}: 5.0 MiB (1.25x the model)",
-        f"- yolo: {peers.GRAPH}: 6.0 MiB (1.50x the model)",
+        f"- yolo: {peers.DEFAULT}: peak 8.0 MiB (2.00x the model), held 4.0 MiB (1.00x)",
+        f"- yolo: {peers.GRAPH}: peak 10.0 MiB (2.50x the model), held 6.0 MiB (1.50x)",
     ]
 
 
@@ -149,7 +151,8 @@ def test_cuda_peers_time_synced_updates_and_count_their_kernels() -> None:
     record = peers.run(("yolo_like",), rounds=3, target_s=0.0, device="cuda")
     rows = {r["candidate"]: r for r in record["rows"]}
     assert peers.FLOOR_HUGE not in rows  # 2 MiB host pages: a CPU candidate
-    assert rows[peers.FLOOR]["kernels"] == 1  # one lerp_ over one buffer
+    assert rows[peers.FLOOR]["kernels"] == rows[peers.FLOOR]["host_launches"] == 1  # one lerp_, one buffer
+    assert rows[peers.GRAPH]["host_launches"] == 2  # the weight's fill_, the graph's replay
     assert all(isinstance(r["kernels"], int) and r["kernels"] >= 1 for r in rows.values()), rows
     assert all(r["device"] == "cuda" and r["rounds"] == 3 and r["median_ms"] > 0 for r in rows.values())
     assert "torch.cuda.synchronize()" in record["timing"]
@@ -157,3 +160,4 @@ def test_cuda_peers_time_synced_updates_and_count_their_kernels() -> None:
     assert len(peers.targets_cuda(record["rows"])) == 4  # per EMA: one vs ultralytics (or why not), one flat
     memory = record["memory"]["yolo_like"]
     assert memory["model float bytes"] > 0 and memory[peers.DEFAULT] > 0 and memory[peers.GRAPH] > 0
+    assert 0 < memory[f"{peers.DEFAULT}, held"] <= memory[peers.DEFAULT]

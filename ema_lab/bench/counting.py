@@ -14,7 +14,9 @@ What :func:`count_ops` counts, and what it does not:
 
 The number of device kernels is a different question (one ``_foreach_lerp_`` is one kernel per
 chunk of tensors on CUDA, but one lerp per tensor on CPU): :func:`count_kernel_launches` asks the
-profiler, and says "not available: <reason>" where the device or profiler cannot answer.
+profiler, and says "not available: <reason>" where the device or profiler cannot answer. The kernels
+that ran are not always the launches the host paid for: a CUDA graph's replay runs all of its kernels
+from one host call. :func:`count_host_launches` counts those calls.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "count_ops",
     "without_views",
     "count_kernel_launches",
+    "count_host_launches",
     "kernel_launches_or_reason",
     "KernelCountUnavailable",
 ]
@@ -88,18 +91,16 @@ def _unavailable_reason(device: str) -> str | None:
     return None
 
 
-def count_kernel_launches(
-    fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs: Any
-) -> Counter[str]:
-    """Run ``fn`` once under ``torch.profiler`` and count CUDA kernels by name; raise if impossible.
+#: Name prefixes of the CUDA runtime and driver calls by which the host queues work on a stream (kernels,
+#: cooperative kernels, graphs, copies, sets), as the profiler reports them.
+HOST_LAUNCH_CALLS = ("cudaLaunch", "__cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy", "cudaMemset")
 
-    Raises :class:`KernelCountUnavailable` ("not available: <reason>") on CPU, MPS, or a CUDA
-    device without profiler support. Memcpy/memset activity is counted under its own name.
-    """
+
+def _profile_cuda(fn: Callable[..., Any], args: tuple, kwargs: dict, device: str) -> list:
+    """The profiler's events (host and device) of one call of ``fn``; raise if the device has none."""
     reason = _unavailable_reason(device)
     if reason is not None:
         raise KernelCountUnavailable(reason)
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -109,11 +110,26 @@ def count_kernel_launches(
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn(*args, **kwargs)
             torch.cuda.synchronize()
-    counts: Counter[str] = Counter()
-    for evt in prof.events():
-        if evt.device_type == DeviceType.CUDA:
-            counts[evt.name] += 1
-    return counts
+    return list(prof.events())
+
+
+def count_kernel_launches(
+    fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs: Any
+) -> Counter[str]:
+    """Run ``fn`` once under ``torch.profiler`` and count CUDA kernels by name; raise if impossible.
+
+    Raises :class:`KernelCountUnavailable` ("not available: <reason>") on CPU, MPS, or a CUDA
+    device without profiler support. Memcpy/memset activity is counted under its own name.
+    """
+    from torch.autograd import DeviceType
+
+    events = _profile_cuda(fn, args, kwargs, device)
+    return Counter(evt.name for evt in events if evt.device_type == DeviceType.CUDA)
+
+
+def count_host_launches(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs: Any) -> int:
+    """Run ``fn`` once under ``torch.profiler`` and count the host's calls in :data:`HOST_LAUNCH_CALLS`."""
+    return sum(evt.name.startswith(HOST_LAUNCH_CALLS) for evt in _profile_cuda(fn, args, kwargs, device))
 
 
 def kernel_launches_or_reason(
