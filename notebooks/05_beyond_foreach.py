@@ -143,7 +143,7 @@ def ema_cat_lerp() -> None:  # flat EMA; the model copied into one tensor each s
 print(medians(time_rounds({"foreach": ema_foreach, "flat EMA + cat": ema_cat_lerp})))
 
 # %% [markdown]
-# Usually no faster than foreach: `cat` copies all 2.6 million model elements every step. So flatten
+# No faster than foreach, often slower: `cat` copies all 2.6 million model elements every step. So flatten
 # the model too: the update becomes one `lerp_` over two buffers, and it must equal foreach to the bit:
 
 
