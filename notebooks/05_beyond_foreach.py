@@ -477,8 +477,8 @@ print(f"tiny_tensors: {ratio:.0f}x")  # of the unrounded medians
 print(f"yolo-sized:   {times['foreach'] / times['one lerp_']:.1f}x")
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
-# 2. Hardly, on a CPU: the step dwarfs every EMA update. The share grows when the step is short
-#    (small batches, small images, a fast GPU).
+# 2. Hardly, on a CPU: the step dwarfs every EMA update. The share grows as the step shortens
+#    (smaller batches or images) while the update stays the same.
 import time
 
 batch, size = (2, 64) if QUICK else (8, 256)
