@@ -299,9 +299,11 @@ def kernels_per_update(
     host: dict[str, int] = {}
     for k, fn in candidates.items():
         counts = kernel_launches_or_reason(fn, device=device)
-        kernels[k] = counts if isinstance(counts, str) else sum(counts.values())
-        if not isinstance(counts, str):
-            host[k] = count_host_launches(fn, device=device)
+        if isinstance(counts, str):  # why they cannot be counted
+            kernels[k] = counts
+            continue
+        kernels[k] = sum(counts.values())
+        host[k] = count_host_launches(fn, device=device)
     return kernels, host
 
 
