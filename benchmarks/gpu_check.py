@@ -219,7 +219,6 @@ def notebooks(folder: Path, clock: Clock) -> str:
         return f"skipped: {', '.join(missing)} not installed (notebooks need the notebooks extra)"
     import jupytext
     import nbformat
-    from nbclient import NotebookClient
 
     sys.path.insert(0, str(ROOT / "notebooks"))
     import execute  # notebooks/execute.py: its kernel runs in this interpreter
@@ -232,13 +231,8 @@ def notebooks(folder: Path, clock: Clock) -> str:
                 outcomes.append(f"{stem} skipped (the budget)")
                 continue
             nb = jupytext.read(ROOT / "notebooks" / f"{stem}.py")
-            nb.metadata["kernelspec"] = dict(execute.KERNELSPEC)
-            # cwd notebooks/, as when a reader runs it; the executed copy goes to folder/notebooks/
-            where = {"metadata": {"path": str(ROOT / "notebooks")}}
-            km = execute.kernel_manager()
-            client = NotebookClient(nb, km=km, timeout=int(clock.left()), resources=where)
-            try:
-                client.execute(cleanup_kc=True)  # shut its kernel (and CUDA context) down before the next
+            try:  # cwd notebooks/, as when a reader runs it; the executed copy goes to folder/notebooks/
+                execute.run(nb, ROOT / "notebooks", int(clock.left()))
                 outcomes.append(f"{stem} ok")
             except Exception as exc:  # a failing notebook is reported; the next one still runs
                 outcomes.append(f"{stem} error: {type(exc).__name__}: {str(exc).strip().splitlines()[-1]}")

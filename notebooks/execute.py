@@ -49,20 +49,25 @@ def pair(path: str | Path) -> tuple[Path, Path]:
     return source, path.with_suffix(".ipynb")
 
 
-def execute(path: str | Path, timeout: int = 1800) -> nbformat.NotebookNode:
-    """Run one notebook from its ``.py`` and write the executed ``.ipynb``; raise on a cell error."""
-    source, target = pair(path)
-    nb = jupytext.read(source)
+def run(nb: nbformat.NotebookNode, cwd: Path, timeout: int) -> None:
+    """Execute ``nb`` in place, top to bottom, in a fresh kernel of this interpreter with cwd ``cwd``."""
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
-    nb.metadata.pop("jupytext", None)  # the pairing is declared once, in notebooks/jupytext.toml
     client = NotebookClient(
         nb,
         km=kernel_manager(),
         timeout=timeout,
         record_timing=False,  # per-cell timestamps would make every refresh a diff
-        resources={"metadata": {"path": str(source.parent)}},
+        resources={"metadata": {"path": str(cwd)}},
     )
     client.execute(cleanup_kc=True)  # nbclient keeps a kernel it did not start alive unless told
+
+
+def execute(path: str | Path, timeout: int = 1800) -> nbformat.NotebookNode:
+    """Run one notebook from its ``.py`` and write the executed ``.ipynb``; raise on a cell error."""
+    source, target = pair(path)
+    nb = jupytext.read(source)
+    nb.metadata.pop("jupytext", None)  # the pairing is declared once, in notebooks/jupytext.toml
+    run(nb, source.parent, timeout)
     nbformat.validate(nb)
     nbformat.write(nb, target)
     return nb
