@@ -1,0 +1,208 @@
+"""ema_lab.posthoc: post-hoc EMA synthesis against EMAs tracked directly, crash safety, bad input.
+
+ema-pytorch's PostHocEMA is compared by benchmarks/peer_schedules.py (docs/results/peer-schedules.json).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ema_lab.posthoc import list_snapshots, power_inner_products, save_snapshot, solve_weights, synthesize
+from ema_lab.schedules import power
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def track(
+    xs: torch.Tensor, sigma_rels: tuple[float, ...], folder: Path | None, every: int
+) -> list[torch.Tensor]:
+    """Power EMAs of the rows of xs (float32, as a model's), snapshots of the first two every ``every``."""
+    schedules = [power(sigma_rel=s) for s in sigma_rels]
+    emas = [xs[0].clone() for _ in schedules]
+    for n in range(1, len(xs) + 1):
+        for e, s in zip(emas, schedules):
+            e.lerp_(xs[n - 1], 1 - s(n))
+        if folder is not None and n % every == 0:
+            for e, s in zip(emas[:2], schedules[:2]):
+                save_snapshot(folder, {"w": e, "count": torch.tensor(n)}, n, s.gamma)
+    return emas
+
+
+def trajectories(steps: int, dim: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(steps, dim, generator=g)
+    t = torch.arange(1, steps + 1, dtype=torch.float32)[:, None]
+    return {"random walk": noise.cumsum(0), "t-linear plus noise": t + noise}
+
+
+@pytest.mark.parametrize("name", ["random walk", "t-linear plus noise"])
+def test_synthesis_matches_the_ema_tracked_directly(tmp_path, name):
+    # 4,000 steps, snapshots of sigma_rel 0.05 and 0.10 every 200; synthesize 0.075 (between) and 0.15
+    # (beyond), compare with the EMAs of those lengths tracked alongside. Tolerance: 1 % of the distance from
+    # the tracked EMA to the nearest snapshot EMA (what taking that snapshot instead would cost). Measured
+    # (float32): walk 0.085 % at 0.075, 0.13 % at 0.15; line 0.027 % and 0.13 %.
+    xs = trajectories(4000, 512)[name]
+    ema05, ema10, ema075, ema15 = track(xs, (0.05, 0.10, 0.075, 0.15), tmp_path, every=200)
+    assert len(list_snapshots(tmp_path)) == 40
+    for sr, tracked, nearest in ((0.075, ema075, ema10), (0.15, ema15, ema10)):
+        out = synthesize(tmp_path, sr)
+        err = (out["w"] - tracked).abs().max().item()
+        gap = (nearest - tracked).abs().max().item()
+        assert err < 0.01 * gap, (sr, err, gap)
+        assert out["count"].item() == 4000  # integer entries: the last snapshot's
+
+
+def test_synthesis_at_an_earlier_step_uses_the_snapshots_up_to_it(tmp_path):
+    xs = trajectories(2000, 64)["random walk"]
+    track(xs, (0.05, 0.10), tmp_path, every=100)
+    early = tmp_path / "early"
+    ema05, ema10, ema075 = track(xs[:1000], (0.05, 0.10, 0.075), early, every=100)
+    a, b = synthesize(tmp_path, 0.075, step=1000), synthesize(early, 0.075)
+    torch.testing.assert_close(a["w"], b["w"], rtol=0, atol=0)
+    assert (a["w"] - ema075).abs().max() < 0.01 * (ema10 - ema075).abs().max()
+
+
+def test_a_snapshot_of_the_target_length_gets_all_the_weight():
+    w = solve_weights([6.94, 16.97, 6.94, 16.97], [500, 500, 1000, 1000], 1000, target_gamma=16.97)
+    torch.testing.assert_close(w, torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64), atol=1e-9, rtol=0)
+    assert w.dtype == torch.float64 and w.sum().item() == pytest.approx(1.0, abs=1e-15)
+
+
+def test_inner_products_match_numerical_integration():
+    # The profiles (g + 1) / t (x / t) ** g on [0, t], integrated by a midpoint sum, not the closed form.
+    m = 400_000
+    for ta, ga, tb, gb in ((1000.0, 6.94, 700.0, 16.97), (300.0, 0.0, 900.0, 3.5), (500.0, 2.0, 500.0, 2.0)):
+        x = (torch.arange(m, dtype=torch.float64) + 0.5) * (min(ta, tb) / m)
+        pa, pb = (ga + 1) / ta * (x / ta) ** ga, (gb + 1) / tb * (x / tb) ** gb
+        numeric = (pa * pb).sum().item() * min(ta, tb) / m
+        f64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+        closed = power_inner_products(f64(ta), f64(ga), f64(tb), f64(gb)).item()
+        assert closed == pytest.approx(numeric, rel=1e-6)
+
+
+def test_a_saved_twice_snapshot_does_not_break_the_solve():
+    w = solve_weights([6.94, 6.94, 16.97], [1000, 1000, 1000], 1000, target_sigma_rel=0.075)
+    assert torch.isfinite(w).all() and w[0].item() == pytest.approx(w[1].item())
+
+
+def test_save_and_list(tmp_path):
+    p = save_snapshot(tmp_path / "new", {"w": torch.ones(3)}, 7, 6.94)
+    (tmp_path / "new" / "notes.txt").write_text("not a snapshot")
+    assert list_snapshots(tmp_path / "new") == [type(list_snapshots(p.parent)[0])(p, 7, 6.94)]
+    save_snapshot(tmp_path / "new", {"w": torch.ones(3)}, 3, 16.97)
+    assert [(s.step, s.gamma) for s in list_snapshots(tmp_path / "new")] == [(3, 16.97), (7, 6.94)]
+
+
+CRASH = """
+import os, signal, sys, torch
+from ema_lab import posthoc
+where = sys.argv[2]
+def die(*args, **kwargs):
+    if where == "while writing":
+        args[1].write(b"PK\\x03\\x04 half a zip")  # torch.save's file, part written
+        args[1].flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+if where == "while writing":
+    torch.save = die
+else:
+    os.replace = die
+posthoc.save_snapshot(sys.argv[1], {"w": torch.full((1000,), 9.0), "count": torch.tensor(9)}, 900, 6.94)
+"""
+
+
+@pytest.mark.parametrize("where", ["while writing", "before the rename"])
+def test_a_crash_while_saving_leaves_earlier_snapshots_readable(tmp_path, where):
+    for step in (300, 600):
+        for gamma in (6.94, 16.97):
+            save_snapshot(tmp_path, {"w": torch.full((1000,), 5.0), "count": torch.tensor(step)}, step, gamma)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CRASH), str(tmp_path), where], env=env)
+    assert proc.returncode == -signal.SIGKILL
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".ema-000000000900-g6.94.pt.")
+    assert [s.step for s in list_snapshots(tmp_path)] == [300, 300, 600, 600]
+    out = synthesize(tmp_path, 0.075)
+    assert out["count"].item() == 600
+    torch.testing.assert_close(out["w"], torch.full((1000,), 5.0))  # the weights sum to 1
+
+
+def test_a_failed_save_removes_its_temporary_file(tmp_path, monkeypatch):
+    def fail(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", fail)
+    with pytest.raises(OSError, match="disk full"):
+        save_snapshot(tmp_path, {"w": torch.ones(2)}, 1, 1.0)
+    assert list(tmp_path.iterdir()) == []
+
+
+BAD_SOLVE = [
+    ({"snapshot_gammas": [1.0], "snapshot_steps": [10], "target_step": 10}, "give one of target_gamma"),
+    (
+        {"snapshot_gammas": [1.0, 2.0], "snapshot_steps": [10], "target_step": 10, "target_gamma": 1.0},
+        "as many",
+    ),
+    ({"snapshot_gammas": [], "snapshot_steps": [], "target_step": 10, "target_gamma": 1.0}, "at least one"),
+    (
+        {"snapshot_gammas": [-2.0], "snapshot_steps": [10], "target_step": 10, "target_gamma": 1.0},
+        "gamma must",
+    ),
+    ({"snapshot_gammas": [1.0], "snapshot_steps": [0], "target_step": 10, "target_gamma": 1.0}, "step must"),
+    (
+        {"snapshot_gammas": [1.0], "snapshot_steps": [10], "target_step": 1.5, "target_gamma": 1.0},
+        "target_step",
+    ),
+    (
+        {"snapshot_gammas": [1.0], "snapshot_steps": [10], "target_step": 10, "target_sigma_rel": 0.5},
+        "sigma_rel",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_SOLVE, ids=[m for _, m in BAD_SOLVE])
+def test_solve_weights_bad_input_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=message) as info:
+        solve_weights(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_store_bad_input_one_line(tmp_path):
+    save_snapshot(tmp_path, {"w": torch.ones(2)}, 10, 1.0)
+    cases = [
+        (lambda: save_snapshot(tmp_path, {}, 1, 1.0), "non-empty dict"),
+        (lambda: save_snapshot(tmp_path, {"w": [1.0]}, 1, 1.0), "map names to Tensors"),
+        (lambda: save_snapshot(tmp_path, {"w": torch.ones(1)}, 0, 1.0), "step must be an int >= 1"),
+        (lambda: save_snapshot(tmp_path, {"w": torch.ones(1)}, 1, float("inf")), "gamma must be"),
+        (lambda: list_snapshots(tmp_path / "missing"), "no snapshot folder"),
+        (lambda: synthesize(tmp_path / "missing", 0.1), "no snapshot folder"),
+        (lambda: synthesize(tmp_path, 0.1, step=5), "step must be one of the snapshots' steps"),
+        (lambda: synthesize(tmp_path), "give one of sigma_rel and gamma"),
+        (lambda: synthesize(tmp_path, 0.1, dtype=torch.float16), "dtype must be"),
+    ]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases.append((lambda: synthesize(empty, 0.1), "no snapshots in"))
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message) as info:
+            call()
+        assert "\n" not in str(info.value)
+
+
+def test_mismatched_snapshots_are_refused(tmp_path):
+    save_snapshot(tmp_path, {"w": torch.ones(2)}, 10, 1.0)
+    save_snapshot(tmp_path, {"v": torch.ones(2)}, 10, 2.0)
+    with pytest.raises(ValueError, match="other entries"):
+        synthesize(tmp_path, gamma=1.5)
+    renamed = tmp_path / "ema-000000000020-g1.0.pt"
+    (tmp_path / "ema-000000000010-g1.0.pt").rename(renamed)
+    with pytest.raises(ValueError, match="holds step 10"):
+        synthesize(tmp_path, gamma=1.5, step=20)
