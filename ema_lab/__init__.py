@@ -1,10 +1,10 @@
 """ema_lab: an EMA of model weights updated with one batched ``torch._foreach_lerp_`` (or one flat ``lerp_``).
 
 The core needs torch alone: ``ModelEMA`` (:mod:`ema_lab.ema`) keeps one cached step (:mod:`ema_lab.step`),
-a :class:`~ema_lab.list_step.ListStep` or a :class:`~ema_lab.flat_step.FlatStep`, built over the matched
-tensor pairs (:mod:`ema_lab.pairs`) and rebuilt when :mod:`ema_lab.watch` sees them move; the arithmetic is
-in :mod:`ema_lab.updates`. ``ema_lab.bench`` (timing, counting, the ``python -m ema_lab bench`` sweep) and
-``ema_lab.lessons`` (the pieces the notebooks reuse) are subpackages with their own extras.
+a :class:`~ema_lab.updates.ListStep` or a :class:`~ema_lab.flat_step.FlatStep`, built over the matched
+tensor pairs (:mod:`ema_lab.pairs`) and rebuilt when its watch sees them move. ``ema_lab.bench`` (timing,
+counting, the ``python -m ema_lab bench`` sweep) and ``ema_lab.lessons`` (the pieces the notebooks reuse)
+are subpackages with their own extras.
 """
 
 from .ema import STRATEGIES, ModelEMA

@@ -3,31 +3,30 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from copy import deepcopy
+from numbers import Real
 
 import torch
 from torch import Tensor, nn
 
 from .flat_step import FlatStep
 from .graph_step import GraphStep
-from .list_step import ListStep
 from .pairs import Pairs, collect_pairs
-from .step import CAT_MAX_NUMEL, Step, StepOptions
-from .updates import check_decay
-from .watch import install_hooks
+from .step import CAT_MAX_NUMEL, Step, StepOptions, install_hooks
+from .updates import PREPARERS, ListStep, check_decay
 
-__all__ = ["ModelEMA", "EMASchedule", "STEPS", "STRATEGIES", "resolve_strategy", "check_arguments"]
-__all__ += ["unwrap_model", "copy_attr"]
+__all__ = ["ModelEMA", "BaseEMA", "Schedule", "STEPS", "STRATEGIES", "resolve_strategy", "unwrap_model"]
+__all__ += ["copy_attr"]
 
-#: Each strategy's step; "auto" (:func:`resolve_strategy`) picks one of them per model.
-STEPS: dict[str, type[ListStep] | type[FlatStep]] = {
-    "loop": ListStep,
-    "foreach": ListStep,
-    "gated": ListStep,
-    "flat": FlatStep,
-}
+#: Each strategy's step: the list strategies of :mod:`ema_lab.updates`, and "flat"; "auto"
+#: (:func:`resolve_strategy`) picks one of them per model.
+STEPS: dict[str, type[Step]] = {**dict.fromkeys(PREPARERS, ListStep), "flat": FlatStep}
 STRATEGIES = (*STEPS, "auto")
+
+#: A decay schedule: the update number n (1 for the first update) -> the decay of that update
+#: (:mod:`ema_lab.schedules` has the peers' ones).
+Schedule = Callable[[int], float]
 
 
 def resolve_strategy(strategy: str, tensors: Sequence[Tensor], in_place: bool = False) -> str:
@@ -37,21 +36,6 @@ def resolve_strategy(strategy: str, tensors: Sequence[Tensor], in_place: bool = 
         return strategy
     movable = all(t.layout == torch.strided and t.device.type != "meta" for t in tensors)
     return "flat" if movable and not in_place else "gated"
-
-
-def check_arguments(
-    model: object, decay: float, tau: float, updates: int, strategy: str, strategies: Sequence[str]
-) -> None:
-    """Raise a clear TypeError/ValueError for a bad EMA constructor argument (shared with ShardedModelEMA)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    check_decay(decay)
-    if not (isinstance(tau, (int, float)) and tau > 0 and math.isfinite(tau)):
-        raise ValueError(f"tau must be a positive number, got {tau!r}")
-    if not (isinstance(updates, int) and updates >= 0):
-        raise ValueError(f"updates must be a non-negative int, got {updates!r}")
-    if strategy not in strategies:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {tuple(strategies)}")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -89,28 +73,80 @@ def copy_attr(a: object, b: object, include: tuple = (), exclude: tuple = ()) ->
         setattr(a, k, v)
 
 
-class EMASchedule:
-    """The decay ramp, the counters and the cached step's lifecycle, shared by ``ModelEMA`` and
-    ``ShardedModelEMA``: each says only which module holds the EMA and how its step is built."""
+class BaseEMA:
+    """The constructor, decay rule, counters and cached step's lifecycle of ``ModelEMA`` and
+    ``ShardedModelEMA``: each says only how it holds the EMA (:meth:`_average_of`) and whether it is
+    ``sharded``."""
 
-    ema: nn.Module
-    resolved_strategy: str
-    _options: StepOptions
-    _step_type: type[Step]  # what a new step is built as
+    sharded = False  # ShardedModelEMA: the EMA stays in DTensor shards, so its step must update in place
 
-    def _init_schedule(self, decay: float, tau: float, updates: int, strategy: str) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        decay: float | Schedule = 0.9999,
+        tau: float = 2000,
+        updates: int = 0,
+        strategy: str = "auto",
+        *,
+        every: int = 1,
+        cat_max_numel: int = CAT_MAX_NUMEL,
+        cuda_graph: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(decay):
+            check_decay(decay)
+        if not (isinstance(tau, (int, float)) and tau > 0 and math.isfinite(tau)):
+            raise ValueError(f"tau must be a positive number, got {tau!r}")
+        for name, value, least, kind in (
+            ("updates", updates, 0, "non-negative"),
+            ("every", every, 1, "positive"),
+        ):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+                raise ValueError(f"{name} must be a {kind} int, got {value!r}")
+        allowed = [s for s in STRATEGIES if not self.sharded or s == "auto" or STEPS[s].in_place]
+        if strategy not in allowed:
+            raise ValueError(f"unknown strategy {strategy!r}; expected one of {tuple(allowed)}")
+        if cuda_graph and self.sharded:
+            raise ValueError("cuda_graph=True records one device's update; a sharded EMA cannot use it")
         install_hooks()  # torch's global registration hooks: on the first EMA made, once per process
-        self.updates = updates
-        self.max_decay = float(decay)
+        self.ema = self._average_of(unwrap_model(model))
+        floats = [t for t in (*self.ema.parameters(), *self.ema.buffers()) if t.is_floating_point()]
+        self.resolved_strategy = resolve_strategy(strategy, floats, in_place=self.sharded)
+        step_type = STEPS[self.resolved_strategy]
+        if cuda_graph and not step_type.recordable:
+            raise ValueError(
+                f"cuda_graph=True records the 'flat' step; strategy {strategy!r} runs "
+                f"{self.resolved_strategy!r} for this model"
+            )
+        if cuda_graph:
+            GraphStep.check_devices([*self.ema.parameters(), *self.ema.buffers()])
+            step_type = GraphStep
+        self._step_type: type[Step] = step_type
+        self._options = StepOptions(self.resolved_strategy, cat_max_numel, self.sharded)
+        self._step: Step | None = None
+        # A number is ultralytics' ramp (max_decay, tau); a callable is the schedule itself.
+        self.schedule: Schedule | None = decay if callable(decay) else None
+        self.max_decay = None if callable(decay) else float(decay)
         self.tau = float(tau)
-        self.strategy = strategy
+        self.updates, self.every, self.strategy, self.cuda_graph = updates, every, strategy, cuda_graph
         self.enabled = True
         self.rebuilds = 0  # how many times the cached step was (re)built
-        self._step: Step | None = None
+
+    def _average_of(self, model: nn.Module) -> nn.Module:
+        """The module that holds the EMA, made from the (unwrapped) model."""
+        raise NotImplementedError
 
     def decay(self, n: int) -> float:
-        """The decay used at update number ``n``: ramps from 0 to ``max_decay``, time constant tau."""
-        return self.max_decay * (1 - math.exp(-n / self.tau))
+        """The decay of update number ``n``: ``max_decay * (1 - exp(-n / tau))``, or the schedule's."""
+        if self.schedule is None:
+            return self.max_decay * (1 - math.exp(-n / self.tau))
+        d = self.schedule(n)
+        if not (isinstance(d, Real) and not isinstance(d, bool) and 0.0 <= d <= 1.0):
+            raise ValueError(
+                f"the schedule {self.schedule!r} gave decay {d!r} at update {n}, not a number in [0, 1]"
+            )
+        return float(d)
 
     @property
     def modes(self) -> list[str]:
@@ -121,37 +157,55 @@ class EMASchedule:
         """The (EMA, model) pairs a new step is built over."""
         return collect_pairs(self.ema, model)
 
-    def _current_step(self, model: nn.Module) -> Step:
-        """The cached step if it still matches ``model`` and the EMA, else a new one (never a stale one)."""
-        step = self._step
-        if step is None or not step.current(model):
-            self._step = None  # a failed rebuild must not leave the stale step behind
-            step = self._step_type(self._collect(model), model, self._options)
-            if not step.current(model):  # reads the model; only a model changed meanwhile fails here
-                raise RuntimeError("the model changed while its EMA step was being built")
-            self._step = step
-            self.rebuilds += 1
+    def _rebuild(self, model: nn.Module) -> Step:
+        """A new step over ``model`` and the EMA, checked and read like a cached one (never a stale one)."""
+        self._step = None  # a failed rebuild must not leave the stale step behind
+        step = self._step_type(self._collect(model), model, self._options)
+        if not (step.intact(model) and step.read()):  # only a model changed meanwhile fails here
+            raise RuntimeError("the model changed while its EMA step was being built")
+        self._step = step
+        self.rebuilds += 1
         return step
 
     def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:
         """Move the EMA one step towards ``model`` (wrapped models are unwrapped).
 
-        ``decay`` overrides the ramp for this step; with "flat" it may be a 0-dim tensor on the model's
-        device: no host sync, no recompiles.
+        ``decay`` overrides the schedule for this step; with "flat" it may be a 0-dim tensor on the
+        model's device: no host sync, no recompiles. With ``every=k`` only every k-th call updates, by the
+        product of the k decays (the others only count).
         """
         if not self.enabled:
             return
-        tensor_ok = self._step_type.tensor_decay
-        decay = self.decay(self.updates + 1) if decay is None else check_decay(decay, tensor_ok)
-        self._current_step(unwrap_model(model)).apply(decay)
-        self.updates += 1
+        n = self.updates + 1
+        if n % self.every:
+            self.updates = n
+            return
+        if decay is not None:
+            decay = check_decay(decay, self._step_type.tensor_decay)
+        elif self.every == 1:
+            decay = self.decay(n)
+        else:
+            decay = math.prod(map(self.decay, range(n - self.every + 1, n + 1)))
+        model = unwrap_model(model)
+        step = self._step
+        if step is None or not step.intact(model) or not step.read():
+            step = self._rebuild(model)
+        step.apply(decay)
+        self.updates = n
 
     def __getstate__(self) -> dict:
         # The cached step holds weak references and module dicts: dropped, the next update() rebuilds it.
         return {**self.__dict__, "_step": None}
 
+    def __repr__(self) -> str:
+        decay = self.schedule if self.schedule is not None else f"{self.max_decay}, tau={self.tau}"
+        return (
+            f"{type(self).__name__}(decay={decay}, updates={self.updates}, every={self.every}, "
+            f"strategy={self.strategy!r}, cuda_graph={self.cuda_graph})"
+        )
 
-class ModelEMA(EMASchedule):
+
+class ModelEMA(BaseEMA):
     """Exponential moving average of a model's weights, with the ramp ``decay * (1 - exp(-n / tau))``.
 
     Compatible with ``ultralytics.utils.torch_utils.ModelEMA``: ``.ema`` (a deep copy in eval mode,
@@ -159,9 +213,11 @@ class ModelEMA(EMASchedule):
     Unlike it, the (EMA, model) pairs are collected once into a step that is rebuilt when the model's
     or the EMA's tensors are replaced (``.to()``, ``.half()``, ``p.data = ...``, ``swap_tensors``, a new
     parameter), non-float entries are copied from the model, tied weights are averaged once, and a failed
-    update changes nothing (:mod:`ema_lab.watch`). It holds no view of a module tensor, so torch's
+    update changes nothing (:mod:`ema_lab.step`). It holds no view of a module tensor, so torch's
     ``swap_tensors`` and ``set_swap_module_params_on_conversion(True)`` keep working.
 
+    ``decay``: a number in [0, 1] (ultralytics' ramp, with ``tau``) or a schedule, a callable of the update
+    number returning the decay (:mod:`ema_lab.schedules`). ``every=k``: update on every k-th call only.
     With "flat" (the default "auto" picks it for ordinary tensors) the EMA module's float tensors (and its
     integer counters) are views of one buffer per group: ``torch.save(ema.ema.state_dict())`` stores each
     buffer once, but saving a *subset* of the entries stores the whole buffer; clone the subset first.
@@ -171,39 +227,17 @@ class ModelEMA(EMASchedule):
     (:mod:`ema_lab.graph_step`).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        decay: float = 0.9999,
-        tau: float = 2000,
-        updates: int = 0,
-        strategy: str = "auto",
-        *,
-        cat_max_numel: int = CAT_MAX_NUMEL,
-        cuda_graph: bool = False,
-    ) -> None:
-        check_arguments(model, decay, tau, updates, strategy, STRATEGIES)
-        if _is_fully_sharded(unwrap_model(model)):
+    def _average_of(self, model: nn.Module) -> nn.Module:
+        """A deep copy of ``model`` in eval mode, without grad."""
+        if _is_fully_sharded(model):
             raise TypeError(
                 "model is sharded with FSDP2 (fully_shard): a deep copy of it is not possible; "
                 "use ema_lab.ShardedModelEMA, which keeps the EMA of the local shards"
             )
-        self._init_schedule(decay, tau, updates, strategy)
-        self.ema = deepcopy(unwrap_model(model)).eval()
-        for p in self.ema.parameters():
+        ema = deepcopy(model).eval()
+        for p in ema.parameters():
             p.requires_grad_(False)
-        floats = [t for t in (*self.ema.parameters(), *self.ema.buffers()) if t.is_floating_point()]
-        self.resolved_strategy = resolve_strategy(strategy, floats)
-        self._options = StepOptions(self.resolved_strategy, cat_max_numel)
-        if cuda_graph and self.resolved_strategy != "flat":
-            raise ValueError(
-                f"cuda_graph=True records the 'flat' step; strategy {strategy!r} runs "
-                f"{self.resolved_strategy!r} for this model"
-            )
-        if cuda_graph:
-            GraphStep.check_devices([*self.ema.parameters(), *self.ema.buffers()])
-        self.cuda_graph = cuda_graph
-        self._step_type = GraphStep if cuda_graph else STEPS[self.resolved_strategy]
+        return ema
 
     def update_attr(
         self, model: nn.Module, include: tuple = (), exclude: tuple = ("process_group", "reducer")
@@ -211,9 +245,3 @@ class ModelEMA(EMASchedule):
         """Copy the model's plain attributes to the EMA module (names, strides, ...)."""
         if self.enabled:
             copy_attr(self.ema, model, include, exclude)
-
-    def __repr__(self) -> str:
-        return (
-            f"ModelEMA(decay={self.max_decay}, tau={self.tau}, updates={self.updates}, "
-            f"strategy={self.strategy!r}, cuda_graph={self.cuda_graph})"
-        )

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from .pairs import unique
 
 __all__ = ["flatten_model", "unflatten_model", "flatten_tensors", "unflatten_tensors"]
-__all__ += ["Counters", "empty_flat", "group", "into_one_buffer", "tiles_in_order", "whole_storage"]
+__all__ += ["empty_flat", "group", "into_one_buffer", "tiles_in_order", "whole_storage"]
 
 
 def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]:
@@ -86,32 +86,6 @@ def tiles_in_order(tensors: Sequence[Tensor]) -> bool:
             return False
         end += t.numel()
     return end * first.element_size() == first.untyped_storage().nbytes()
-
-
-class Counters:
-    """The non-float entries, copied from the model: the EMA's of each (device, dtype) pair of dtypes are
-    views of one buffer, filled by one ``torch.cat`` of the model's (one ``copy_`` where the model's tile
-    one storage in the same order, as after ``flatten_model``); a strided counter by ``_foreach_copy_``."""
-
-    def __init__(self, ema: list[Tensor], model: list[Tensor]) -> None:
-        self.copies: list[tuple[Tensor, list[Tensor]]] = []  # (EMA buffer, 1-D model aliases or the storage)
-        strided = [i for i, m in enumerate(model) if not m.is_contiguous()]
-        self.strided = ([ema[i] for i in strided], [model[i].detach() for i in strided])
-        flat = [i for i, m in enumerate(model) if m.is_contiguous()]
-        for idx in group(flat, lambda i: (ema[i].device, ema[i].dtype, model[i].dtype)):
-            aliases = [model[i].detach().view(-1) for i in idx]
-            buf = into_one_buffer([ema[i] for i in idx])
-            self.copies.append((buf, [whole_storage(aliases[0])] if tiles_in_order(aliases) else aliases))
-
-    def __call__(self) -> None:
-        """Copy the model's counters into the EMA's."""
-        for buf, src in self.copies:
-            if len(src) == 1:
-                buf.copy_(src[0])
-            else:
-                torch.cat(src, out=buf)
-        if self.strided[0]:
-            torch._foreach_copy_(*self.strided)
 
 
 def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:

@@ -1,6 +1,6 @@
 """The ``"flat"`` step: the EMA in one buffer per (device, EMA dtype, model dtype) group.
 
-Each group reads the model side by its layout, then every group is one :func:`ema_lab.updates.lerp_`:
+Each group reads the model side by its layout, then every group is one ``lerp_`` or ``_foreach_lerp_``:
 
 - ``fused``: the model's tensors tile one storage, as after :func:`ema_lab.flatten_model`: one ``lerp_``
   over the whole buffer (after one cast-copy into scratch if the dtypes differ);
@@ -22,12 +22,11 @@ from operator import getitem
 import torch
 from torch import Tensor, nn
 
-from .flat import Counters, empty_flat, group, into_one_buffer, tiles_in_order, whole_storage
+from .flat import empty_flat, group, into_one_buffer, tiles_in_order, whole_storage
 from .gates import foreach_lerp_supported
 from .pairs import Pairs, Slot
-from .step import StepOptions
-from .updates import lerp_, validate_pairs
-from .watch import Watch
+from .step import Counters, StepOptions, Watch
+from .updates import validate_pairs
 
 __all__ = ["FlatStep", "CAT_RUN_NUMEL"]
 
@@ -48,15 +47,14 @@ _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class _Group:
-    """A group moves its ``targets`` (views of its EMA buffer) towards its ``sources`` (set by ``read``)."""
+    """A group moves its EMA buffer, ``ema``, towards ``source`` (what ``read`` left there)."""
 
-    targets: list[Tensor]
-    sources: list[Tensor]
-    foreach: bool
+    ema: Tensor
+    source: Tensor
 
     def lerp(self, weight: float | Tensor) -> None:
-        """``e += weight * (m - e)`` over the group."""
-        lerp_(self.targets, self.sources, weight, self.foreach)
+        """``e += weight * (m - e)`` over the whole buffer: one ``lerp_``."""
+        self.ema.lerp_(self.source, weight)
 
 
 class _FusedGroup(_Group):
@@ -71,8 +69,7 @@ class _FusedGroup(_Group):
         self.ema = into_one_buffer([ema[i] for i in order])  # the model's layout: one lerp_ covers all
         cast = model[0].dtype != ema[0].dtype  # bf16/fp16 model, fp32 EMA
         self.scratch = empty_flat(self.ema.numel(), self.ema.dtype, self.ema.device) if cast else None
-        source = self.model if self.scratch is None else self.scratch
-        self.targets, self.sources, self.foreach = [self.ema], [source], False
+        self.source = self.model if self.scratch is None else self.scratch
         self.storages = [self.ema.untyped_storage(), self.model.untyped_storage()]
 
     def read(self) -> None:
@@ -90,15 +87,14 @@ class _CastGroup(_Group):
         scratch = empty_flat(self.ema.numel(), self.ema.dtype, self.ema.device)
         off = [0, *accumulate(e.numel() for e in ema)]
         self.scratch_views = [scratch[a:b].view(e.shape) for a, b, e in zip(off, off[1:], ema)]
-        self.model = model
-        self.targets, self.sources, self.foreach = [self.ema], [scratch], False
+        self.model, self.source = model, scratch
         self.storages, self.checked_slots = [self.ema.untyped_storage()], slots
 
     def read(self) -> None:
         torch._foreach_copy_(self.scratch_views, self.model)
 
 
-class _SplitGroup(_Group):
+class _SplitGroup:
     """Same dtype: the small tensors (first in the buffer) by ``torch.cat`` runs, the large read as they are.
 
     The small 1-D tensors (BatchNorm's vectors, biases) are read live from their module slots by
@@ -151,20 +147,28 @@ class _SplitGroup(_Group):
         self.sources = gathered + self.large
 
     def lerp(self, weight: float | Tensor) -> None:
-        """``e += weight * (m - e)``; where foreach is fused, a tensor weight goes as views of one buffer
-        filled with it (one kernel, no sync), and the targets above ``DENSE_WEIGHT_NUMEL`` one by one."""
-        if isinstance(weight, float) or not self.dense:
-            super().lerp(weight)
-            return
-        n = self.packed
-        if self.dense_buffer is None:  # a cat run may exceed DENSE_WEIGHT_NUMEL: sized to the largest
-            self.dense_buffer = torch.empty(
-                max(t.numel() for t in self.targets[:n]), dtype=weight.dtype, device=weight.device
-            )
-            self.dense_views = [self.dense_buffer[: t.numel()].view(t.shape) for t in self.targets[:n]]
-        self.dense_buffer.fill_(weight)
-        lerp_(self.targets[:n], self.sources[:n], self.dense_views)
-        lerp_(self.targets[n:], self.sources[n:], weight, foreach=False)
+        """``e += weight * (m - e)``: one ``_foreach_lerp_`` (one ``lerp_`` per target off the foreach gate).
+
+        Where foreach is fused, a tensor weight goes as views of one buffer filled with it (one kernel, no
+        sync), and the targets above ``DENSE_WEIGHT_NUMEL`` one by one."""
+        targets, sources = self.targets, self.sources
+        if not self.foreach:
+            for e, m in zip(targets, sources):
+                e.lerp_(m, weight)
+        elif isinstance(weight, float):
+            torch._foreach_lerp_(targets, sources, weight)
+        elif not self.dense:  # torch has no one-tensor-weight overload (to 2.13 at least): one per target
+            torch._foreach_lerp_(targets, sources, [weight] * len(targets))
+        else:
+            n = self.packed
+            if self.dense_buffer is None:  # a cat run may exceed DENSE_WEIGHT_NUMEL: sized to the largest
+                numel = max(t.numel() for t in targets[:n])
+                self.dense_buffer = torch.empty(numel, dtype=weight.dtype, device=weight.device)
+                self.dense_views = [self.dense_buffer[: t.numel()].view(t.shape) for t in targets[:n]]
+            self.dense_buffer.fill_(weight)
+            torch._foreach_lerp_(targets[:n], sources[:n], self.dense_views)
+            for e, m in zip(targets[n:], sources[n:]):
+                e.lerp_(m, weight)
 
 
 def _runs(numels: list[int], limit: int) -> list[range]:
@@ -183,6 +187,7 @@ class FlatStep:
 
     tensor_decay = True
     in_place = False  # the EMA's tensors move into the groups' buffers
+    recordable = True  # cuda_graph=True records it (graph_step.py)
 
     def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None:
         validate_pairs(pairs.ema, pairs.model, pairs.names)
@@ -209,11 +214,6 @@ class FlatStep:
         """How many tensors (views included) hold each flat storage now; [] if torch cannot say."""
         return [] if _USE_COUNT is None else [_USE_COUNT(s._cdata) for s in self.storages]
 
-    def current(self, model: nn.Module) -> bool:
-        """True while the step's memory is intact and every group could read the model: :meth:`apply`
-        updates from what this read."""
-        return self.intact(model) and self.read()
-
     def intact(self, model: nn.Module) -> bool:
         """Per-slot check of the checked reads, O(1) per flat buffer (the exact check if a count moved)."""
         if not self.watch.current(model):
@@ -225,7 +225,8 @@ class FlatStep:
         return True
 
     def read(self) -> bool:
-        """Every group reads the model; False if a live slot holds None or another size, dtype or device."""
+        """Every group gathers the model; False if a live slot holds None or another size, dtype or device:
+        :meth:`apply` updates from what this read."""
         try:
             with torch.no_grad():
                 for g in self.groups:

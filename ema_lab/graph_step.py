@@ -4,7 +4,7 @@ On a GPU the arithmetic of an EMA update is nearly free; what remains is host wo
 CUDA graph records the kernels of one update once and launches them all with one ``replay()``. It costs:
 
 - fixed addresses: a replay reads and writes the memory it was recorded over. The step is rebuilt and
-  recorded again whenever the staleness watch (:mod:`ema_lab.watch`) says a slot moved, and every model
+  recorded again whenever the staleness watch (:mod:`ema_lab.step`) says a slot moved, and every model
   tensor is read through a watched slot: the flat step is built with ``cat_max_numel=0`` (no live
   ``torch.cat`` reads, which also copy every small tensor once more);
 - the weight on the device: a replay cannot take a new Python number, so each update first writes its
@@ -54,11 +54,10 @@ def _record(body: Callable[[], None], device: torch.device) -> Callable[[], None
     return graph.replay
 
 
-class GraphStep:
+class GraphStep(FlatStep):
     """The flat step without gathers, run eagerly once, then recorded in a CUDA graph and replayed."""
 
-    tensor_decay = True
-    in_place = False  # the EMA's tensors move into the flat step's buffers
+    recordable = False  # already a recording
 
     @staticmethod
     def check_devices(tensors: Iterable[Tensor]) -> torch.device:
@@ -72,15 +71,14 @@ class GraphStep:
     def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None:
         # Before the flat step moves any EMA tensor; counters too: a host copy would run once, at recording.
         device = self.check_devices([*pairs.ema, *pairs.ema_counters])
-        self.flat = FlatStep(pairs, model, replace(options, cat_max_numel=0))
-        self.modes = self.flat.modes
+        super().__init__(pairs, model, replace(options, cat_max_numel=0))
         self.weight = torch.zeros((), dtype=torch.float32, device=device)  # what every replay reads
         self.replay: Callable[[], None] | None = None  # set when the graph is recorded
         self.warm = False  # the first update runs eagerly
 
-    def current(self, model: nn.Module) -> bool:
-        """True while every slot holds the memory the graph was recorded over (it reads the model itself)."""
-        return self.flat.intact(model)
+    def read(self) -> bool:
+        """Nothing to gather here: the graph reads the model itself (an intact step's reads cannot fail)."""
+        return True
 
     def apply(self, decay: float | Tensor) -> None:
         """Write ``1 - decay`` where the graph reads it, then replay the graph (recording it on first use)."""
@@ -100,5 +98,5 @@ class GraphStep:
             self.replay()
 
     def _update(self) -> None:
-        self.flat.read()  # cannot fail: with no gathers, every read is a copy between fixed tensors
-        self.flat.lerp(self.weight)
+        FlatStep.read(self)  # with no gathers, every read is a copy between fixed tensors
+        self.lerp(self.weight)

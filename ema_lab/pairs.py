@@ -2,7 +2,7 @@
 
 A step reads the model through the *slots* that hold its tensors (a module's ``_parameters`` or
 ``_buffers`` dict and a name): what a slot holds now is what the model uses now, which is how
-:mod:`ema_lab.watch` notices a replaced tensor.
+:mod:`ema_lab.step` notices a replaced tensor.
 """
 
 from __future__ import annotations

@@ -17,15 +17,10 @@ from operator import getitem, itemgetter
 import torch
 from torch import Tensor, nn
 
-from .ema import STEPS, STRATEGIES, EMASchedule, check_arguments, resolve_strategy, unwrap_model
+from .ema import BaseEMA, unwrap_model
 from .pairs import Pairs, collect_pairs, local_tensor, module_entries, unique
-from .step import StepOptions
 
-__all__ = ["ShardedModelEMA", "SHARDED_STRATEGIES"]
-
-#: The strategies whose step updates the EMA's tensors in place: one that moved them into new storage
-#: would detach them from the DTensors that the state-dict and checkpoint calls read.
-SHARDED_STRATEGIES = tuple(s for s in STRATEGIES if s == "auto" or STEPS[s].in_place)
+__all__ = ["ShardedModelEMA"]
 
 
 def _dtensor_cls() -> type | None:
@@ -62,32 +57,24 @@ def _holder(entries: dict[str, Tensor]) -> nn.Module:
     return root
 
 
-class ShardedModelEMA(EMASchedule):
+class ShardedModelEMA(BaseEMA):
     """EMA of a model whose parameters are sharded DTensors (FSDP2): local shards, no communication.
 
-    Same schedule, counters and step lifecycle as ``ModelEMA`` (``decay(n) = decay * (1 - exp(-n / tau))``,
-    ``.updates``, ``.enabled``, ``.update(model, decay=None)``). Call :meth:`update` after
-    ``optimizer.step()``, when FSDP has resharded the parameters; plain (replicated) tensors such as
-    buffers are averaged whole. "auto" runs "gated": "flat" would move the EMA out of its DTensors.
+    Same constructor, schedules, counters and step lifecycle as ``ModelEMA`` (``.updates``, ``.enabled``,
+    ``.update(model, decay=None)``). Call :meth:`update` after ``optimizer.step()``, when FSDP has
+    resharded the parameters; plain (replicated) tensors such as buffers are averaged whole. Only the
+    strategies that update in place run: "auto" runs "gated", as "flat" would move the EMA out of its
+    DTensors (which the state-dict and checkpoint calls read).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        decay: float = 0.9999,
-        tau: float = 2000,
-        updates: int = 0,
-        strategy: str = "auto",
-    ) -> None:
-        check_arguments(model, decay, tau, updates, strategy, SHARDED_STRATEGIES)
+    sharded = True
+
+    def _average_of(self, model: nn.Module) -> nn.Module:
+        """A bare module holding a clone of every entry of ``model`` (each DTensor's local shard)."""
         if _dtensor_cls() is None:
             raise RuntimeError("ShardedModelEMA needs DTensor, and this torch build has no torch.distributed")
-        self._init_schedule(decay, tau, updates, strategy)
         with torch.no_grad():
-            self.ema = _holder({key: getitem(*slot) for key, slot in module_entries(unwrap_model(model))})
-        self.resolved_strategy = resolve_strategy(strategy, [], in_place=True)
-        self._options = StepOptions(self.resolved_strategy, sharded=True)
-        self._step_type = STEPS[self.resolved_strategy]
+            return _holder({key: getitem(*slot) for key, slot in module_entries(model)})
 
     def local_tensors(self) -> dict[str, Tensor]:
         """This rank's EMA tensors by state_dict key (shards of sharded entries), tied weights once."""
@@ -134,9 +121,3 @@ class ShardedModelEMA(EMASchedule):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         set_model_state_dict(unwrap_model(model), self.sharded_state_dict())
-
-    def __repr__(self) -> str:
-        return (
-            f"ShardedModelEMA(decay={self.max_decay}, tau={self.tau}, updates={self.updates}, "
-            f"strategy={self.strategy!r}, local_bytes={self.local_bytes()})"
-        )

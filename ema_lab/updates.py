@@ -15,7 +15,7 @@ All of them validate the whole input before touching any tensor, so a bad input 
 ``torch._foreach_lerp_`` is not atomic: the pairs before the bad one are already updated.
 
 :func:`prepare` splits the two halves: validate once, then apply many times. ``ModelEMA`` caches
-the prepared step for as long as the tensors keep their memory (:mod:`ema_lab.watch`).
+the prepared step, a :class:`ListStep`, for as long as the tensors keep their memory (:mod:`ema_lab.step`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from collections.abc import Callable, Sequence
 from numbers import Real
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .gates import foreach_lerp_supported
+from .pairs import Pairs
+from .step import Counters, StepOptions, Watch
 
 __all__ = [
     "loop_update",
@@ -38,6 +40,7 @@ __all__ = [
     "check_decay",
     "validate_pairs",
     "PREPARERS",
+    "ListStep",
     "Update",
     "Tensors",
     "Names",
@@ -198,3 +201,31 @@ def foreach_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, n
 def gated_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, names: Names = None) -> None:
     """The post-change update behind its gate, made robust (grouped, mixed dtypes, empty input)."""
     prepare("gated", ema_tensors, model_tensors, names)(check_decay(decay))
+
+
+class ListStep:
+    """``"loop"``, ``"foreach"`` or ``"gated"`` over detached aliases of the pairs, then the counters."""
+
+    tensor_decay = False  # a 0-dim tensor decay needs the flat step
+    in_place = True  # the EMA's tensors keep their storage (ShardedModelEMA's DTensors rely on it)
+    recordable = False  # cuda_graph=True records the flat step
+    modes: list[str] = []
+
+    def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None:
+        ema, mod = [e.detach() for e in pairs.ema], [m.detach() for m in pairs.model]
+        self.update = prepare(options.strategy, ema, mod, pairs.names)
+        self.counters = Counters(pairs.ema_counters, pairs.model_counters)
+        self.watch = Watch(model, pairs.ema_slots + pairs.model_slots, sharded=options.sharded)
+
+    def intact(self, model: nn.Module) -> bool:
+        """True while the model's and the EMA's slots hold the memory this step was built over."""
+        return self.watch.current(model)
+
+    def read(self) -> bool:
+        """Nothing to gather: the update reads the model through its aliases."""
+        return True
+
+    def apply(self, decay: float) -> None:
+        """One update of the EMA, then the counters."""
+        self.update(decay)
+        self.counters()

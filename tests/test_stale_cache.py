@@ -11,7 +11,7 @@ from ema_lab.bench import models
 from ema_lab.bench.seed import CachedListEMA
 from ema_lab.lessons.staleness import CONVERSIONS, follows_after
 from ema_lab.pairs import collect_pairs
-from ema_lab.watch import Watch
+from ema_lab.step import Watch
 
 from .helpers import float_entries
 
