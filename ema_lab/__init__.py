@@ -7,7 +7,7 @@ counting, the ``python -m ema_lab bench`` sweep) and ``ema_lab.lessons`` (the pi
 are subpackages with their own extras.
 """
 
-from .ema import STRATEGIES, ModelEMA
+from .ema import STRATEGIES, ModelEMA, PostHocEMA
 from .flat import flatten_model, flatten_tensors, unflatten_model, unflatten_tensors
 from .gates import foreach_lerp_supported
 from .sharded import ShardedModelEMA
@@ -15,6 +15,6 @@ from .updates import foreach_update, gated_update, loop_update
 
 __version__ = "0.1.0"
 
-__all__ = ["ModelEMA", "ShardedModelEMA", "STRATEGIES", "loop_update", "foreach_update", "gated_update"]
+__all__ = ["ModelEMA", "PostHocEMA", "ShardedModelEMA", "STRATEGIES", "loop_update", "foreach_update", "gated_update"]
 __all__ += ["foreach_lerp_supported", "flatten_model", "unflatten_model", "flatten_tensors"]
 __all__ += ["unflatten_tensors", "__version__"]

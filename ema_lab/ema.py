@@ -3,20 +3,34 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from numbers import Real
+from operator import getitem
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from .flat_step import FlatStep
 from .graph_step import GraphStep
-from .pairs import Pairs, collect_pairs
+from .pairs import Pairs, collect_pairs, module_entries
+from .posthoc import save_snapshot, synthesize
+from .schedules import power
 from .step import CAT_MAX_NUMEL, Step, StepOptions, install_hooks
 from .updates import PREPARERS, ListStep, check_decay
 
-__all__ = ["ModelEMA", "BaseEMA", "Schedule", "STEPS", "STRATEGIES", "resolve_strategy", "unwrap_model"]
+__all__ = [
+    "ModelEMA",
+    "PostHocEMA",
+    "BaseEMA",
+    "Schedule",
+    "STEPS",
+    "STRATEGIES",
+    "resolve_strategy",
+    "unwrap_model",
+]
 __all__ += ["copy_attr"]
 
 #: Each strategy's step: the list strategies of :mod:`ema_lab.updates`, and "flat"; "auto"
@@ -245,3 +259,63 @@ class ModelEMA(BaseEMA):
         """Copy the model's plain attributes to the EMA module (names, strides, ...)."""
         if self.enabled:
             copy_attr(self.ema, model, include, exclude)
+
+
+class PostHocEMA(ModelEMA):
+    """Two power-function EMAs (Karras et al. 2024) of one model, both updated from one read of it, and their
+    snapshots saved in ``folder`` every ``snapshot_every`` updates; :meth:`synthesize` then makes the EMA of
+    any length ``sigma_rel`` after training (:mod:`ema_lab.posthoc`). ``.ema`` holds the first profile,
+    ``.ema2`` the second; the flat step reads the model once, and the second EMA is one more lerp per group.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        folder: str | os.PathLike,
+        sigma_rels: tuple[float, float] = (0.05, 0.10),
+        snapshot_every: int = 1000,
+    ) -> None:
+        if not (isinstance(sigma_rels, (tuple, list)) and len(sigma_rels) == 2):
+            raise ValueError(f"sigma_rels must be two lengths, got {sigma_rels!r}")
+        if not (
+            isinstance(snapshot_every, int) and not isinstance(snapshot_every, bool) and snapshot_every > 0
+        ):
+            raise ValueError(f"snapshot_every must be a positive int, got {snapshot_every!r}")
+        first, second = (power(sigma_rel=s) for s in sigma_rels)
+        super().__init__(model, decay=first, strategy="flat")
+        self.second = second
+        self.ema2 = deepcopy(self.ema)
+        for (_, slot), (_, (table, name)) in zip(module_entries(self.ema), module_entries(self.ema2)):
+            if not getitem(*slot).is_floating_point():  # the counters: one tensor for both EMAs
+                table[name] = getitem(*slot)
+        self.folder, self.snapshot_every = Path(folder), snapshot_every
+        self._twin_of: Step | None = None  # the step the second EMA is laid out for
+        self._twins: list[list[Tensor]] = []
+
+    def update(self, model: nn.Module) -> None:
+        """Move both EMAs one step towards ``model``; every ``snapshot_every`` updates, save both."""
+        if not self.enabled:
+            return
+        super().update(model)  # the first EMA: reads the model, lerps, copies the counters
+        step = self._step
+        if self._twin_of is not step:  # built or rebuilt: lay the second EMA out like it
+            self._twins = step.twin(collect_pairs(self.ema2, self.ema).ema)
+            self._twin_of = step
+        weight = 1.0 - self.second(self.updates)
+        with torch.no_grad():
+            for g, targets in zip(step.groups, self._twins):
+                g.lerp(weight, targets)
+        if self.updates % self.snapshot_every == 0:
+            self.save()
+
+    def save(self) -> None:
+        """Write both EMAs' snapshots at the current update count (atomic files, see ema_lab.posthoc)."""
+        for ema, schedule in ((self.ema, self.schedule), (self.ema2, self.second)):
+            save_snapshot(self.folder, ema.state_dict(), self.updates, schedule.gamma)
+
+    def synthesize(self, sigma_rel: float, step: int | None = None) -> dict[str, Tensor]:
+        """The state_dict of the EMA of length ``sigma_rel`` at ``step`` (default: the last snapshot)."""
+        return synthesize(self.folder, sigma_rel, step)
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_twin_of": None, "_twins": []}

@@ -52,9 +52,13 @@ class _Group:
     ema: Tensor
     source: Tensor
 
-    def lerp(self, weight: float | Tensor) -> None:
-        """``e += weight * (m - e)`` over the whole buffer: one ``lerp_``."""
-        self.ema.lerp_(self.source, weight)
+    @property
+    def targets(self) -> list[Tensor]:
+        return [self.ema]
+
+    def lerp(self, weight: float | Tensor, targets: list[Tensor] | None = None) -> None:
+        """``e += weight * (m - e)`` over the whole buffer (or a twin's, ``targets``): one ``lerp_``."""
+        (self.ema if targets is None else targets[0]).lerp_(self.source, weight)
 
 
 class _FusedGroup(_Group):
@@ -146,12 +150,13 @@ class _SplitGroup:
             gathered.append(src)
         self.sources = gathered + self.large
 
-    def lerp(self, weight: float | Tensor) -> None:
-        """``e += weight * (m - e)``: one ``_foreach_lerp_`` (one ``lerp_`` per target off the foreach gate).
+    def lerp(self, weight: float | Tensor, targets: list[Tensor] | None = None) -> None:
+        """``e += weight * (m - e)``: one ``_foreach_lerp_`` (one ``lerp_`` per target off the foreach gate),
+        over the EMA's targets or a twin's laid out the same (``targets``).
 
         Where foreach is fused, a tensor weight goes as views of one buffer filled with it (one kernel, no
         sync), and the targets above ``DENSE_WEIGHT_NUMEL`` one by one."""
-        targets, sources = self.targets, self.sources
+        targets, sources = self.targets if targets is None else targets, self.sources
         if not self.foreach:
             for e, m in zip(targets, sources):
                 e.lerp_(m, weight)
@@ -193,7 +198,11 @@ class FlatStep:
         validate_pairs(pairs.ema, pairs.model, pairs.names)
         ema, mod = pairs.ema, [m.detach() for m in pairs.model]
         self.groups: list[_FusedGroup | _CastGroup | _SplitGroup] = []
-        for idx in group(range(len(ema)), lambda i: (ema[i].device, ema[i].dtype, mod[i].dtype)):
+        self.ema, self.indices = (
+            ema,
+            group(range(len(ema)), lambda i: (ema[i].device, ema[i].dtype, mod[i].dtype)),
+        )
+        for idx in self.indices:
             es, ms, slots = [ema[i] for i in idx], [mod[i] for i in idx], [pairs.model_slots[i] for i in idx]
             if tiles_in_order(sorted(ms, key=Tensor.storage_offset)):
                 self.groups.append(_FusedGroup(es, ms))
@@ -254,3 +263,24 @@ class FlatStep:
             for g, w in zip(self.groups, weights):
                 g.lerp(w)
             self.counters()
+
+    def twin(self, ema: list[Tensor]) -> list[list[Tensor]]:
+        """Move ``ema`` (a second EMA's float tensors, paired as this step's) into buffers laid out like the
+        groups' and return each group's targets over them: ``g.lerp(w, targets)`` then updates the twin
+        from what :meth:`read` gathered for this step, without reading the model again."""
+        twins = []
+        with torch.no_grad():
+            for g, idx in zip(self.groups, self.indices):
+                buffer = empty_flat(g.ema.numel(), g.ema.dtype, g.ema.device)
+                for i in idx:
+                    view = _same_place(buffer, g.ema, self.ema[i])
+                    view.copy_(ema[i])
+                    ema[i].data = view  # keeps the Parameter object, as into_one_buffer does
+                twins.append([_same_place(buffer, g.ema, t) for t in g.targets])
+        return twins
+
+
+def _same_place(buffer: Tensor, like: Tensor, view: Tensor) -> Tensor:
+    """The view of ``buffer`` where ``view`` lies in ``like`` (both 1-D buffers of one size)."""
+    start = view.storage_offset() - like.storage_offset()
+    return buffer[start : start + view.numel()].view(view.shape)
