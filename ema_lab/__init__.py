@@ -15,6 +15,7 @@ from .updates import foreach_update, gated_update, loop_update
 
 __version__ = "0.1.0"
 
-__all__ = ["ModelEMA", "PostHocEMA", "ShardedModelEMA", "STRATEGIES", "loop_update", "foreach_update", "gated_update"]
+__all__ = ["ModelEMA", "PostHocEMA", "ShardedModelEMA", "STRATEGIES", "loop_update", "foreach_update"]
+__all__ += ["gated_update"]
 __all__ += ["foreach_lerp_supported", "flatten_model", "unflatten_model", "flatten_tensors"]
 __all__ += ["unflatten_tensors", "__version__"]
