@@ -24,6 +24,7 @@
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from matplotlib.ticker import LogLocator
 from torch.utils.benchmark import Timer
 
 from ema_lab.bench.environment import environment, quick_mode
@@ -35,14 +36,16 @@ print(f"torch {env['torch']} on {env['cpu']} ({env['cpu_count']} cores), 1 threa
 # %% [markdown]
 # ## 1. Same numbers, more tensors
 #
-# An EMA update (notebook 02) moves every weight a little towards the model: `e += w * (m - e)`,
-# which is what `lerp_` computes. Here are 2^18 numbers, split into `n` tensors, updated three ways:
+# An EMA update moves each weight `e` of an averaged copy a fraction `w` towards the model's weight
+# `m`: `e += w * (m - e)`, a [lerp](../docs/glossary.md#lerp) (linear interpolation), done in place by
+# `e.lerp_(m, w)`. Notebook 02 writes `w = 1 − d`, with `d` the decay. Here are 2^18 numbers in `n`
+# tensors:
 
 
 # %%
 def make(n, total=2**18):
-    """n EMA tensors and n model tensors holding `total` numbers each side."""
-    return [torch.zeros(total // n) for _ in range(n)], [torch.ones(total // n) for _ in range(n)]
+    """n EMA tensors and n model tensors of random numbers, `total` numbers on each side."""
+    return [torch.rand(total // n) for _ in range(n)], [torch.rand(total // n) for _ in range(n)]
 
 
 def loop(ema, model, w):  # one lerp_ per tensor: n ops
@@ -55,15 +58,24 @@ def foreach(ema, model, w):  # one call for the whole list
 
 
 # %% [markdown]
-# The third way keeps all the numbers in one flat buffer (one tensor per side), so one `lerp_` does it:
+# `torch._foreach_lerp_` updates a whole list in one call. Its leading underscore marks a
+# [private API](../docs/glossary.md#private-api): it works, but torch does not document it and may
+# change it. A third way keeps all the numbers in one flat buffer per side: one `lerp_`. First, do the
+# three agree?
 
 # %%
-ema_flat, model_flat = make(1)
 ema_t, model_t = make(1024)
-print("flat:", ema_flat[0].shape, "| split:", len(ema_t), "tensors of", ema_t[0].shape)
+ema_flat, model_flat = [torch.cat(ema_t)], [torch.cat(model_t)]  # the same numbers, one tensor a side
+by_loop, by_foreach = [e.clone() for e in ema_t], [e.clone() for e in ema_t]
+loop(by_loop, model_t, 0.1)
+foreach(by_foreach, model_t, 0.1)
+by_flat = ema_flat[0].clone().lerp_(model_flat[0], 0.1)
+torch.testing.assert_close(torch.cat(by_loop), by_flat)  # raises if any number differs
+torch.testing.assert_close(torch.cat(by_foreach), by_flat)
+print(f"{len(ema_t)} tensors of {ema_t[0].numel()} numbers, or one of {by_flat.numel()}: the same result")
 
 # %% [markdown]
-# Same arithmetic, same numbers. Time the loop over 1024 tensors against the one flat `lerp_` with
+# Same result. Now the cost: time the loop over 1024 tensors against the one flat `lerp_` with
 # `torch.utils.benchmark.Timer`, PyTorch's stopwatch (it repeats the statement and reports the median):
 
 # %% tags=["nbval-ignore-output"]
@@ -80,7 +92,7 @@ for name, stmt in [
 # over the rounds and its range.
 
 
-# %%
+# %% tags=["nbval-ignore-output"]
 def interleaved(ways, rounds):
     """{name: [ms in round 1, round 2, ...]}: each round times every way once, in turn."""
     ms = {name: [] for name in ways}
@@ -91,7 +103,6 @@ def interleaved(ways, rounds):
     return ms
 
 
-# %% tags=["nbval-ignore-output"]
 from functools import partial
 
 turns = interleaved(
@@ -136,29 +147,28 @@ ax.set_title("Same work, split into more tensors")
 ax.set_xlim(0.7, 4096 * 6)
 ax.set_xticks(TENSORS, [str(n) for n in TENSORS])
 ax.minorticks_off()
+ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # 0.01, 0.02, 0.05, 0.1, ...
 ax.yaxis.set_major_formatter("{x:g}")
 ax.grid(alpha=0.3)
 plt.show()
 
 # %% [markdown]
-# The flat `lerp_` stays level: the work is the same at every `n`. The loop climbs with the number of
-# tensors: past a few dozen, its time is mostly the fixed price of each op, not arithmetic. That price is
-# called launch overhead (on a CPU, per-op overhead; section 2 says why). `_foreach_lerp_` climbs
-# too, several times below the loop.
+# The flat `lerp_` stays level: the work is the same at every `n`. The loop climbs: past a few dozen
+# tensors its time is mostly the fixed price of each op, called launch overhead (on a CPU, per-op
+# overhead). `_foreach_lerp_` climbs too, several times lower.
 #
 # ## 2. What an op goes through
 #
-# ![Python, then the dispatcher, then the kernel](figures/op_path.svg)
+# ![A loop pays Python, the dispatcher and the kernel per tensor; _foreach_lerp_ pays the first two once per list](figures/op_path.svg)
 #
-# Python reads the arguments; the dispatcher (PyTorch's C++ layer that picks a kernel for each op)
-# runs the autograd layer and chooses a kernel for the device and dtype; the kernel does the
-# arithmetic. The first two steps cost the same for one number or a million.
+# Python reads the arguments; the [dispatcher](../docs/glossary.md#dispatcher) (PyTorch's C++ layer)
+# runs the autograd layer and picks a kernel for the device and dtype; the kernel does the arithmetic.
+# The first two cost the same for one number or a million.
 
 # %% [markdown]
-# On a CPU nothing is "launched": the kernel is a function call, and the overhead is Python and the
-# dispatcher. `_foreach_lerp_` does not bypass the dispatcher: it goes through it once for the whole
-# list. On a CPU its kernel then calls `lerp_` for each tensor, through the dispatcher again but
-# without Python and below the autograd layer: that is why its line still climbs, below the loop's.
+# On a CPU nothing is "launched": the kernel is a function call. `_foreach_lerp_` pays Python and the
+# dispatcher once per list (bottom row); its CPU kernel then calls `lerp_` per tensor, through the
+# dispatcher but below the autograd layer: its line still climbs, below the loop's.
 #
 # ## 3. Count the ops
 #
@@ -191,15 +201,15 @@ with CountOps() as counter:
 print(f"{'flat':<8} {dict(counter.counts)}")
 
 # %% [markdown]
-# 1024 ops for the loop, one for each of the others. The ops that `_foreach_lerp_` runs inside its own
-# kernel are not seen: the hook is switched off while an op it caught runs.
-# `ema_lab.bench.counting.count_ops` is this counter, packaged.
+# 1024 ops for the loop, one for each of the others: the hook is switched off while an op it caught
+# runs, so it misses the `lerp_` calls inside `_foreach_lerp_`. `ema_lab.bench.counting.count_ops` is
+# this counter, packaged.
 #
 # ## 4. The price of one op
 #
-# If each op has a fixed price, the loop's time is a straight line in the number of ops:
-# `time = price × ops + work`. `numpy.polyfit` fits that line to the sweep (weighted by `1 / time`, so
-# that the fast points count as much as the slow ones):
+# If each op has a fixed price, the loop's time is a line in the number of ops:
+# `time = price × ops + work`. `numpy.polyfit` fits it to the sweep (weighted by `1 / time`, so that
+# fast points count as much as slow ones):
 
 # %% tags=["nbval-ignore-output"]
 loop_ms, foreach_ms = np.array(sweep["loop"]), np.array(sweep["foreach"])
@@ -210,14 +220,14 @@ print(f"foreach: {per_tensor_ms * 1e3:.2f} us per tensor inside the one call")
 print(f"one flat lerp_ on the 2^18 numbers, measured: {sweep['one flat lerp_'][0]:.3f} ms")
 
 # %% [markdown]
-# The slope is what one op costs on your machine, whatever its size; the work is close to what one
-# flat `lerp_` takes. Inside `_foreach_lerp_` a tensor costs less, because Python and the autograd
-# layer are paid once for the list.
+# The slope is one op's price on your machine; the work is close to one flat `lerp_`'s time. Inside
+# `_foreach_lerp_` a tensor costs less: Python and the autograd layer are paid once per list.
 #
 # ## 5. The real change: ultralytics PR #25315
 #
-# [The PR](https://github.com/ultralytics/ultralytics/pull/25315) changed how ultralytics updates its
-# EMA. This was the update before it, for every float tensor of the model's `state_dict()`:
+# [The PR](https://github.com/ultralytics/ultralytics/pull/25315) changed ultralytics' EMA update. Its
+# code before and after (the after-code also checks the torch version and device first; notebook 02
+# shows that gate):
 
 
 # %%
@@ -229,12 +239,6 @@ def ema_before(ema, model, d):  # the PR's before-code: 3 ops per float tensor
             v += (1 - d) * msd[k].detach()
 
 
-# %% [markdown]
-# And after it (the PR also checks the torch version and device first, and keeps the old loop as a
-# fallback; notebook 02 shows that gate):
-
-
-# %%
 def ema_after(ema, model, d):  # the PR's after-code: one op for all float tensors
     msd = model.state_dict()
     pairs = [(v, msd[k]) for k, v in ema.state_dict().items() if v.dtype.is_floating_point]
@@ -242,7 +246,7 @@ def ema_after(ema, model, d):  # the PR's after-code: one op for all float tenso
 
 
 # %% [markdown]
-# Run both on a model shaped like the yolo26n detector (594 small float tensors), and count their ops:
+# Run both on a model shaped like the yolo26n detector. What does its `state_dict()` hold?
 
 # %%
 from copy import deepcopy
@@ -251,17 +255,30 @@ from ema_lab.bench import models
 
 model = models.build("yolo")
 ema = deepcopy(model)
+sd = model.state_dict()
+sizes = sorted((v.numel() for v in sd.values() if v.is_floating_point()), reverse=True)
+print(f"{len(sd)} entries: {len(sizes)} float tensors, {len(sd) - len(sizes)} integer ones")
+print(f"float numbers: {sum(sizes):,}; median tensor {np.median(sizes):.0f}, largest {sizes[0]:,}")
+print(f"the 28 largest tensors hold {sum(sizes[:28]) / sum(sizes):.1%} of the numbers")
+
+# %% [markdown]
+# Most of the 594 float tensors are small, but a few large ones hold most of the numbers. The 114
+# integer entries are [counters](../docs/glossary.md#float-tensor-and-integer-counter)
+# (`num_batches_tracked`, one per BatchNorm layer); the EMA skips them. Count both updates' ops:
+
+# %%
+from ema_lab.bench.counting import count_ops
+
 print(f"torch {torch.__version__}")
 for fn in (ema_before, ema_after):
-    with CountOps() as counter:
-        fn(ema, model, 0.9999)
-    print(f"{fn.__name__}: {sum(counter.counts.values())} ops {dict(counter.counts)}")
+    counts = count_ops(fn, ema, model, 0.9999)
+    print(f"{fn.__name__}: {sum(counts.values())} ops {dict(counts)}")
 
 # %% [markdown]
 # The before-code dispatches 3 ops per float tensor (`mul_`, `mul`, `add_`); the after-code one
 # `_foreach_lerp_`. Both also dispatch a `detach` for every entry of the two `state_dict()` walks
-# per update (2 x 708 = 1416), and the before-code one per tensor. Time both, the walks alone, and one
-# flat `lerp_` over as many numbers (the floor):
+# (2 x 708 = 1416), and the before-code one per tensor. Time both, the walks alone, and one flat
+# `lerp_` over as many numbers (the floor):
 
 # %% tags=["nbval-ignore-output"]
 numbers = models.describe(model).float_elements
@@ -286,10 +303,10 @@ def ratio(before, after):  # median ratio, and its range from the quartiles of b
 print("before / after: {:.1f}x (range {:.1f}x to {:.1f}x)".format(*ratio(pr["before"], pr["after"])))
 
 # %% [markdown]
-# The PR kept the two walks: compare their line with the after-code's. The floor is far below either.
-# The ratio is your machine's version of the PR's 2.2x (12.8 -> 5.8 ms, yolo26n on an Apple M-series
-# laptop). The PR gave one number; a ratio of two noisy times has a range. Yours, beside the runs saved
-# in `results/` (each bar spans the ratios the quartiles of both times allow):
+# The PR kept the two walks: compare them with the after-code. The floor is far below either. The
+# ratio is your machine's version of the PR's 2.2x (12.8 -> 5.8 ms, yolo26n, Apple M-series laptop).
+# A ratio of two noisy times has a range. Yours, beside saved runs (a bar spans the ratios that the
+# quartiles of both times allow):
 
 # %% tags=["nbval-ignore-output"]
 import json
@@ -333,15 +350,14 @@ ax.grid(alpha=0.3, axis="x")
 plt.show()
 
 # %% [markdown]
-# On the 2-core CPU the speed-up was 1.4x one day (a wide range) and 1.8x the next. On the
-# H200 it was 4.2x in a short run (3 rounds) and 5.8x in a full one: larger on the GPU every time. Why
-# the GPU gains more is the last section.
+# On the 2-core CPU the speed-up was 1.4x one day and 1.8x the next; on the H200, 4.2x in a short run
+# and 5.8x in a full one. Why the GPU gains more is the last section.
 #
 # ## 6. On a GPU
 #
-# On a GPU the kernel step is a launch: the CPU queues work for the device. A Python loop launches one
-# kernel per op; on CUDA, `_foreach_lerp_` packs many tensors into each launch. Where a CUDA device is
-# present, the profiler counts them:
+# On a GPU the kernel step is a launch: the CPU queues work for the device. A loop launches one kernel
+# per op; on CUDA, `_foreach_lerp_` packs many tensors into each launch. With a CUDA device, the
+# profiler counts them:
 
 # %% tags=["nbval-ignore-output"]
 from ema_lab.bench.counting import kernel_launches_or_reason
@@ -369,14 +385,13 @@ for m in ("yolo", "tiny_tensors"):
     )
 
 # %% [markdown]
-# The before-code launches one kernel per `mul_`, `mul` and `add_` (3 x 594); its `detach`es launch none.
-# The after-code's one `_foreach_lerp_` became 10 launches for 594 tensors and 32 for 2,000: in that
-# build a launch carries at most 64 tensors, torch's limit for this op when a kernel's arguments must fit
-# in 4 KB (builds that allow larger arguments pack more). One `lerp_` over one flat buffer is one launch.
+# The before-code launches one kernel per `mul_`, `mul` and `add_` (3 x 594); `detach` launches none.
+# The after-code's `_foreach_lerp_` took 10 launches for 594 tensors and 32 for 2,000: in that build
+# one launch carries at most 64 tensors (builds that allow larger kernel arguments pack more). One flat
+# `lerp_` is one launch.
 #
-# Why is the GPU's speed-up larger? Not because its arithmetic is cheap: on a CPU too, one flat `lerp_`
-# over all the numbers takes a small part of the before-code's time (the floor above). The prices differ.
-# The bench fits the cost model of section 4 on each machine:
+# Why does the GPU gain more? Not cheaper arithmetic: on a CPU too, the floor is a small part of the
+# before-code's time. The prices differ. The bench fits section 4's line on each machine:
 
 # %% tags=["nbval-ignore-output"]
 cpu_run, h200_fits = ref["2-core AMD EPYC VM, Dec 3"], h200["cost_model"]["cuda"]["fits"]
@@ -397,10 +412,14 @@ print(
 )
 
 # %% [markdown]
-# Read each column down (yours comes from the smaller sweep of section 4). On a CPU an op of the loop
-# costs a few times what a tensor inside `_foreach_lerp_` costs; on the H200 about 20 times, because each
-# op of the loop is a kernel launch from the host. The before-code pays the first price 1782 times, the
-# after-code the second 594 times: the wider the gap between the two prices, the larger the speed-up.
+# Read each column down, not across. Your CPU and the reference run's are the same kind of virtual
+# machine, yet their bottom rows differ: a virtual machine shares its host's cores, caches and memory
+# with others, and lands on another host from run to run.
+#
+# On a CPU a loop's op costs a few times what a tensor inside `_foreach_lerp_` costs; on the H200 about
+# 20 times, because each op of the loop is a [kernel launch](../docs/glossary.md#kernel-launch). The
+# before-code pays the first price 1782 times, the after-code the second 594 times: the wider the gap,
+# the larger the speed-up.
 
 # %% [markdown]
 # ## Summary
@@ -408,51 +427,91 @@ print(
 # - Each op called from Python pays a fixed price (Python, then the dispatcher) before any arithmetic.
 # - At a fixed total size, a loop's time grows with the number of tensors; one flat `lerp_` does not.
 # - `_foreach_lerp_` goes through the dispatcher once per list; on a CPU it still does per-tensor work inside.
-# - The PR's before-code also pays for two `state_dict()` walks per update, and so does its after-code.
-# - Its speed-up moves from run to run, and is larger on a GPU, where a tensor inside `_foreach_lerp_`
-#   costs far less than a loop's op.
+# - The PR's before- and after-code both pay for two `state_dict()` walks per update.
+# - Its speed-up moves from run to run; it is larger on a GPU, where a loop's op costs far more than a
+#   tensor inside `_foreach_lerp_`.
 
 # %% [markdown]
 # ## Exercises
 #
-# 1. Count the ops of `ema_before` on `models.build("tiny_tensors")` (2000 float tensors). Guess first.
-# 2. Profile one `_foreach_lerp_` over 600 tensors with `torch.profiler`. What runs inside it on a CPU?
-# 3. Predict the loop's time over 2,000 tensors of 136 numbers from the fitted line, then measure it.
+# Try each one before you open its solution.
 #
-# Solutions are in the hidden cells below (click to expand).
+# 1. `tiny = models.build("tiny_tensors")` has 2,000 float tensors and no integer ones. Predict how
+#    many ops `ema_before` dispatches on it, then count: `count_ops(ema_before, deepcopy(tiny), tiny, 0.9999)`.
+#
+# <details><summary>Solution 1</summary>
+#
+# 3 arithmetic ops per float tensor (6,000), plus a `detach` for each entry of the two `state_dict()`
+# walks (4,000) and one per tensor (2,000): 12,000.
+#
+# ```python
+# tiny = models.build("tiny_tensors")
+# counts = count_ops(ema_before, deepcopy(tiny), tiny, 0.9999)
+# print(f"torch {torch.__version__}: {sum(counts.values())} ops {dict(counts)}")
+# ```
+# </details>
+#
+# 2. Predict what runs inside one `_foreach_lerp_` over 600 tensors on a CPU (section 2), then look:
+#    with `ema_t, model_t = make(600)`, call `foreach(ema_t, model_t, 0.1)` inside `with
+#    torch.profiler.profile() as prof:`, and print each event of `prof.events()` with its `cpu_children`.
+#
+# <details><summary>Solution 2</summary>
+#
+# One `aten::_foreach_lerp_`, with one `aten::lerp_` per tensor inside it. (Ignore the two log lines
+# the profiler writes to stderr.)
+#
+# ```python
+# ema_t, model_t = make(600)
+# with torch.profiler.profile() as prof:
+#     foreach(ema_t, model_t, 0.1)
+# for event in prof.events():
+#     if event.cpu_parent is None:  # the top-level calls only
+#         print(event.name, "runs inside it:", dict(Counter(c.name for c in event.cpu_children)))
+# ```
+# </details>
+#
+# 3. Predict the loop's time over 2,000 tensors of 136 numbers from the line of section 4 (`price_ms`
+#    per op, plus `work_ms` per 2^18 numbers), then measure it with `Timer`.
+#
+# <details><summary>Solution 3</summary>
+#
+# 2,000 ops at the fitted price, plus the work scaled to 272,000 numbers. The line was fitted on other
+# sizes: expect the right order of magnitude, not the exact time.
+#
+# ```python
+# ema_t, model_t = make(2000, total=2000 * 136)
+# t = Timer("loop(ema_t, model_t, 0.1)", globals=globals()).blocked_autorange(min_run_time=0.2)
+# predicted = 2000 * price_ms + work_ms * 2000 * 136 / 2**18
+# print(f"predicted {predicted:.2f} ms, measured {t.median * 1e3:.2f} ms")
+# ```
+# </details>
+#
+# The three cells below run the solutions (folded in JupyterLab: click to expand).
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
 # Solution 1
-# 3 ops per float tensor (6000), plus a detach for each state_dict() entry walked (2 x 2000)
-# and for each tensor (2000).
-tiny, tiny_ema = models.build("tiny_tensors"), models.build("tiny_tensors")
-with CountOps() as counter:
-    ema_before(tiny_ema, tiny, 0.9999)
-print(f"torch {torch.__version__}: {sum(counter.counts.values())} ops {dict(counter.counts)}")
+tiny = models.build("tiny_tensors")
+counts = count_ops(ema_before, deepcopy(tiny), tiny, 0.9999)
+print(f"torch {torch.__version__}: {sum(counts.values())} ops {dict(counts)}")
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
 # Solution 2
-# One aten::_foreach_lerp_, and inside it one aten::lerp_ per tensor.
 import os
-
-from torch.profiler import profile
 
 ema_t, model_t = make(600)
 saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-os.dup2(devnull, 2)  # the profiler logs two lines to stderr; hide them
+os.dup2(devnull, 2)  # file descriptor 2 (stderr) to /dev/null: no profiler log lines in this notebook
 try:
-    with profile() as prof:
+    with torch.profiler.profile() as prof:
         foreach(ema_t, model_t, 0.1)
 finally:
-    os.dup2(saved, 2)
+    os.dup2(saved, 2)  # stderr back
 for event in prof.events():
-    if event.cpu_parent is None:
+    if event.cpu_parent is None:  # the top-level calls only
         print(event.name, "runs inside it:", dict(Counter(c.name for c in event.cpu_children)))
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
 # Solution 3
-# 2000 ops at the fitted price, plus the work scaled to 272,000 numbers. The line was fitted on
-# other tensor sizes, so expect the right order of magnitude, not the exact time.
 ema_t, model_t = make(2000, total=2000 * 136)
 t = Timer("loop(ema_t, model_t, 0.1)", globals=globals()).blocked_autorange(min_run_time=0.2)
 predicted = 2000 * price_ms + work_ms * 2000 * 136 / 2**18

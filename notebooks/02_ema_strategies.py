@@ -20,8 +20,9 @@
 # - Loop, foreach and gated steps give the same EMA; tensor lists kept between steps can go stale.
 
 # %% [markdown]
-# An EMA (exponential moving average) of a model's weights is a second copy of them that moves a
-# fraction `1 - d` of the way towards the model after every optimizer step. `d` is the decay. One weight:
+# An [EMA](../docs/glossary.md#ema) (exponential moving average) of a model's weights is a second copy
+# of them that moves a fraction `w = 1 - d` of the way towards the model after every optimizer step.
+# `d` is the [decay](../docs/glossary.md#decay-and-weight). One weight:
 
 # %%
 # %matplotlib inline
@@ -29,11 +30,11 @@ import torch
 
 torch.set_num_threads(1)  # one thread: results that do not depend on how many cores you have
 torch.manual_seed(0)
-weights = 1 + 0.3 * torch.randn(8)  # one weight, bouncing around 1.0 from step to step
-ema, d = weights[0].clone(), 0.7
-for w in weights:
-    ema.lerp_(w, 1 - d)  # ema = d * ema + (1 - d) * w
-    print(f"weight {w:.3f}   EMA {ema:.3f}")
+steps = 1 + 0.3 * torch.randn(8)  # one weight's value at 8 steps, bouncing around 1.0
+ema, d = steps[0].clone(), 0.7
+for x in steps:
+    ema.lerp_(x, 1 - d)  # ema = d * ema + (1 - d) * x
+    print(f"weight {x:.3f}   EMA {ema:.3f}")
 
 # %% [markdown]
 # The EMA bounces much less than the weight: it averages the recent steps.
@@ -187,11 +188,11 @@ print("same ramp:", all(packaged.decay(n) == ramp(n, 0.99, 50) for n in range(0,
 #
 # ## 3. Three ways to apply one step
 #
-# A model's EMA is one such step for every float tensor of its `state_dict()` (weights and
-# BatchNorm statistics). ema_lab has the step three ways: `loop_update` (the arithmetic before
-# ultralytics PR #25315, one tensor at a time), `foreach_update` (one `torch._foreach_lerp_`, the
-# after-code) and `gated_update` (the after-code behind its torch-version check, section 4).
-# Take the float tensors of a model shaped like the yolo26n detector:
+# ema_lab has the step three ways: `loop_update` (the arithmetic before ultralytics PR #25315, one
+# tensor at a time), `foreach_update` (one `torch._foreach_lerp_`, the after-code) and `gated_update`
+# (the PR's gate of section 4 plus a fallback: where the dtypes of a pair differ, the PR's call raises,
+# and `gated_update` updates that pair with `mul_` and `add_`). Take the float tensors of a model shaped
+# like the yolo26n detector:
 
 # %%
 from ema_lab import foreach_update, gated_update, loop_update
@@ -323,8 +324,9 @@ print(
 
 # %% [markdown]
 # It follows the model (`rebuilds` counts the times it built its lists: first use, then after the
-# conversion). `ema_lab.lessons.staleness.follows_after` packages this check; it also tries
-# `ema.ema.half()`, which a validator does to the EMA copy.
+# conversion). Casting the EMA copy itself, `ema.ema.half()`, breaks cached lists the same way; a
+# [validator](../docs/glossary.md#validator) (the code that scores the model on held-out data during
+# training) may cast the copy like that.
 #
 # ## Summary
 #
@@ -338,46 +340,109 @@ print(
 # %% [markdown]
 # ## Exercises
 #
-# 1. Train with `tau=5` instead of 50 (`train(HandEMA, tau=5)`). In which epochs is the EMA's loss
-#    worse than the raw model's? Why?
-# 2. Add the conversion `model.bfloat16()` to `ema_lab.lessons.staleness.CONVERSIONS`, then run
-#    `follows_after` on `ModelEMA` and on the packaged cached-list EMA, `ema_lab.bench.seed.CachedListEMA`.
-# 3. Count the ops of `loop_update` and `foreach_update` on `models.build("tiny_tensors")`.
+# Try each one before you open its solution.
 #
-# Solutions are in the hidden cells below (click to expand).
+# 1. Predict: with `tau=5` instead of 50, in which epochs is the EMA's loss worse than the raw model's,
+#    and why? Then run `train(HandEMA, tau=5)` and compare its two lists of losses.
+#
+# <details><summary>Solution 1</summary>
+#
+# With `tau=5` the decay is above 0.98 after 25 of the 300 updates, so from epoch 2 on the EMA averages
+# about 1 / (1 - 0.99) = 100 steps, early bad weights included: it lags behind the improving model.
+# With `tau=50` the window grows as the model improves, and the EMA trails only in the first epochs.
+#
+# ```python
+# for tau in (5, 50):
+#     raw_t, avg_t, _ = train(HandEMA, tau=tau)
+#     worse = [e for e, r, a in zip(epochs, raw_t, avg_t) if a > r]
+#     print(f"tau = {tau:>2}: EMA worse than raw in epochs {worse}")
+# ```
+# </details>
+#
+# 2. Section 5 converted the model with `model.double()`. Predict: after `model.bfloat16()` instead,
+#    does `CachedListEMA` follow the model? Does `ModelEMA`? Check: copy `gap_after_conversion` with
+#    `model.bfloat16()` in place of `model.double()`, and run it on both as section 5 did.
+#
+# <details><summary>Solution 2</summary>
+#
+# Any conversion to another dtype gives the parameters new memory: the cached lists freeze again (a gap
+# near 1), while `ModelEMA` notices, rebuilds its lists and follows (a gap near 0).
+#
+# ```python
+# def gap_after_bfloat16(ema, model):
+#     ema.update(model)
+#     model.bfloat16()
+#     with torch.no_grad():
+#         for p in model.parameters():
+#             p.add_(1.0)
+#     for _ in range(20):
+#         ema.update(model)
+#     return max((e.double() - p).abs().max().item() for e, p in zip(ema.ema.parameters(), model.parameters()))
+#
+#
+# model = models.build("tiny_cnn")
+# print(f"CachedListEMA: gap {gap_after_bfloat16(CachedListEMA(model, 0.5), model):.3f}")
+# model = models.build("tiny_cnn")
+# print(f"ModelEMA:      gap {gap_after_bfloat16(ModelEMA(model, decay=0.5, tau=1e-9), model):.3f}")
+# ```
+# </details>
+#
+# 3. Predict: on yolo's float tensors (`model_t` of section 3), with one model tensor made float64
+#    (`mixed = list(model_t); mixed[5] = mixed[5].double()`), how many ops does `gated_update` dispatch,
+#    and what does `foreach_update` do? Then try both, counting with `count_ops`.
+#
+# <details><summary>Solution 3</summary>
+#
+# `gated_update`: one `_foreach_lerp_` for the 593 matching pairs, then `mul_` and `add_` for the mixed
+# one: 3 ops. `foreach_update` checks every pair first and refuses with a `ValueError`, updating nothing.
+#
+# ```python
+# mixed = list(model_t)
+# mixed[5] = mixed[5].double()
+# ema_t = [t.clone() for t in model_t]
+# print(f"torch {torch.__version__}, gated_update:", dict(count_ops(gated_update, ema_t, mixed, 0.9)))
+# try:
+#     foreach_update(ema_t, mixed, 0.9)
+# except ValueError as e:
+#     print("foreach_update: ValueError:", str(e)[:100], "...")
+# ```
+# </details>
+#
+# The three cells below run the solutions (folded in JupyterLab: click to expand).
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
 # Solution 1
-# With tau=5 the decay is above 0.98 after 25 of the 300 updates, so from epoch 2 on
-# the EMA averages about 1 / (1 - 0.99) = 100 steps, early bad weights included: it lags behind the
-# improving model for most of the run. With tau=50 the window grows as the model improves, and the
-# EMA trails only in the first epochs, by little.
 for tau in (5, 50):
     raw_t, avg_t, _ = train(HandEMA, tau=tau)
     worse = [e for e, r, a in zip(epochs, raw_t, avg_t) if a > r]
     print(f"tau = {tau:>2}: EMA worse than raw in epochs {worse}")
-    print("   raw", " ".join(f"{x:.3f}" for x in raw_t))
-    print("   EMA", " ".join(f"{x:.3f}" for x in avg_t))
+
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
 # Solution 2
-# ModelEMA notices the new memory and follows; the cached lists freeze again. follows_after builds
-# cls(model, decay=..., tau=...), so it takes the packaged class, not the two-argument one above.
-from ema_lab.bench import seed
-from ema_lab.lessons.staleness import CONVERSIONS, follows_after
+def gap_after_bfloat16(ema, model):
+    ema.update(model)
+    model.bfloat16()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    for _ in range(20):
+        ema.update(model)
+    return max((e.double() - p).abs().max().item() for e, p in zip(ema.ema.parameters(), model.parameters()))
 
-CONVERSIONS["model.bfloat16()"] = lambda model, ema: model.bfloat16()
-for cls in (seed.CachedListEMA, ModelEMA):
-    r = follows_after(cls, "model.bfloat16()")
-    print(f"{cls.__name__:<14} follows the model: {r.follows}")
-del CONVERSIONS["model.bfloat16()"]
+
+model = models.build("tiny_cnn")
+print(f"CachedListEMA: gap {gap_after_bfloat16(CachedListEMA(model, 0.5), model):.3f}")
+model = models.build("tiny_cnn")
+print(f"ModelEMA:      gap {gap_after_bfloat16(ModelEMA(model, decay=0.5, tau=1e-9), model):.3f}")
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
 # Solution 3
-# Every tensor of tiny_tensors is float, so the loop's ops grow with its 2000 tensors.
-tiny = models.build("tiny_tensors")
-tiny_t = [v for v in tiny.state_dict().values() if v.is_floating_point()]
-tiny_ema = [t.clone() for t in tiny_t]
-print(f"torch {torch.__version__}, {len(tiny_t)} float tensors")
-for f in (loop_update, foreach_update):
-    print(f"{f.__name__:<15}", dict(count_ops(f, tiny_ema, tiny_t, 0.9)))
+mixed = list(model_t)
+mixed[5] = mixed[5].double()
+ema_t = [t.clone() for t in model_t]
+print(f"torch {torch.__version__}, gated_update:", dict(count_ops(gated_update, ema_t, mixed, 0.9)))
+try:
+    foreach_update(ema_t, mixed, 0.9)
+except ValueError as e:
+    print("foreach_update: ValueError:", str(e)[:100], "...")

@@ -16,7 +16,7 @@
 # # 03 · The float64 buffer bug
 #
 # - Profiling a model with `thop` 0.1.1 leaves float64 tensors in it, and a shared activation spreads them.
-# - A cast EMA copy then makes `torch._foreach_lerp_` fail halfway, after updating some tensors.
+# - Cast the EMA copy (convert its tensors to float32) and `torch._foreach_lerp_` fails halfway, after updating some.
 # - Fix the cause (profile a deep copy) and the update (check every pair before touching any).
 
 # %% tags=["nbval-ignore-output"]
@@ -177,8 +177,9 @@ plt.show()
 #
 # ## 3. A cast EMA copy makes `_foreach_lerp_` fail halfway
 #
-# The EMA starts as `deepcopy(model)`. ultralytics' validator then casts it with `.float()` (or
-# `.half()`), which converts every floating tensor, thop's buffers included. The training model keeps
+# The EMA starts as `deepcopy(model)`. ultralytics' [validator](../docs/glossary.md#validator) (the code
+# that scores the model on held-out data during training) then [casts](../docs/glossary.md#cast) it with
+# `.float()`: every floating tensor becomes float32, thop's buffers included. The training model keeps
 # them in float64. One training step moves the model away from its EMA:
 
 
@@ -205,10 +206,10 @@ for k in bad:
     print(f"  {k:<18} EMA {esd[k].dtype}  model {msd[k].dtype}")
 
 # %% [markdown]
-# Only thop's keys disagree (after `.half()` every pair would). The PR's after-code calls
-# `torch._foreach_lerp_(ema_tensors, model_tensors, 1 - d)` once, with `d` the decay (the share of the
-# old EMA that each step keeps). `lerp_` needs both tensors of a pair in the same dtype. We use
-# `d = 0.9` so that one step shows in four decimals:
+# Only thop's keys disagree. The PR's after-code calls `torch._foreach_lerp_(ema_tensors,
+# model_tensors, 1 - d)` once, with `d` the [decay](../docs/glossary.md#decay-and-weight) (the share of
+# the old EMA each step keeps); `lerp_` needs both tensors of a pair in one dtype. `d = 0.9` makes one
+# step show in four decimals:
 
 # %%
 d = 0.9
@@ -227,9 +228,8 @@ print("already updated:", updated)
 # so the five tensors before the first bad pair were already moved: a failed `_foreach_lerp_` is **not
 # atomic**.
 #
-# The obvious repair, which the PR did *not* make, is to catch the error and run the old per-tensor
-# loop. That loop promotes to float64 and casts back, so it succeeds, and moves those five tensors a
-# second time:
+# The obvious repair, which the PR did *not* make: catch the error and run the old per-tensor loop.
+# It promotes to float64 and casts back, so it succeeds, and moves those five tensors a second time:
 
 # %%
 with torch.no_grad():  # a hypothetical `except RuntimeError:` branch: the PR's before-code loop
@@ -274,9 +274,8 @@ ax.set_xticks(range(len(shown)), shown, rotation=90, fontsize=8)
 plt.show()
 
 # %% [markdown]
-# Red: moved by the failed call and again by the fallback, by about 1 − d² = 0.19 instead of 0.1. The
-# mismatch never goes away, so that would happen at *every* step, halving those tensors' averaging
-# window (about 1 / (1 − d) steps) without a word.
+# Red: moved twice, by about 1 − d² = 0.19 instead of 0.1. The mismatch stays, so this would happen at
+# *every* step, silently halving those tensors' averaging window (about 1 / (1 − d) steps).
 #
 # ## 4. Check every pair before touching any
 #
@@ -352,8 +351,7 @@ torch.testing.assert_close({k: got[k] for k in floats}, {k: want[k] for k in flo
 # `modes` lists how each group of tensors is updated: `cat` gathers the float32 pairs (notebook 05),
 # `cast` converts thop's float64 ones. The EMA agrees with the loop to float32 rounding, yet is far
 # from the model and from its start: an EMA that skipped steps, or copied the model, would fail the
-# last line. (`ModelEMA(model, strategy="foreach")` asks for exactly the PR's single call, and refuses
-# the mixed pairs up front, like `foreach_update`.)
+# last line.
 
 # %% [markdown]
 # ## 5. The fix in the PR: profile a deep copy
@@ -393,17 +391,16 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 # <details><summary>Upstream, thop was fixed too</summary>
 #
 # The `ultralytics-thop` fork removes the buffers from every module from 2.0.21, adds `try/finally` in
-# 2.0.22, and keeps plain Python numbers instead of buffers from 2.1. (Quoted from its release notes,
-# not run here: `thop` and `ultralytics-thop` install the same `thop` import, so never install both.)
+# 2.0.22, and keeps plain Python numbers instead of buffers from 2.1 (from its release notes, not run
+# here: it installs the same `thop` import as `thop`, so never install both).
 # A later ultralytics PR dropped the deep copy once it required the fixed fork.
 # </details>
 #
 # <details><summary>A second opinion on the count: torch's FlopCounterMode</summary>
 #
 # `torch.utils.flop_counter.FlopCounterMode` counts FLOPs (one MAC is two) at the dispatcher and stores
-# nothing on the model, so it cannot leak. It agrees with thop on convolutions and linear layers and differs elsewhere (BatchNorm,
-# attention, fused kernels); `docs/flop_counters.md` in the repository compares the two on
-# three models.
+# nothing on the model, so it cannot leak. It agrees with thop on convolutions and linear layers and
+# differs elsewhere (BatchNorm, attention, fused kernels), as `docs/flop_counters.md` shows.
 # </details>
 #
 # <details><summary>Why a leaked model cannot move to an Apple GPU</summary>
@@ -416,8 +413,8 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 # %% [markdown]
 # ## Summary
 #
-# - `thop.profile` 0.1.1 leaves float64 `total_ops`/`total_params` buffers on modules it has no rule
-#   for, and everything (buffers, hooks, eval mode) when the forward fails.
+# - `thop.profile` 0.1.1 leaves float64 buffers on modules it has no rule for; on a failing forward,
+#   everything (buffers, hooks, eval mode).
 # - A class-level activation spreads them to every model built afterwards.
 # - A cast EMA makes `_foreach_lerp_` raise after moving the pairs before the bad one; a loop fallback
 #   would then move those twice.
@@ -427,55 +424,105 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 # %% [markdown]
 # ## Exercises
 #
-# 1. Profile `models.resnet50()` in place (inside `with shared_act_leak():` from
-#    `ema_lab.lessons.float64_bug`, which puts section 2's shared-SiLU leak back and removes it on
-#    exit). Why does it keep fewer stray keys than the YOLO-sized net?
-# 2. With ultralytics' `d = 0.9999`, how much weight does the fallback of section 3 give the model per
-#    step, and what happens to the averaging window?
-# 3. Put a module whose forward raises into a model. Run `thop.profile` on it in place, and
-#    `profile_flops` on a fresh one. Count what each leaves behind, as in section 1.
+# Try each one before you open its solution.
 #
-# Solutions are in the hidden cells below (click to expand).
+# 1. Predict: profiled in place, does `resnet = models.resnet50()` keep more or fewer of thop's keys
+#    than the YOLO-sized net of section 2, and why? Check with `thop.profile(resnet, (torch.randn(1, 3,
+#    64, 64),), verbose=False)`, `leaked_keys(resnet)` and `"total_ops" in m._buffers`.
+#
+# <details><summary>Solution 1</summary>
+#
+# Fewer. ResNet-50 is built from `Conv2d`, `BatchNorm2d` and `ReLU`, which have thop rules, so only its
+# custom bottleneck blocks and `Flatten` keep buffers. The YOLO-sized net adds its custom
+# blocks and, under every one of its `Conv` modules, the shared `SiLU`, which has no rule.
+#
+# ```python
+# resnet = models.resnet50()
+# thop.profile(resnet, (torch.randn(1, 3, 64, 64),), verbose=False)
+# kept = sorted({type(m).__name__ for m in resnet.modules() if "total_ops" in m._buffers})
+# print(f"resnet50: {len(leaked_keys(resnet))} of thop's keys, kept by {kept}")
+# print(f"yolo() profiled in place (section 2): {sizes['profiled in place'][1]}")
+# ```
+# </details>
+#
+# 2. With ultralytics' `d = 0.9999`, predict how much weight the fallback of section 3 gives the model
+#    per step on a mismatched tensor, and the averaging window that follows. Then compute both.
+#
+# <details><summary>Solution 2</summary>
+#
+# The tensor is moved twice, so it keeps `d²` of the old EMA: weight `1 − d²`, about twice `1 − d`, and
+# half the window.
+#
+# ```python
+# d = 0.9999
+# print(f"weight per step: {1 - d:.6f} -> {1 - d * d:.6f}")
+# print(f"averaging window: {1 / (1 - d):,.0f} steps -> {1 / (1 - d * d):,.0f} steps")
+# ```
+# </details>
+#
+# 3. `nn.Sequential(nn.Conv2d(3, 4, 3), Boom())` in training mode, where `Boom`'s forward raises
+#    `ValueError`. Predict what `thop.profile` and `profile_flops` leave on it (keys, forward hooks,
+#    training mode), then check each on a fresh one, as in section 1.
+#
+# <details><summary>Solution 3</summary>
+#
+# In place, thop leaves its buffers, its hooks and eval mode; `profile_flops` works on a copy and
+# leaves nothing.
+#
+# ```python
+# from contextlib import suppress
+#
+#
+# class Boom(nn.Module):
+#     def forward(self, x: torch.Tensor) -> torch.Tensor:
+#         raise ValueError("boom")
+#
+#
+# for name, profiler in (
+#     ("thop.profile", lambda m, x: thop.profile(m, (x,), verbose=False)),
+#     ("profile_flops", profile_flops),
+# ):
+#     victim = nn.Sequential(nn.Conv2d(3, 4, 3), Boom()).train()
+#     with suppress(ValueError):  # Boom raises: look at what is left behind
+#         profiler(victim, torch.randn(1, 3, 8, 8))
+#     hooks = sum(len(m._forward_hooks) for m in victim.modules())
+#     print(f"{name}: keys {len(leaked_keys(victim))}, hooks {hooks}, training {victim.training}")
+# ```
+# </details>
+#
+# The three cells below run the solutions (folded in JupyterLab: click to expand).
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# 1. ResNet-50 is built from Conv2d, BatchNorm2d and ReLU, which have thop rules (SiLU has none),
-#    so only its custom bottleneck blocks and Flatten keep buffers. The YOLO-sized net adds its
-#    custom blocks and, under every one of its Convs, the shared SiLU.
-from ema_lab.lessons.float64_bug import shared_act_leak
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
+# Solution 1
+resnet = models.resnet50()
+thop.profile(resnet, (torch.randn(1, 3, 64, 64),), verbose=False)
+kept = sorted({type(m).__name__ for m in resnet.modules() if "total_ops" in m._buffers})
+print(f"resnet50: {len(leaked_keys(resnet))} of thop's keys, kept by {kept}")
+print(f"yolo() profiled in place (section 2): {sizes['profiled in place'][1]}")
 
-with shared_act_leak():
-    resnet = models.resnet50()
-    thop.profile(resnet, inputs=(torch.randn(1, 3, 64, 64),), verbose=False)
-    for name, net in (("resnet50", resnet), ("yolo", profiled)):
-        kept = sorted({type(m).__name__ for m in net.modules() if "total_ops" in m._buffers})
-        print(f"{name}: {len(leaked_keys(net))} stray keys, kept by {kept}")
-print(
-    "types with a thop rule:",
-    sorted(t.__name__ for t in (nn.Conv2d, nn.BatchNorm2d, nn.ReLU, nn.SiLU) if t in rules),
-)
-
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# 2. Twice the weight per step, so half the averaging window.
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
+# Solution 2
 d = 0.9999
 print(f"weight per step: {1 - d:.6f} -> {1 - d * d:.6f}")
 print(f"averaging window: {1 / (1 - d):,.0f} steps -> {1 / (1 - d * d):,.0f} steps")
 
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# 3. In place, thop leaves buffers, hooks and eval mode; on a copy, nothing.
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
+# Solution 3
+from contextlib import suppress
+
+
 class Boom(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise ValueError("boom")
 
 
-for label in ("thop.profile in place", "profile_flops"):
+for name, profiler in (
+    ("thop.profile", lambda m, x: thop.profile(m, (x,), verbose=False)),
+    ("profile_flops", profile_flops),
+):
     victim = nn.Sequential(nn.Conv2d(3, 4, 3), Boom()).train()
-    try:
-        if label == "profile_flops":
-            profile_flops(victim, torch.randn(1, 3, 8, 8))
-        else:
-            thop.profile(victim, inputs=(torch.randn(1, 3, 8, 8),), verbose=False)
-    except ValueError as e:
-        print(f"{label}: ValueError {e}")
+    with suppress(ValueError):  # Boom raises: look at what is left behind
+        profiler(victim, torch.randn(1, 3, 8, 8))
     hooks = sum(len(m._forward_hooks) for m in victim.modules())
-    print(f"    leaked keys {len(leaked_keys(victim))}, forward hooks {hooks}, training {victim.training}")
+    print(f"{name}: keys {len(leaked_keys(victim))}, hooks {hooks}, training {victim.training}")
