@@ -13,6 +13,7 @@ from ema_lab import ModelEMA, flat_step, flatten_model, graph_step
 from ema_lab.bench import models
 from ema_lab.graph_step import GraphStep
 from ema_lab.lessons.staleness import CONVERSIONS
+from ema_lab.schedules import power
 
 from .helpers import float_entries
 
@@ -91,6 +92,23 @@ def test_cuda_graph_replays_the_eager_flat_step_bit_for_bit(layout: str, device:
         assert torch.equal(v, want[k]), k
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_cuda_graph_replays_a_schedule_bit_for_bit(every: int, device: str) -> None:
+    """A schedule's float reaches the replay through the weight tensor, recorded once, as the ramp's does."""
+    model = models.build("tiny_cnn").to(device)
+    schedule = power(sigma_rel=0.1)
+    graphed = ModelEMA(model, decay=schedule, every=every, cuda_graph=True)
+    eager = ModelEMA(model, decay=schedule, every=every, cat_max_numel=0)
+    for i in range(8):
+        _shift(model, 0.25 * (i + 1))
+        graphed.update(model)
+        eager.update(model)
+    assert graphed.rebuilds == 1 and graphed._step.replay is not None
+    want = eager.ema.state_dict()
+    for k, v in graphed.ema.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
 def test_cuda_graph_is_recorded_again_after_a_tensor_is_replaced(device: str) -> None:
     model = models.build("tiny_cnn").to(device)
     ema = ModelEMA(model, cuda_graph=True)
@@ -137,16 +155,18 @@ def test_cuda_graph_follows_the_model_after_a_conversion(conversion: str, device
 def test_cuda_graph_updates_never_sync_with_the_host() -> None:
     model = models.build("tiny_cnn").cuda()
     ema = ModelEMA(model, cuda_graph=True)
+    scheduled = ModelEMA(model, decay=power(sigma_rel=0.1), every=2, cuda_graph=True)
     decay = torch.tensor(0.5, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(4):  # build + eager, record + replay, replays; the ramp's float, then a tensor
             ema.update(model)
+            scheduled.update(model)
         ema.update(model, decay=decay)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert ema.rebuilds == 1
+    assert ema.rebuilds == 1 and scheduled.rebuilds == 1
 
 
 @CUDA
