@@ -16,13 +16,12 @@
 # # 05 · Beyond foreach: one `lerp_` over one buffer
 #
 # - Put the EMA and the model each in one contiguous buffer, and the whole update is one `lerp_`.
-# - Views go stale when the model moves, so check them; a bf16 EMA stops moving, so keep it in fp32.
-# - On a GPU, launches are the cost: flatten the model, or replay the update as one CUDA graph.
+# - Views go stale when the model moves, so check them; keep the EMA in fp32.
+# - On a GPU the default update is host-bound: a flattened model gets close to the floor.
 
 # %% tags=["nbval-ignore-output"]
 import copy
 import os
-import platform
 import statistics
 
 import torch
@@ -32,8 +31,7 @@ from ema_lab.bench import models
 
 torch.set_num_threads(1)  # one thread, so timings compare across runs
 QUICK = os.environ.get("EMA_LAB_QUICK", "0") not in ("", "0")  # a shorter run with the same steps
-print(f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}")
-print("threads:", torch.get_num_threads())
+print(f"torch {torch.__version__}, threads: {torch.get_num_threads()}")
 
 model = models.build("yolo")  # a conv net shaped like ultralytics' yolo26n
 ema = copy.deepcopy(model).requires_grad_(False)
@@ -48,10 +46,10 @@ E, M = float_tensors(ema), float_tensors(model)
 print(f"{len(E)} float tensors, {sum(t.numel() for t in E):,} elements")
 
 # %% [markdown]
-# ## 1. The slow way: one `lerp_` per tensor
+# ## 1. From the before-code to foreach
 #
 # `torch.lerp(a, b, w)` is `a + w * (b - a)`, so an EMA step with decay `d` is `lerp_(ema, model, 1 - d)`.
-# ultralytics PR #25315 replaced a Python loop over tensors with one `torch._foreach_lerp_` over the two
+# ultralytics PR #25315 replaced a Python loop over tensors with one `torch._foreach_lerp_` over two
 # lists. Both, with the lists built once:
 
 # %%
@@ -85,20 +83,20 @@ def medians(runs: dict[str, list[float]]) -> dict[str, float]:
 
 
 # %% tags=["nbval-ignore-output"]
-print(medians(time_rounds({"loop": ema_loop, "foreach": ema_foreach})))
-
+first = medians(time_rounds({"loop": ema_loop, "foreach": ema_foreach}))
+print(first, f"| foreach {first['loop'] / first['foreach']:.1f}x faster")
 
 # %% [markdown]
-# foreach wins, but on a CPU `_foreach_lerp_` still runs one `lerp_` per tensor inside: 594 small
-# calls. The floor is one `lerp_` over all 2.6 million elements at once. For that, the elements must
-# sit in one contiguous buffer.
+# foreach wins by more than the 2x of notebooks 01 and 04. Those time the PR's code, which walks both
+# `state_dict()`s on every call, before and after alike; here the lists are built once, so only the
+# per-tensor work differs. Yet on a CPU `_foreach_lerp_` still runs one `lerp_` per tensor inside.
 
 # %% [markdown]
 # ## 2. One buffer, many views
 #
-# Copy every EMA tensor into one flat buffer, then re-point the tensor at its slice: a *view*, a
-# tensor that reads and writes another tensor's memory. `t.data = view` keeps the tensor object (a
-# `Parameter` stays the module's `Parameter`) and swaps its memory.
+# The floor is one `lerp_` over all 2.6 million elements at once; for that they must sit in one
+# contiguous buffer. Copy every EMA tensor into one flat buffer, then re-point the tensor at its slice:
+# a *view*, a tensor that reads and writes another tensor's memory.
 #
 # ![EMA tensors as views into one flat buffer, and one lerp_ between two buffers](figures/05_flat_views.svg)
 
@@ -112,7 +110,7 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     for t in tensors:
         view = flat[start : start + t.numel()].view_as(t)
         view.copy_(t)
-        t.data = view  # same tensor object, new memory
+        t.data = view  # same tensor object (a Parameter stays the module's Parameter), new memory
         start += t.numel()
     return flat
 
@@ -131,7 +129,8 @@ print("the module holds the same Parameter objects:", next(ema.parameters()) is 
 
 # %% [markdown]
 # The module did not notice: same objects, same values, new memory. The model's tensors are still
-# scattered, so the obvious next step gathers them with `torch.cat` on every update:
+# scattered; the obvious next step gathers them with `torch.cat` on every update. Time it against
+# foreach, round by round:
 
 
 # %% tags=["nbval-ignore-output"]
@@ -140,11 +139,17 @@ def ema_cat_lerp() -> None:  # flat EMA; the model copied into one tensor each s
     ema_flat.lerp_(torch.cat([m.reshape(-1) for m in M]), 1 - D)
 
 
-print(medians(time_rounds({"foreach": ema_foreach, "flat EMA + cat": ema_cat_lerp})))
+runs = time_rounds({"foreach": ema_foreach, "flat EMA + cat": ema_cat_lerp}, rounds=9)
+slower = [c / f for c, f in zip(runs["flat EMA + cat"], runs["foreach"])]
+print(
+    medians(runs),
+    f"| cat slower in {sum(r > 1 for r in slower)} of 9 rounds, by {min(slower):.2f}x to {max(slower):.2f}x",
+)
 
 # %% [markdown]
-# No faster than foreach, often slower: `cat` copies all 2.6 million model elements every step. So flatten
-# the model too: the update becomes one `lerp_` over two buffers, and it must equal foreach to the bit:
+# The gather costs more than it saves: `cat` copies all 2.6 million model elements on every update. So
+# flatten the model too: the update becomes one `lerp_` over two buffers, and it must equal foreach to
+# the bit:
 
 
 # %% tags=["nbval-ignore-output"]
@@ -168,17 +173,18 @@ print("one lerp_ == foreach, bitwise:", torch.equal(ema_flat, by_foreach))
 print(medians(time_rounds({"foreach": ema_foreach, "one lerp_": ema_one_lerp})))
 
 # %% [markdown]
-# Bitwise equal: the same formula on the same elements, in one call. It skips foreach's 594
-# per-tensor calls; what that saves depends on their share next to the work on 2.6 million elements
-# (exercise 1 tries 2,000 tiny tensors).
+# Bitwise equal: the same formula on the same elements, in one call instead of 594 inside one.
 
 # %% [markdown]
 # ## 3. Views go stale
 #
 # The buffers are built once and reused, so they can go stale. `model.half()` gives every parameter
-# new fp16 memory. `model_flat` is then no longer the model's memory, and `ema_one_lerp` would average
-# a frozen copy forever, with no error. The check from section 2 sees it: run it before every update,
-# and rebuild when it fails.
+# new fp16 memory; `model_flat` is no longer the model's, and `ema_one_lerp` would average a frozen copy
+# forever, with no error.
+#
+# ![After model.half() the parameters no longer live in model_flat](figures/05_stale_views.svg)
+#
+# The check from section 2 sees it:
 
 # %%
 print("before:", all_views_of(M, model_flat))
@@ -186,11 +192,19 @@ model.half()
 print("after model.half():", all_views_of(M, model_flat), "| parameter dtype:", M[0].dtype)
 
 # %% [markdown]
+# So run the check before every update, and rebuild the buffers when it fails.
+
+# %% [markdown]
 # ## 4. Keep the EMA in fp32
 #
-# Should the EMA of a bf16 model be bf16 too? bf16 (bfloat16: 16 bits, float32's range) keeps 7 bits of
-# mantissa, so near 1.0 its values are 2^-7 apart. Run 1,000 updates of a one-element EMA at 1.0
-# towards a model 0.01 above it:
+# Should the EMA of a bf16 model be bf16 too? A float stores a few significant bits, its *mantissa*:
+# bf16 (bfloat16: 16 bits, float32's range) keeps 7 of them, so near 1.0 its values are 2^-7 apart.
+# That spacing is one *ulp* (unit in the last place). A result closer to 1.0 than half an ulp rounds
+# back to 1.0:
+#
+# ![Near 1.0 a bf16 step of 8e-7 ends nearer 1.0 than the next value, so it rounds back](figures/05_ulp.svg)
+#
+# Run 1,000 updates of a one-element EMA at 1.0 towards a model 0.01 above it:
 
 
 # %%
@@ -208,17 +222,16 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     print(stall(dtype))
 
 # %% [markdown]
-# bf16 and fp16 never leave 1.0: each step is far below half their spacing (the *half-ulp*, half a unit
-# in the last place), so it rounds away. fp32 tracks the exact value. So keep an fp32 EMA of a bf16
-# model; then each (EMA, model) pair differs in dtype, and `_foreach_lerp_` refuses such pairs.
+# bf16 and fp16 never leave 1.0: each step is far below their half-ulp, so it rounds away. fp32 tracks
+# the exact value. So keep an fp32 EMA of a bf16 model. Then each (EMA, model) pair differs in dtype, and
+# `_foreach_lerp_` refuses such pairs: the update must first *cast* (convert) the model's values to fp32.
 
 # %% [markdown]
 # ## 5. What ema_lab packages
 #
 # `ema_lab.ModelEMA` packages sections 2-4: it flattens its EMA copy, checks the views before every
-# update (rebuilding when they moved), and updates an fp32 EMA (`ema.ema.float()`) from a bf16 model.
-# `ema_lab.flatten_model` is our `flatten` for the model, and `ema_lab.lessons.precision.ema_stall` our
-# `stall`. `ema.modes` names how each buffer is updated; a ten-line op counter (notebook 01) shows what
+# update (rebuilding when they moved), and casts a bf16 model into an fp32 buffer first.
+# `ema_lab.flatten_model` is our `flatten` for the model. A ten-line op counter (notebook 01) shows what
 # one update calls:
 
 # %%
@@ -253,22 +266,28 @@ ema_default = ema_lab.ModelEMA(net)
 ema_default.update(net)  # the first update builds the flat buffers
 print("default:  ", ema_default.modes, ops_of(ema_default.update, net))
 net_flat = models.build("yolo")
-buffers = ema_lab.flatten_model(net_flat)
+ema_lab.flatten_model(net_flat)
 ema_fused = ema_lab.ModelEMA(net_flat)
 ema_fused.update(net_flat)
 print("flattened:", ema_fused.modes, ops_of(ema_fused.update, net_flat))
-print("model buffers:", [(b.dtype, b.numel()) for b in buffers])
 
 # %% [markdown]
-# By default one `cat` gathers the small tensors (BatchNorm vectors, biases) and one `_foreach_lerp_`
-# updates them with the large conv weights; the second `cat` copies BatchNorm's integer counters. A flattened model: one `lerp_`, one `copy_`. Time all six ways in turns, after turning
-# section 3's model back to float32:
+# You choose a *strategy* (`ModelEMA(model, strategy="auto")`, the default); `ema.modes` names what
+# each group of tensors then got (the [glossary](../docs/glossary.md) defines both):
+#
+# | mode | the model | one update |
+# |---|---|---|
+# | `cat+foreach` | scattered | one `cat` gathers the small tensors, one `_foreach_lerp_` |
+# | `fused` | flattened | one `lerp_` |
+# | `cast` | another dtype | one `_foreach_copy_` into fp32, one `lerp_` |
+#
+# The second `cat` and the `copy_` carry BatchNorm's integer counters. Time all six ways in turns:
 
 # %% tags=["nbval-ignore-output"]
 import matplotlib.pyplot as plt
 
 model.float()
-M = float_tensors(model)  # the model's tensors now (.half() and .float() replaced its buffers)
+M = float_tensors(model)  # the model's tensors now (.half() and .float() replaced them)
 model_flat = flatten(M)  # fresh flat memory for the float model
 ways = {"loop": ema_loop, "foreach": ema_foreach, "flat EMA + cat": ema_cat_lerp, "one lerp_": ema_one_lerp}
 ways["ModelEMA"] = lambda: ema_default.update(net)
@@ -287,20 +306,14 @@ ax.set_xlabel("ms per EMA update, yolo-sized model, 1 thread")
 fig.tight_layout()
 plt.show()
 
-ratio = [a / b for a, b in zip(runs["ModelEMA"], runs["foreach"])]  # per round
-lo, mid, hi = statistics.quantiles(ratio, n=4)
-verdict = "slower" if lo > 1 else "faster" if hi < 1 else "within the noise"
-print(f"ModelEMA / our foreach: {mid:.2f}x (middle half of the rounds: {lo:.2f}x to {hi:.2f}x) -> {verdict}")
+# %% [markdown]
+# Gray: built here; blue: `ema_lab`. The flattened model's `ModelEMA` runs the floor's `lerp_` plus the
+# counters' `copy_` and the check. The default leaves your model alone: it reads the scattered tensors
+# like our foreach, plus the check and the counters, and its `cat` saves per-tensor calls on the small ones.
 
 # %% [markdown]
-# Gray: built here; blue: `ema_lab`. `flatten_model` + `ModelEMA` runs the floor's `lerp_` plus the
-# counters' `copy_` and the check. The default leaves your model alone, so it reads the scattered
-# tensors like our foreach, adds the check and the counters, and saves per-tensor calls with its `cat`
-# of the small ones. The last line says how that nets out against our bare foreach on your machine.
-
-# %% [markdown]
-# The check from section 3, packaged: make the flattened model fp16 and update once. With decay 0 the
-# EMA must equal the model:
+# The check, packaged: make the flattened model fp16 and update once. With decay 0 the EMA must equal
+# the model:
 
 # %%
 before = ema_fused.rebuilds
@@ -313,155 +326,136 @@ print(
 )
 
 # %% [markdown]
-# Rebuilt, and the EMA stayed fp32: mode "cast". Count what an fp32 EMA of a bf16 model costs per
-# update with `strategy="gated"` and with the default. (The PR's own after-code raises on such a pair:
-# `_foreach_lerp_` wants one dtype; "gated" is the PR's gate plus a fallback.)
-
-# %%
-bf16_net = models.build("yolo").bfloat16()
-for strategy in ("gated", "auto"):
-    fp32_ema = ema_lab.ModelEMA(bf16_net, strategy=strategy)
-    fp32_ema.ema.float()  # an fp32 EMA of a bf16 model
-    fp32_ema.update(bf16_net)
-    ops = ops_of(fp32_ema.update, bf16_net)
-    print(f"{strategy:<6} {sum(ops.values())} ops: {ops}")
+# Rebuilt, and the EMA stayed fp32: mode `cast`. (What each strategy pays for such a model, and the
+# other modes: [Beyond foreach: the details](../docs/beyond_foreach_details.md).)
 
 # %% [markdown]
-# "gated" falls back to a `mul_` and an `add_` per mixed pair. The default copies the bf16 model
-# into an fp32 scratch buffer with one `_foreach_copy_`, then runs one `lerp_`.
-
-# %% [markdown]
-# ## 6. On a GPU: launches, CUDA graphs and a tensor decay
+# ## 6. On a GPU: launches, not bytes
 #
-# On CUDA every op that computes is a kernel launch, queued by the CPU (notebook 04). An NVIDIA H200 run (torch 2.11)
-# counted the kernels of one update on the yolo-sized model:
+# On CUDA every op that computes is a kernel launch, queued by the host (notebook 04). An NVIDIA H200
+# run (torch 2.11, 1 host thread) timed and counted one update of the yolo-sized model:
 
 # %%
-import json
+from ema_lab.bench.results import load, results_dir
 
-from ema_lab.bench.results import results_dir
-
-launches = json.loads(
-    (results_dir() / "gpu-linux-intel-xeon-16c-nvidia-h200" / "kernel-launches.json").read_text()
-)
-for strategy, n in launches["yolo"].items():
-    if isinstance(n, dict) and "total" in n:
-        print(f"{strategy:<22} {n['total']:>5} kernels")
+h200 = results_dir() / "gpu-linux-intel-xeon-16c-nvidia-h200"
+run = load(h200 / "linux-intel-xeon-16c-nvidia-h200_2026-12-04T154528Z_full_t1_cuda.json")
+rows = {r["candidate"]: r for r in run["results"] if r["model"] == "yolo"}
+floor_ms = rows["floor"]["median_ms"]
+for name, cand in [
+    ("PR before-code", "seed_before"),
+    ('ModelEMA "foreach"', "foreach"),
+    ("ModelEMA default", "auto"),
+    ("flatten_model + ModelEMA", "flat_model"),
+    ("floor: one lerp_", "floor"),
+]:
+    ms, n = rows[cand]["median_ms"], rows[cand]["kernel_launches"]
+    print(f"{name:<25} {ms:7.3f} ms = {ms / floor_ms:5.0f}x the floor, {n:>5} kernels")
 
 # %% [markdown]
-# Flattening took the loop's one launch per op down to two. A *CUDA graph* takes any number of
-# launches down to one: record an update's kernels once (*capture*), then launch them all at once
-# (*replay*).
+# The default's 8 kernels take about 30x the floor's time, though they move nearly the same bytes. That time is
+# the host's, queueing launches from Python (its update is *host-bound*; notebook 04 shows the sync test).
+# Flattening the model leaves 2 kernels, about 4x the floor. On a GPU, count launches, not bytes.
+
+# %% [markdown]
+# A *CUDA graph* takes any number of launches down to one: record an update's kernels once
+# (*capture*), then launch them all at once (*replay*).
 #
 # ![Eager: the host launches each kernel. A graph: one launch replays them all](figures/05_cuda_graph.svg)
 #
-# The costs:
+# A replay reuses the recorded addresses and numbers: the slots must be checked before each replay,
+# and the decay must live in a device tensor. `ModelEMA(model, cuda_graph=True)` does both. It has
+# never run on a GPU, so no time exists for it: measure it as notebook 04 does before relying on it.
 #
-# - A replay reuses the recorded addresses: if the model's memory moves (section 3), it silently
-#   updates the old tensors. Check the slots before each replay; recapture when they moved.
-# - Numbers are recorded too: the ramp's changing decay must live on the device, in a tensor the
-#   graph reads.
-# - The capture: a warm-up on a side stream, then recording, each time the step is rebuilt.
+# <details><summary>CUDA graph machinery, torch.compile and a tensor decay</summary>
 #
-# A replay saves the host's work per launch (notebook 01 priced it): it pays where launches dominate,
-# not where moving the bytes does.
-
-# %% [markdown]
-# `ModelEMA(model, cuda_graph=True)` pays those three costs: it checks the slots before every replay,
-# writes the weight `1 - decay` into a device tensor first (`fill_` passes the number inside the launch,
-# so the CPU never waits for the GPU), and records again after every rebuild. It records the flat step
-# without `torch.cat` gathers, which copy the small tensors once more. It has not been timed on a GPU
-# yet: measure it on yours as notebook 04 does before you rely on it.
-
-# %% [markdown]
-# `torch.compile` has the same rule. Dynamo, its front end, records a function's tensor ops into a
-# graph and bakes a Python float in as a constant, so a new decay compiles again. Count the graphs over
-# the ramp's first 20 decays (`CompileCounter` counts them without compiling further):
-
-# %% tags=["nbval-ignore-output"]
-import logging
-
-import torch._dynamo
-from torch._dynamo.testing import CompileCounter
-
-ramp = [ema_default.decay(n) for n in range(1, 21)]  # the decay ramps up over the first updates
-flat_a, flat_b = torch.zeros(10_000), torch.ones(10_000)
-
-
-def step(decay: float | torch.Tensor) -> None:
-    flat_a.lerp_(flat_b, 1 - decay)
-
-
-def graphs_after_each_call(fn: object, as_tensor: bool, **dynamo_config: object) -> list[int]:
-    torch._dynamo.reset()
-    counter = CompileCounter()
-    compiled, history = torch.compile(fn, backend=counter), []
-    with torch._dynamo.config.patch(**dynamo_config):
-        for d in ramp:
-            compiled(torch.tensor(d) if as_tensor else d)
-            history.append(counter.frame_count)
-    return history
-
-
-torch._logging.set_logs(dynamo=logging.ERROR)  # the recompile-limit warning is the point, not noise
-small = models.build("tiny_cnn")
-small_ema = ema_lab.ModelEMA(small)
-print("torch", torch.__version__, "| graphs after each of 20 calls:")
-print("  tensor decay:                ", graphs_after_each_call(step, True))
-print("  float decay:                 ", graphs_after_each_call(step, False))
-print("  float, automatic dynamic off:", graphs_after_each_call(step, False, automatic_dynamic_shapes=False))
-config = torch._dynamo.config  # older torch names the limit cache_size_limit
-print("  Dynamo's recompile limit:", getattr(config, "recompile_limit", None) or config.cache_size_limit)
-print(
-    "  ModelEMA.update, tensor decay:",
-    graphs_after_each_call(lambda d: small_ema.update(small, decay=d), True),
-)
-print(
-    "host syncs in one ModelEMA update:",
-    ops_of(small_ema.update, small, torch.tensor(0.999)).get("_local_scalar_dense", 0),
-)
-torch._logging.set_logs()
-
-# %% [markdown]
-# A 0-dim tensor decay is data, not a constant: one graph. A float recompiles once, then *automatic
-# dynamic* (Dynamo marking an input that changed as symbolic) makes it a variable; with that off, every
-# new float compiles until the recompile limit. `ModelEMA.update` compiles in several pieces on its
-# first call (Dynamo splits a function where it meets code it cannot trace); with a tensor decay its
-# count then stops growing, and it never waits for the GPU (a *host sync*, op `_local_scalar_dense`).
-#
-# <details><summary>Why the counts depend on the torch version</summary>
-#
-# How Dynamo treats a Python float (`torch._dynamo.config.specialize_float`, automatic dynamic) and where
-# it splits a function into graphs change between releases, so the counts printed above hold for the
-# torch version printed with them. A tensor decay is an ordinary graph input, so it needs no new graph.
+# How `cuda_graph=True` records, checks and re-records, why `torch.compile` recompiles for a float decay
+# (automatic dynamic shapes, the recompile limit) and why a tensor decay causes no host sync: see
+# [Beyond foreach: the details](../docs/beyond_foreach_details.md).
 # </details>
 
 # %% [markdown]
 # ## Summary
 #
-# - On a CPU, foreach still runs one `lerp_` per tensor; flat buffers make the update one `lerp_`.
+# - foreach removes Python's per-tensor ops; flat buffers make the whole update one `lerp_`.
 # - Views go stale after `model.half()` or `.to()`: check them every update, as `ModelEMA` does.
-# - Keep the EMA in fp32: at decay 0.9999 a bf16 EMA's small steps round away.
-# - On a GPU a captured graph replays all launches at once; the decay then lives in a tensor
-#   (`ModelEMA(model, cuda_graph=True)`, not yet timed on a GPU).
+# - Keep the EMA in fp32: at decay 0.9999 a bf16 EMA's steps round away.
+# - On a GPU the default update is host-bound; a flattened model needs 2 kernels, close to the floor.
 
 # %% [markdown]
 # ## Exercises
 #
-# 1. `models.build("tiny_tensors")` holds 2,000 tensors of 136 elements. Time foreach against one `lerp_`
-#    over flat buffers there. Is the gain larger than on the yolo-sized model?
-# 2. Does any of this matter in training? Time one training step of the yolo-sized model (forward, a
-#    stand-in loss, backward, SGD) and each EMA update's share of a step.
-# 3. Flatten a fresh `models.build("tiny_cnn")`, update a `ModelEMA` of it, then call
-#    `ema_lab.unflatten_model` on the model. What does `ema.modes` say after the next update?
-
-# %% [markdown]
-# ## Solutions
+# Try each one before you open its solution.
 #
-# Each solution cell is collapsed: click it to open.
+# 1. `models.build("tiny_tensors")` holds 2,000 float tensors of 136 elements. Predict: does one `lerp_`
+#    gain more over foreach there than on the yolo-sized model? Then measure with `float_tensors`,
+#    `flatten` and `time_rounds`.
+#
+# <details><summary>Solution 1</summary>
+#
+# Far more: 2,000 tiny tensors are almost all per-tensor overhead, which one `lerp_` removes.
+#
+# ```python
+# tiny, tiny_ema = models.build("tiny_tensors"), models.build("tiny_tensors").requires_grad_(False)
+# tE, tM = float_tensors(tiny_ema), float_tensors(tiny)
+# tE_flat, tM_flat = flatten(tE), flatten(tM)
+# tiny_runs = time_rounds({
+#     "foreach": torch.no_grad()(lambda: torch._foreach_lerp_(tE, tM, 1 - D)),
+#     "one lerp_": torch.no_grad()(lambda: tE_flat.lerp_(tM_flat, 1 - D)),
+# })
+# ratio = statistics.median(tiny_runs["foreach"]) / statistics.median(tiny_runs["one lerp_"])
+# print(f"tiny_tensors: {ratio:.0f}x; yolo-sized: {times['foreach'] / times['one lerp_']:.1f}x")
+# ```
+# </details>
+#
+# 2. Predict the share of a training step that an EMA update takes, then time a step of
+#    `models.build("yolo")`: input `torch.randn(8, 3, 256, 256)` (8 RGB images of 256x256), forward,
+#    loss `sum(o.square().mean() for o in net(images))`, backward, `torch.optim.SGD(net.parameters(),
+#    lr=0.01, momentum=0.9).step()`. Compare with section 5's `times` (quick mode: 2 images of 64x64).
+#
+# <details><summary>Solution 2</summary>
+#
+# Little, on a CPU at 8 x 256x256: the step takes hundreds of ms, an update a few ms at most. The share
+# grows as the step shortens (smaller batches or images) while the update stays the same.
+#
+# ```python
+# net = models.build("yolo").train()
+# opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+# images = torch.randn(8, 3, 256, 256)
+# def train_step():
+#     opt.zero_grad()
+#     sum(o.square().mean() for o in net(images)).backward()
+#     opt.step()
+# train_step()  # warm-up
+# step_ms = Timer("train_step()", globals=globals()).timeit(3).mean * 1e3
+# for k in ("loop", "foreach", "ModelEMA", "flatten_model + ModelEMA"):
+#     print(f"{k:<25} {times[k] / (step_ms + times[k]):6.2%} of the step")
+# ```
+# </details>
+#
+# 3. Flatten a fresh `models.build("tiny_cnn")` with `ema_lab.flatten_model`, update a `ModelEMA` of it,
+#    then call `ema_lab.unflatten_model` on the model. Predict `ema.modes` after the next update; run it.
+#
+# <details><summary>Solution 3</summary>
+#
+# `fused` before; after `unflatten_model` each tensor has its own memory again, so the next update
+# rebuilds and runs the default's `cat+foreach`, as for any model that is not flattened.
+#
+# ```python
+# cnn = models.build("tiny_cnn")
+# ema_lab.flatten_model(cnn)
+# cnn_ema = ema_lab.ModelEMA(cnn)
+# cnn_ema.update(cnn)
+# ema_lab.unflatten_model(cnn)
+# cnn_ema.update(cnn)
+# print(cnn_ema.modes, "| builds:", cnn_ema.rebuilds)
+# ```
+# </details>
+#
+# The three cells below run the solutions (folded in JupyterLab: click to expand).
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
-# 1. Far larger: 2,000 tiny tensors are almost all per-tensor overhead.
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
+# Solution 1
 tiny, tiny_ema = models.build("tiny_tensors"), models.build("tiny_tensors").requires_grad_(False)
 tE, tM = float_tensors(tiny_ema), float_tensors(tiny)
 tE_flat, tM_flat = flatten(tE), flatten(tM)
@@ -471,42 +465,31 @@ tiny_runs = time_rounds(
         "one lerp_": torch.no_grad()(lambda: tE_flat.lerp_(tM_flat, 1 - D)),
     }
 )
-print("tiny_tensors:", medians(tiny_runs))
 ratio = statistics.median(tiny_runs["foreach"]) / statistics.median(tiny_runs["one lerp_"])
-print(f"tiny_tensors: {ratio:.0f}x")  # of the unrounded medians
-print(f"yolo-sized:   {times['foreach'] / times['one lerp_']:.1f}x")
+print(f"tiny_tensors: {ratio:.0f}x; yolo-sized: {times['foreach'] / times['one lerp_']:.1f}x")
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
-# 2. Hardly, on a CPU: the step dwarfs every EMA update. The share grows as the step shortens
-#    (smaller batches or images) while the update stays the same.
-import time
-
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
+# Solution 2
 batch, size = (2, 64) if QUICK else (8, 256)
-train_net = models.build("yolo").train()
-opt = torch.optim.SGD(train_net.parameters(), lr=0.01, momentum=0.9)
+net = models.build("yolo").train()
+opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
 images = torch.randn(batch, 3, size, size)
 
 
 def train_step() -> None:
     opt.zero_grad()
-    sum(out.square().mean() for out in train_net(images)).backward()
+    sum(o.square().mean() for o in net(images)).backward()
     opt.step()
 
 
 train_step()  # warm-up
-runs_ms = []
-for _ in range(3):
-    t0 = time.perf_counter()
-    train_step()
-    runs_ms.append(1e3 * (time.perf_counter() - t0))
-step_ms = statistics.median(runs_ms)
+step_ms = Timer("train_step()", globals=globals()).timeit(3).mean * 1e3
 print(f"training step, batch {batch} at {size}x{size}: {step_ms:.0f} ms")
 for k in ("loop", "foreach", "ModelEMA", "flatten_model + ModelEMA"):
     print(f"  {k:<25} {times[k]:6.2f} ms = {times[k] / (step_ms + times[k]):6.2%} of the step")
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# 3. "fused" before; after unflatten_model each tensor has its own memory again, so the next update
-#    rebuilds and runs the default's "cat+foreach", as for any model that is not flattened.
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
+# Solution 3
 cnn = models.build("tiny_cnn")
 ema_lab.flatten_model(cnn)
 cnn_ema = ema_lab.ModelEMA(cnn)
