@@ -26,7 +26,6 @@ from ema_lab.bench.results import (
     load_many,
     result_stem,
     settings_differences,
-    upgrade,
     validate,
 )
 from ema_lab.bench.sweep import BASELINE, REFERENCES, candidate_names, floor_fraction, write_results
@@ -35,7 +34,7 @@ from ema_lab.ema import STRATEGIES
 MODELS = ("tiny_cnn", "tiny_transformer")
 THREADS = (1, 2)
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-COMMITTED = RESULTS / "linux-amd-epyc-2c_2026-12-02.json"  # schema version 1, written before threads lists
+COMMITTED = RESULTS / "linux-amd-epyc-2c_2026-12-02.json"  # written as version 1, migrated to version 3
 
 
 @pytest.fixture(scope="module")
@@ -138,16 +137,27 @@ def test_compare_plots_result_files_and_skips_other_tools_json(quick_run, tmp_pa
 
 
 def test_committed_results_load_and_stay_intact():
-    """The committed version-1 file loads as version 3 (threads [1]) and is not rewritten by loading."""
+    """Every committed run is at the current schema version and is not rewritten by loading."""
     before = hashlib.sha256(COMMITTED.read_bytes()).hexdigest()
     record = load(COMMITTED)
-    assert record["schema_version"] == 3 and record["upgraded_from"] == 1
-    assert record["settings"]["threads"] == [1]
-    validate(json.loads(COMMITTED.read_text()))  # the raw version-1 record is valid as it stands
+    assert record["schema_version"] == SCHEMA_VERSION and record["settings"]["threads"] == [1]
     assert len(plot_compare([record]).axes) == 4  # yolo, resnet50, gpt2, tiny_tensors
     assert hashlib.sha256(COMMITTED.read_bytes()).hexdigest() == before
     records, notes = load_many(bench_files(RESULTS))
     assert any(p == COMMITTED for p, _ in records) and notes == []
+    assert {rec["schema_version"] for _, rec in records} == {SCHEMA_VERSION}
+
+
+def test_an_older_schema_version_is_refused_in_one_line_naming_the_file(tmp_path):
+    old = json.loads(COMMITTED.read_text()) | {"schema_version": 2}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    with pytest.raises(ResultError) as e:
+        load(path)
+    assert str(e.value) == (
+        f"{str(path)!r} is not a valid ema_lab result: result.schema_version: this ema_lab reads version "
+        f"{SCHEMA_VERSION} only, got 2"
+    )
 
 
 def _expected_floor_fraction(row: dict, rows: list[dict]) -> float | None:
@@ -165,22 +175,6 @@ def test_floor_fraction_is_the_floor_time_over_the_row_time():
     assert floor_fraction("flat", 0.3, 0.6) == 0.5 and floor_fraction("floor", 0.3, 0.3) == 1.0
     assert floor_fraction("copy", 0.3, 0.25) is None  # a copy is not an EMA update
     assert floor_fraction("flat", None, 0.6) is None  # no floor run
-    # an older (version-2) record: each row's fraction comes from the file's own floor row
-    row = {"device": "cpu", "model": "m", "threads": 1, "median_ms": 4.0, "roofline_fraction": 1.3}
-    old = {
-        "schema_version": 2,
-        "settings": {"threads": [1]},
-        "results": [
-            row | {"candidate": "floor", "median_ms": 1.0},
-            row | {"candidate": "flat"},
-            row | {"candidate": "copy"},
-            row | {"candidate": "flat", "model": "no floor"},
-        ],
-    }
-    new = upgrade(old)
-    assert new["schema_version"] == 3 and new["upgraded_from"] == 2
-    assert [r["floor_fraction"] for r in new["results"]] == [1.0, 0.25, None, None]
-    assert [r["roofline_fraction"] for r in new["results"]] == [1.3] * 4  # carried as stored
 
 
 def test_quick_bench_rows_hold_the_floor_fraction(quick_run):
@@ -217,26 +211,25 @@ def test_committed_results_print_floor_fractions_never_the_word_roofline():
             assert frac == "-"
         else:
             assert float(frac) <= 1.05, (model, cand, frac)
-    line = cost_model_line(record["cost_model"]["cpu"], 1)
-    assert "one bandwidth fitted on sizes up to 16 MiB per side (an older result file" in line
+    line = cost_model_line(record["cost_model"]["cpu"], 1)  # a sweep that did not record its cache
+    assert "no size beyond the last-level cache (not recorded: a sweep before schema 3" in line
+    assert "fitted on sizes up to 16 MiB per side" in line
 
 
-def test_cost_model_plot_uses_two_regimes_and_stops_old_fits_at_their_sizes(quick_run):
+def test_cost_model_plot_shows_the_regimes_of_a_new_run_and_of_a_migrated_one(quick_run):
     _, out = quick_run
     new = _record(out)["cost_model"]["cpu"]
     assert "dram_bandwidth_gbps" in new["fits"][
         "floor"
     ] and "GB/s in cache, no size beyond the last-level cache" in cost_model_line(new, 1)
-    right = plot_cost_model(new).axes[1]
-    assert right.get_xlabel().startswith("working set")  # costmodel.plot_cost_regimes
-    old = load(COMMITTED)["cost_model"]["cpu"]
-    right = plot_cost_model(old).axes[1]
-    assert "older result file" in right.get_title() and "16 MiB" in right.get_title()
-    largest = max(p["elements"] for p in old["points"]) * 4 / 2**20
-    fits = [line for line in right.get_lines() if line.get_label().endswith(": fit")]
-    assert len(fits) == 2
-    for line in fits:
-        assert max(line.get_xdata()) <= largest
+    old = load(COMMITTED)["cost_model"]["cpu"]  # no cache size recorded: split at the assumed one
+    for cost in (new, old):
+        left, right = plot_cost_model(cost).axes[:2]
+        assert right.get_xlabel().startswith("working set") and left.get_xlabel().startswith("tensors")
+        fits = [line for line in left.get_lines() if line.get_label().endswith(": fit")]
+        assert len(fits) == 2  # loop and foreach, each over its count-sweep points
+        largest = max(p["working_set_bytes"] for p in cost["points"]) / 2**20
+        assert max(max(line.get_xdata()) for line in right.get_lines()[:4]) == largest
 
 
 def _later(record: dict, seconds: int) -> dict:

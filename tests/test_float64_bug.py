@@ -20,7 +20,9 @@ from ema_lab import ModelEMA, foreach_update, gated_update
 from ema_lab.bench.models import Conv, tiny_cnn, yolo
 from ema_lab.bench.seed import seed_after, seed_before
 from ema_lab.lessons.float64_bug import leaked_keys, shared_act_leak, train_step
-from ema_lab.lessons.profiling import fingerprint, import_thop, profile_flops, remove_thop_buffers
+from ema_lab.lessons.profiling import import_thop, profile_flops, remove_thop_buffers
+
+from .helpers import changes, fingerprint
 
 THOP_PIN = "0.1.1.post2209072238"
 D = 0.9  # far from 1: one step and two steps differ clearly
@@ -208,7 +210,7 @@ def test_foreach_update_refuses_before_touching_anything():
             "entry 5 ('0.act.total_ops'): EMA shape (1,), torch.float32, cpu "
             "does not match model shape (1,), torch.float64, cpu"
         )
-        assert before.changes(fingerprint(ema)) == []
+        assert changes(before, fingerprint(ema)) == []
 
 
 # --- 5. the loop promotes; ema_lab handles the mixed pairs -------------------------------------------
@@ -294,7 +296,7 @@ def test_profiling_a_deep_copy_leaves_nothing_and_the_foreach_update_runs():
     x = torch.randn(BLOCK_INPUT)
     macs, params = thop.profile(deepcopy(block), inputs=(x,), verbose=False)  # the PR's fix
     gflops, n_params = profile_flops(block, x)
-    assert fp.changes(fingerprint(block)) == [] and act_fp.changes(fingerprint(Conv.default_act)) == []
+    assert changes(fp, fingerprint(block)) == [] and changes(act_fp, fingerprint(Conv.default_act)) == []
     assert dict(Conv.default_act.state_dict()) == {}
     assert gflops == macs / 1e9 * 2 and n_params == params == 16 * 27 + 2 * 16
     model = tiny_cnn()

@@ -16,10 +16,10 @@ from ema_lab.bench.plots import plot_compare, plot_cost_model
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 FULL = RESULTS / "linux-amd-epyc-2c_2026-12-03T093048Z_full_t1_cpu.json"  # 4 models, cost model v3
 NO_GPT2 = RESULTS / "linux-intel-xeon-2-80ghz-2c_2026-12-03T201556Z_full_t1_cpu.json"
-OLD = RESULTS / "linux-amd-epyc-2c_2026-12-02.json"  # schema 1: the older cost-model figure
+OLD = RESULTS / "linux-amd-epyc-2c_2026-12-02.json"  # migrated from schema 1: no cache size recorded
 
 
-@pytest.mark.parametrize("path", [FULL, NO_GPT2, OLD], ids=["v3-epyc", "v3-xeon", "v1"])
+@pytest.mark.parametrize("path", [FULL, NO_GPT2, OLD], ids=["epyc", "xeon", "migrated"])
 def test_cost_model_legends_lie_outside_every_panel(path: Path) -> None:
     fig = plot_cost_model(json.loads(path.read_text())["cost_model"]["cpu"])
     renderer = FigureCanvasAgg(fig).get_renderer()

@@ -1,4 +1,4 @@
-"""profile_flops leaves the caller's model alone; FlopCounterMode cross-check; diff, fingerprint, MPS."""
+"""profile_flops leaves the caller's model alone; FlopCounterMode cross-check; thop's leftovers; MPS."""
 
 from __future__ import annotations
 
@@ -15,20 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ema_lab.bench.models import Conv, tiny_cnn, tiny_transformer
-from ema_lab.bench.models import build as build_zoo
 from ema_lab.lessons.profiling import (
     check_movable,
     compare_flop_counts,
-    dtype_table,
-    fingerprint,
-    float64_entries,
     import_thop,
-    move_to,
     profile_flops,
     remove_thop_buffers,
-    snapshot,
-    state_dict_diff,
 )
+
+from .helpers import changes, fingerprint
 
 C = 4  # channels every random tree keeps, so any composition has a valid forward
 
@@ -80,7 +75,7 @@ def test_profile_flops_leaves_model_hooks_and_modes_untouched():
     x = torch.randn(2, 3, 32, 32)
     x0 = x.clone()
     profile_flops(model, x)
-    assert before.changes(fingerprint(model)) == []
+    assert changes(before, fingerprint(model)) == []
     assert torch.equal(x, x0)
     assert model.training and not model[1].training
 
@@ -90,7 +85,7 @@ def test_profile_flops_untouched_when_forward_raises():
     before = fingerprint(model)
     with pytest.raises(RuntimeError, match="expected input"):
         profile_flops(model, torch.randn(1, 5, 32, 32))  # 5 channels into a 3-channel conv
-    assert before.changes(fingerprint(model)) == []
+    assert changes(before, fingerprint(model)) == []
 
 
 def test_in_place_thop_is_caught_by_the_fingerprint():
@@ -102,10 +97,10 @@ def test_in_place_thop_is_caught_by_the_fingerprint():
     try:
         with pytest.raises(RuntimeError):
             thop.profile(model, inputs=(torch.randn(1, 3, 8, 8),), verbose=False)  # 8 != 32 features
-        changes = before.changes(fingerprint(model))
-        assert any("total_ops" in c for c in changes)
-        assert any(c.startswith("hooks changed") for c in changes)
-        assert any(c.startswith("training mode changed") for c in changes)
+        seen = changes(before, fingerprint(model))
+        assert any("total_ops" in c for c in seen)
+        assert any(c.startswith("hooks changed") for c in seen)
+        assert any(c.startswith("training mode changed") for c in seen)
     finally:
         remove_thop_buffers(model)
 
@@ -137,7 +132,7 @@ def test_conv_and_linear_counts_agree_exactly_with_flop_counter_mode():
     model = tiny_cnn()
     before = fingerprint(model)
     cmp = compare_flop_counts(model, torch.randn(1, 3, 32, 32))
-    assert before.changes(fingerprint(model)) == []
+    assert changes(before, fingerprint(model)) == []
     assert cmp.matmuls_agree
     assert cmp.thop_matmul_flops == cmp.counter_flops == sum(cmp.counter_by_op.values())
     assert set(cmp.counter_by_op) == {"aten.convolution", "aten.addmm"}
@@ -189,49 +184,15 @@ def test_without_the_fast_path_flop_counter_mode_sees_the_projections():
 # --- inspection helpers -----------------------------------------------------------------------------------
 
 
-def test_state_dict_diff_lists_every_kind_of_change():
-    a = {"w": torch.ones(2), "b": torch.zeros(3), "gone": torch.ones(1), "n": torch.ones(2)}
-    b = {
-        "w": torch.ones(2, dtype=torch.float64),
-        "b": torch.zeros(4),
-        "n": torch.tensor([1.0, 2.0]),
-        "new": torch.zeros(1, dtype=torch.float64),
-    }
-    d = state_dict_diff(a, b)
-    assert d.added == (("new", "float64", (1,)),)
-    assert d.removed == (("gone", "float32", (1,)),)
-    assert d.dtype_changed == (("w", "float32", "float64"),)
-    assert d.shape_changed == (("b", (3,), (4,)),)
-    assert d.value_changed == ("n",)
-    assert str(d).splitlines() == [
-        "+ new   float64  (1,)",
-        "- gone  float32  (1,)",
-        "~ w     float32 -> float64",
-        "~ b  shape (3,) -> (4,)",
-        "values changed (1): n",
-    ]
-    same = state_dict_diff(snapshot(build_zoo("tiny_cnn")), build_zoo("tiny_cnn"))
-    assert same.empty and str(same) == "state_dict unchanged"
-    nan = {"x": torch.tensor([float("nan")])}
-    assert state_dict_diff(nan, snapshot(nan)).empty  # NaN == NaN for this purpose
-
-
-def test_dtype_table_lists_key_dtype_shape():
-    assert dtype_table(Conv(3, 16, 3)).splitlines()[::5] == [
-        "conv.weight             float32  (16, 3, 3, 3)",
-        "bn.num_batches_tracked  int64    ()",
-    ]
-
-
 def test_fingerprint_sees_replaced_tensors_and_non_persistent_buffers():
     m = nn.Linear(2, 2)
     m.register_buffer("scratch", torch.zeros(1), persistent=False)
     fp = fingerprint(m)
     m.scratch.add_(1)
-    assert fp.changes(fingerprint(m)) == ["tensors: values changed (1): scratch"]
+    assert changes(fp, fingerprint(m)) == ["values changed: scratch"]
     fp = fingerprint(m)
     m.weight = nn.Parameter(m.weight.detach().clone())  # same values, new object
-    assert fp.changes(fingerprint(m)) == ["tensor object replaced: weight"]
+    assert changes(fp, fingerprint(m)) == ["tensor object replaced: weight"]
 
 
 def test_remove_thop_buffers_removes_only_thop_keys():
@@ -259,7 +220,6 @@ def _leaky_model() -> nn.Module:
 
 def test_check_movable_refuses_float64_on_mps_with_a_clear_message():
     model = _leaky_model()
-    assert float64_entries(model) == ["2.total_ops", "2.scratch"]
     with pytest.raises(ValueError) as e:
         check_movable(model, "mps")  # the device is only named, never touched: testable on any machine
     msg = str(e.value)
@@ -272,16 +232,15 @@ def test_check_movable_refuses_float64_on_mps_with_a_clear_message():
     check_movable(tiny_cnn(), "mps:0")
 
 
-def test_move_to_refuses_before_moving_anything():
+def test_check_movable_touches_nothing_and_says_how_to_fix_a_float64_model():
     model = _leaky_model()
     before = fingerprint(model)
     with pytest.raises(ValueError, match="MPS has no float64"):
-        move_to(model, "mps")
-    assert before.changes(fingerprint(model)) == []
+        check_movable(model, "mps")
+    assert changes(before, fingerprint(model)) == []
     other = nn.Linear(2, 2).double()
     with pytest.raises(ValueError, match="cast them with .float"):
         check_movable(other, "mps")
-    assert move_to(tiny_cnn(), "cpu") is not None
 
 
 @pytest.mark.skipif(
@@ -292,7 +251,7 @@ def test_on_real_mps_float64_cannot_move():  # pragma: no cover - runs only on A
     with pytest.raises((TypeError, RuntimeError)):
         deepcopy(model).to("mps")
     with pytest.raises(ValueError, match="MPS has no float64"):
-        move_to(model, "mps")
+        check_movable(model, "mps")
 
 
 # --- property: random module trees ---------------------------------------------------------------------
@@ -384,5 +343,5 @@ def test_profile_flops_never_changes_the_model(spec, flags, hook_every):
         assert gflops >= 0 and params >= 0
     except ValueError as e:  # a tree containing Boom
         assert str(e) == "boom"
-    assert before.changes(fingerprint(model)) == []
-    assert shared_before.changes(fingerprint(SHARED_ACT)) == []
+    assert changes(before, fingerprint(model)) == []
+    assert changes(shared_before, fingerprint(SHARED_ACT)) == []

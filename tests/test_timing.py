@@ -19,15 +19,14 @@ from ema_lab.bench.costmodel import (
     SIDE_CAP_BYTES,
     SIDES_ALIVE,
     CostModel,
-    available_memory_bytes,
-    device_cache_bytes,
+    cost_seconds,
     fit_cost,
-    last_level_cache_bytes,
     measured_knee,
     regime,
     sweep_limit,
     sweep_plan,
 )
+from ema_lab.bench.environment import available_memory_bytes, device_cache_bytes, last_level_cache_bytes
 from ema_lab.bench.timing import quantiles, synchronize, time_candidates
 
 
@@ -48,7 +47,6 @@ def test_candidates_are_interleaved_with_rotating_order_and_threads_restored():
     for k, r in res.items():
         assert (r.name, r.device, r.threads, r.number, r.rounds, len(r.times_s)) == (k, "cpu", 1, 1, 4, 4)
         assert r.q1_s <= r.median_s <= r.q3_s and r.iqr_s == r.q3_s - r.q1_s
-        assert set(r.as_dict()) >= {"median_s", "q1_s", "q3_s", "iqr_s", "threads", "times_s"}
 
 
 def test_time_candidates_rejects_bad_input():
@@ -179,7 +177,9 @@ def test_two_regime_fit_recovers_each_bandwidth_and_fractions_are_time_ratios_to
     fit = fit_cost(units, nbytes, seconds, "floor", "call", beyond_llc=far)
     assert math.isclose(fit.bandwidth_gbps, 90.0, rel_tol=1e-6)
     assert math.isclose(fit.dram_bandwidth_gbps, 30.0, rel_tol=1e-6)
-    assert math.isclose(fit.seconds(1, 4e8, beyond_llc=True), seconds[-1], rel_tol=1e-9)
+    predicted = cost_seconds(fit.overhead_per_op_us, fit.dram_bandwidth_gbps, 1, 4e8)
+    assert math.isclose(predicted, seconds[-1], rel_tol=1e-9)
+    assert cost_seconds(2.0, float("inf"), 3, 1e9) == cost_seconds(2.0, None, 3, 1e9) == pytest.approx(6e-6)
     # fractions are time ratios to the floor at the largest size of each regime
     fits = {k: fit for k in ("loop", "foreach", "floor", "copy")}
     pts = []
@@ -189,20 +189,20 @@ def test_two_regime_fit_recovers_each_bandwidth_and_fractions_are_time_ratios_to
                 {"strategy": strategy, "tensors": n, "elements": e, "regime": where, "median_s": t * e}
             )
     cm = CostModel("cpu", 1, fits, pts)
-    assert cm.floor_fraction == pytest.approx({"loop": 3 / 7, "foreach": 3 / 3.5})
-    assert cm.floor_fraction_dram == pytest.approx({"loop": 3 / 7, "foreach": 3 / 3.5})
+    assert cm.floor_fraction("cache") == pytest.approx({"loop": 3 / 7, "foreach": 3 / 3.5})
+    assert cm.floor_fraction("dram") == pytest.approx({"loop": 3 / 7, "foreach": 3 / 3.5})
     stored = cm.as_dict()
-    assert "copy" not in cm.floor_fraction and "roofline_fraction" not in stored
+    assert stored["floor_fraction"] == cm.floor_fraction("cache") and "roofline_fraction" not in stored
     assert stored["fits"]["floor"]["dram_bandwidth_gbps"] == pytest.approx(30.0)
     quick = CostModel("cpu", 1, fits, [p for p in pts if p["regime"] == "cache"])
-    assert quick.floor_fraction_dram == {"loop": None, "foreach": None}
+    assert quick.floor_fraction("dram") == {"loop": None, "foreach": None}
 
 
 def test_regime_plot_draws_both_panels_and_the_cache_marks():
     matplotlib = pytest.importorskip("matplotlib", reason="matplotlib is not installed (the bench extra)")
 
     matplotlib.use("Agg")
-    from ema_lab.bench.costmodel import plot_cost_regimes
+    from ema_lab.bench.plots import plot_cost_model
 
     fits = {
         k: {"overhead_per_op_us": 1.0, "bandwidth_gbps": 90.0, "dram_bandwidth_gbps": 30.0}
@@ -223,7 +223,7 @@ def test_regime_plot_draws_both_panels_and_the_cache_marks():
                 | {"working_set_bytes": 8 * e, "median_s": 1e-3}
             )
     cost = {"points": pts, "fits": fits, "fixed_elements": FIXED_ELEMENTS, "fixed_tensors": FIXED_TENSORS}
-    fig = plot_cost_regimes(cost | {"llc_bytes": 480 << 20, "knee_bytes": 64 << 20, "split_bytes": 64 << 20})
+    fig = plot_cost_model(cost | {"llc_bytes": 480 << 20, "knee_bytes": 64 << 20, "split_bytes": 64 << 20})
     left, right = fig.axes
     assert left.get_xscale() == "log" and right.get_xlabel().startswith("working set")
     labels = [line.get_label() for line in right.get_lines()]
@@ -244,4 +244,6 @@ def test_costmodel_main_writes_the_quick_sweep_with_the_reported_cache_and_the_l
     assert {p["regime"] for p in cm["points"]} <= {"cache", "transition"}  # quick stays out of DRAM
     assert cm["llc_bytes"] == last_level_cache_bytes()[0] and "load_average_1_5_15min" in record
     assert cm["knee_bytes"] is None and cm["size_limit"].startswith("quick mode")
-    assert "last-level cache as reported" in capsys.readouterr().out
+    printed, llc = capsys.readouterr().out, cm["llc_bytes"]
+    assert (f"{llc / 2**20:.0f} MiB as reported" if llc else cm["llc_source"]) in printed
+    assert "the sweep was bounded by quick mode" in printed

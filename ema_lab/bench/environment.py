@@ -1,4 +1,5 @@
-"""What a measurement ran on: versions, hardware and thread count, for result files and notebook cells."""
+"""What a measurement ran on: versions, hardware and thread count, for result files and notebook cells;
+the cache and free memory the OS reports, which bound the cost model's sweep."""
 
 from __future__ import annotations
 
@@ -39,17 +40,13 @@ def cpu_model() -> str:
 
 def available_devices() -> dict[str, str | None]:
     """Map each device type ema_lab knows to None when usable, else the reason it is skipped."""
-    out: dict[str, str | None] = {"cpu": None}
-    out["cuda"] = (
-        None if torch.cuda.is_available() else "skipped: no CUDA device (torch.cuda.is_available() is False)"
-    )
-    mps = getattr(torch.backends, "mps", None)
-    out["mps"] = (
-        None
-        if mps is not None and mps.is_available()
-        else "skipped: no Apple MPS device (torch.backends.mps.is_available() is False)"
-    )
-    return out
+    no_cuda = "skipped: no CUDA device (torch.cuda.is_available() is False)"
+    no_mps = "skipped: no Apple MPS device (torch.backends.mps.is_available() is False)"
+    return {
+        "cpu": None,
+        "cuda": None if torch.cuda.is_available() else no_cuda,
+        "mps": None if torch.backends.mps.is_available() else no_mps,
+    }
 
 
 def _git_revision() -> str | None:
@@ -89,3 +86,64 @@ def environment(device: str = "cpu") -> dict[str, object]:
     elif device == "mps":
         env["device_name"] = f"Apple MPS ({cpu_model()})"
     return env
+
+
+def _parse_size(text: str) -> int:
+    """``"32768K"`` / ``"1M"`` / ``"512"`` (sysfs cache sizes) in bytes."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * scale
+
+
+def last_level_cache_bytes(
+    sysfs: Path | str = "/sys/devices/system/cpu/cpu0/cache",
+) -> tuple[int | None, str]:
+    """The size of the largest data cache level of CPU 0 in bytes, and where it was read (None if unknown)."""
+    best: tuple[int, int] | None = None  # (level, bytes)
+    for index in sorted(Path(sysfs).glob("index*")):
+        try:
+            kind = (index / "type").read_text().strip()
+            level = int((index / "level").read_text())
+            size = _parse_size((index / "size").read_text())
+        except (OSError, ValueError):
+            continue
+        if kind in ("Unified", "Data") and size > 0 and (best is None or level > best[0]):
+            best = (level, size)
+    if best is not None:
+        return best[1], f"{sysfs}/index*/size (L{best[0]})"
+    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        try:
+            size = os.sysconf(name)
+        except (ValueError, OSError):
+            continue
+        if size and size > 0:
+            return int(size), f"os.sysconf({name!r})"
+    return None, "unknown (no sysfs cache entries, no sysconf value)"
+
+
+def device_cache_bytes(device: str) -> tuple[int | None, str]:
+    """The last cache level before ``device``'s memory, in bytes, and where it was read (None if unknown)."""
+    if device == "cpu":
+        return last_level_cache_bytes()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device()) if device == "cuda" else None
+    if getattr(props, "L2_cache_size", 0):
+        return int(props.L2_cache_size), "torch.cuda.get_device_properties(...).L2_cache_size"
+    return None, f"unknown for {device}"
+
+
+def available_memory_bytes(meminfo: Path | str = "/proc/meminfo") -> tuple[int | None, str]:
+    """Memory the OS says a new allocation can have now, in bytes, and where it was read (None if unknown).
+
+    Linux's ``MemAvailable`` counts reclaimable page cache; elsewhere free pages from ``os.sysconf``.
+    """
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, f"{meminfo} MemAvailable"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None, "unknown (no /proc/meminfo, no sysconf value)"
+    return pages * size, "os.sysconf('SC_AVPHYS_PAGES')"

@@ -97,22 +97,14 @@ class Head(nn.Module):
         return [b(x) for b, x in zip(self.branches, xs)]
 
 
-# Widths, C2f depths and head widths chosen to match yolo26n's 708 entries / 594 float tensors / 2.6M.
-W, N, MID = (16, 32, 48, 80, 160), (4, 4, 4, 5, 4, 4, 4, 4), (32, 32)
-
-
 class YoloLike(nn.Module):
     """A YOLO-style detector: Conv/C2f backbone, FPN neck, box+class heads, one-to-many and one-to-one."""
 
-    def __init__(
-        self,
-        w: tuple[int, ...] = W,
-        n: tuple[int, ...] = N,
-        mid: tuple[int, int] = MID,
-        nc: int = 80,
-    ) -> None:
+    def __init__(self, nc: int = 80) -> None:
         super().__init__()
-        c0, c1, c2, c3, c4 = w
+        # Widths, C2f depths and head widths chosen to match yolo26n's 708 entries / 594 float tensors / 2.6M.
+        c0, c1, c2, c3, c4 = 16, 32, 48, 80, 160
+        n, mid = (4, 4, 4, 5, 4, 4, 4, 4), (32, 32)
         self.stem = nn.Sequential(Conv(3, c0, 3, 2), Conv(c0, c1, 3, 2), C2f(c1, c1, n[0]))
         self.p3 = nn.Sequential(Conv(c1, c2, 3, 2), C2f(c2, c2, n[1]))
         self.p4 = nn.Sequential(Conv(c2, c3, 3, 2), C2f(c3, c3, n[2]))

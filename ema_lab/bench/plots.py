@@ -11,26 +11,10 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from .costmodel import plot_cost_regimes, plot_count_panel
-from .results import run_label, settings_differences, upgrade
+from .costmodel import BYTES_PER_ELEMENT, DEFAULT_LLC_BYTES, cost_seconds
+from .results import measured_runs, run_label, settings_differences
 
 __all__ = ["plot_times", "plot_threads", "plot_cost_model", "plot_compare"]
-
-
-def _bars(ax: Any, groups: list[str], series: dict[str, list[float | None]], err: dict | None = None) -> None:
-    """Grouped bars: one group per entry of ``groups``, one bar per series (None leaves a gap)."""
-    width = 0.8 / max(len(series), 1)
-    x = np.arange(len(groups))
-    for i, (label, values) in enumerate(series.items()):
-        v = np.array([np.nan if y is None else y for y in values], dtype=float)
-        yerr = None
-        if err is not None:
-            lo, hi = err[label]
-            yerr = np.array(
-                [[np.nan if a is None else a for a in lo], [np.nan if b is None else b for b in hi]]
-            )
-        ax.bar(x + (i - (len(series) - 1) / 2) * width, v, width, label=label, yerr=yerr, capsize=2)
-    ax.set_xticks(x, groups)
 
 
 def plot_times(record: dict[str, Any], device: str, threads: int | None = None) -> Figure:
@@ -38,23 +22,21 @@ def plot_times(record: dict[str, Any], device: str, threads: int | None = None) 
 
     ``threads`` picks one of the run's thread counts (default: the first).
     """
-    record = upgrade(record)
     threads = record["settings"]["threads"][0] if threads is None else threads
     rows = [r for r in record["results"] if r["device"] == device and r["threads"] == threads]
     models = list(dict.fromkeys(r["model"] for r in rows))
     cands = list(dict.fromkeys(r["candidate"] for r in rows))
     by = {(r["model"], r["candidate"]): r for r in rows}
-    series = {c: [by[m, c]["median_ms"] if (m, c) in by else None for m in models] for c in cands}
-    err = {
-        c: (
-            [by[m, c]["median_ms"] - by[m, c]["q1_ms"] if (m, c) in by else None for m in models],
-            [by[m, c]["q3_ms"] - by[m, c]["median_ms"] if (m, c) in by else None for m in models],
-        )
-        for c in cands
-    }
     fig = Figure(figsize=(max(6, 1.8 * len(models)), 4.2), layout="constrained")
     ax = fig.add_subplot()
-    _bars(ax, models, series, err)
+    x, width = np.arange(len(models)), 0.8 / len(cands)
+    for i, c in enumerate(cands):  # one bar per candidate in each model's group; NaN leaves a gap
+        got = [by.get((m, c)) for m in models]
+        median = [r["median_ms"] if r else np.nan for r in got]
+        iqr = [[r["median_ms"] - r["q1_ms"] if r else np.nan for r in got]]
+        iqr += [[r["q3_ms"] - r["median_ms"] if r else np.nan for r in got]]
+        ax.bar(x + (i - (len(cands) - 1) / 2) * width, median, width, label=c, yerr=iqr, capsize=2)
+    ax.set_xticks(x, models)
     ax.set_yscale("log")
     ax.set_ylabel("EMA update time per step (ms, log scale)")
     ax.set_xlabel("model")
@@ -66,7 +48,6 @@ def plot_times(record: dict[str, Any], device: str, threads: int | None = None) 
 
 def plot_threads(record: dict[str, Any], device: str) -> Figure:
     """Thread scaling: median update time (log) against intra-op thread count, one panel per model."""
-    record = upgrade(record)
     counts = record["settings"]["threads"]
     rows = [r for r in record["results"] if r["device"] == device]
     models = list(dict.fromkeys(r["model"] for r in rows))
@@ -76,21 +57,14 @@ def plot_threads(record: dict[str, Any], device: str) -> Figure:
     axes = [fig.add_subplot(1, len(models), i + 1) for i in range(len(models))]
     for ax, model in zip(axes, models):
         for c in cands:
-            pts = [(n, by[model, c, n]) for n in counts if (model, c, n) in by]
-            if not pts:
-                continue
+            got = [(n, by[model, c, n]) for n in counts if (model, c, n) in by]
+            median = [r["median_ms"] for _, r in got]
+            iqr = [
+                [r["median_ms"] - r["q1_ms"] for _, r in got],
+                [r["q3_ms"] - r["median_ms"] for _, r in got],
+            ]
             style = "s--" if c in ("floor", "copy") else "o-"
-            ax.errorbar(
-                [n for n, _ in pts],
-                [r["median_ms"] for _, r in pts],
-                yerr=[
-                    [r["median_ms"] - r["q1_ms"] for _, r in pts],
-                    [r["q3_ms"] - r["median_ms"] for _, r in pts],
-                ],
-                fmt=style,
-                capsize=2,
-                label=c,
-            )
+            ax.errorbar([n for n, _ in got], median, yerr=iqr, fmt=style, capsize=2, label=c)
         ax.set_yscale("log")
         ax.set_xticks(counts)
         ax.set_xlabel("intra-op threads")
@@ -105,61 +79,89 @@ def plot_threads(record: dict[str, Any], device: str) -> Figure:
     return fig
 
 
-def plot_cost_model(cost: dict[str, Any]) -> Figure:
-    """The cost model of one device: launch-bound (time vs tensor count) and bandwidth-bound panels.
-
-    A version-3 cost model (it has ``llc_bytes``) is drawn by
-    :func:`ema_lab.bench.costmodel.plot_cost_regimes`: achieved bandwidth per working set, with the
-    floor's cache and DRAM fits. An older one has a single bandwidth fitted on its sweep's sizes; its
-    size panel draws each fit only over the sizes it was fitted on, since beyond them (past the
-    last-level cache) that bandwidth no longer holds.
-    """
-    if "llc_bytes" in cost:
-        return _legends_beside(plot_cost_regimes(cost))
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    plot_count_panel(left, cost)
-    pts = cost["points"]
+def _count_panel(ax: Any, cost: dict[str, Any]) -> None:
+    """Time vs tensor count at a fixed total size (inside the cache), measured and fitted."""
+    pts, fits = cost["points"], cost["fits"]
     for strategy in ("loop", "foreach"):
-        fit = cost["fits"][strategy]
-        bw = fit["bandwidth_gbps"]
+        fit = fits[strategy]
         sel = sorted(
-            (p for p in pts if p["tensors"] == cost["fixed_tensors"] and p["strategy"] == strategy),
-            key=lambda p: p["elements"],
+            (p for p in pts if p["sweep"] == "count" and p["strategy"] == strategy),
+            key=lambda p: p["tensors"],
         )
-        x = [p["elements"] * 4 / 2**20 for p in sel]
-        line = right.plot(x, [1e3 * p["median_s"] for p in sel], "o", label=f"{strategy}: measured")[0]
+        x = [p["tensors"] for p in sel]
+        line = ax.plot(x, [1e3 * p["median_s"] for p in sel], "o", label=f"{strategy}: measured")[0]
         fitted = [
-            1e3 * (fit["overhead_per_op_us"] * 1e-6 * p["units"] + (p["bytes"] / (bw * 1e9) if bw else 0.0))
+            1e3 * cost_seconds(fit["overhead_per_op_us"], fit["bandwidth_gbps"], p["units"], p["bytes"])
             for p in sel
         ]
-        right.plot(x, fitted, "-", color=line.get_color(), alpha=0.6, label=f"{strategy}: fit")
-    for ref, style in (("floor", "s--"), ("copy", "^:")):
-        sel = sorted((p for p in pts if p["strategy"] == ref), key=lambda p: p["elements"])
-        label = f"{ref}: one {'lerp_' if ref == 'floor' else 'copy_'} over 1 buffer"
-        right.plot(
-            [p["elements"] * 4 / 2**20 for p in sel], [1e3 * p["median_s"] for p in sel], style, label=label
-        )
-    right.set_xscale("log")
-    right.set_yscale("log")
-    right.set_xlabel(f"total size of {cost['fixed_tensors']} EMA tensors (MiB per side, float32)")
-    right.set_ylabel("update time (ms, median)")
-    right.legend(fontsize=7)
-    largest = max((p["elements"] * 4 for p in pts), default=0)
-    right.set_title(
-        f"older result file: one bandwidth per strategy, fitted on sizes up to {largest / 2**20:.0f} MiB\n"
-        "per side (no cache/DRAM split; the fit lines end where the fitted sizes do)",
-        fontsize=8,
+        ax.plot(x, fitted, "-", color=line.get_color(), alpha=0.6, label=f"{strategy}: fit")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"tensors holding {cost['fixed_elements']:,} float32 elements in all")
+    ax.set_ylabel("update time (ms, median)")
+    ax.set_title(
+        f"launch-bound: {fits['loop']['overhead_per_op_us']:.2f} us per dispatched op (loop)", fontsize=9
     )
-    return _legends_beside(fig)
 
 
-def _legends_beside(fig: Figure) -> Figure:
-    """Move each panel's legend out to its right, where it cannot cover a data point; widen to match."""
-    for ax in fig.axes:
-        if ax.get_legend() is not None:
-            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.set_size_inches(15, 4.2)
+def _bandwidth_panel(ax: Any, cost: dict[str, Any]) -> None:
+    """Counted bytes per second vs working set, the cache/DRAM split and the floor's fitted bandwidths."""
+    llc, knee = cost.get("llc_bytes"), cost.get("knee_bytes")
+    split = cost.get("split_bytes") or llc or DEFAULT_LLC_BYTES
+    for strategy, style in (("loop", "o-"), ("foreach", "s-"), ("floor", "D-"), ("copy", "^:")):
+        sel = [
+            p
+            for p in cost["points"]
+            if p["strategy"] == strategy and (p["sweep"] != "count" or p["tensors"] == cost["fixed_tensors"])
+        ]
+        sel.sort(key=lambda p: p["elements"])
+        ax.plot(
+            [p["working_set_bytes"] / 2**20 for p in sel],
+            [p["bytes"] / p["median_s"] / 1e9 for p in sel],
+            style,
+            label=f"{strategy} ({BYTES_PER_ELEMENT[strategy]} accesses per element)",
+        )
+    ax.axvspan(
+        split / 2 / 2**20, 2 * split / 2**20, color="grey", alpha=0.15, label="transition (not fitted)"
+    )
+    if knee:
+        ax.axvline(knee / 2**20, color="C3", ls="-", lw=1, label=f"measured knee {knee / 2**20:.0f} MiB")
+    if llc:
+        by = (
+            "last-level cache as reported by the OS"
+            if cost.get("device", "cpu") == "cpu"
+            else "L2 cache as reported by CUDA"
+        )
+        ax.axvline(llc / 2**20, color="grey", ls=":", label=f"{by}: {llc / 2**20:.0f} MiB")
+    floor = cost["fits"]["floor"]
+    for key, name in (("bandwidth_gbps", "cache"), ("dram_bandwidth_gbps", "DRAM")):
+        if floor.get(key):
+            ax.axhline(floor[key], color="k", lw=0.8, ls="--" if name == "DRAM" else "-")
+            ax.annotate(
+                f"floor fit, {name}: {floor[key]:.0f} GB/s",
+                xy=(0.01, floor[key]),
+                xycoords=("axes fraction", "data"),
+                xytext=(0, 3),
+                textcoords="offset points",
+                fontsize=7,
+            )
+    ax.set_xscale("log")
+    ax.set_xlabel("working set: EMA + model (MiB, float32)")
+    ax.set_ylabel("counted bytes / time (GB/s)")
+    ax.set_title("bandwidth-bound: cache, then DRAM beyond the knee", fontsize=9)
+
+
+def plot_cost_model(cost: dict[str, Any]) -> Figure:
+    """The cost model of one device: time vs tensor count (launch-bound), GB/s vs working set (cache, DRAM).
+
+    ``cost`` is :meth:`ema_lab.bench.costmodel.CostModel.as_dict` (a result file's ``cost_model[device]``).
+    """
+    fig = Figure(figsize=(15, 4.2), layout="constrained")
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    _count_panel(left, cost)
+    _bandwidth_panel(right, cost)
+    for ax in (left, right):  # beside each panel, where a legend cannot cover a data point
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
 
@@ -171,12 +173,7 @@ def plot_compare(records: list[dict[str, Any]], candidates: tuple[str, ...] = ()
     a strategy: it is drawn as a dashed line in the run's colour. Settings in which the runs differ
     are written under the figure.
     """
-    records = [upgrade(r) for r in records]
-    runs = []  # (label, device, threads, record)
-    for rec in records:
-        for dev, status in rec["devices"].items():
-            if status["status"] == "measured":
-                runs += [(run_label(rec, dev, n), dev, n, rec) for n in rec["settings"]["threads"]]
+    runs = [(run_label(rec, dev, n), dev, n, rec) for rec in records for dev, n in measured_runs(rec)]
     labels = [label for label, *_ in runs]
     for i, label in enumerate(labels):  # two files with identical settings to the minute: number them
         if labels.count(label) > 1:
@@ -188,28 +185,22 @@ def plot_compare(records: list[dict[str, Any]], candidates: tuple[str, ...] = ()
     cands = [c for c in cands if c not in ("floor", "copy")]
     fig = Figure(figsize=(max(7, 3.4 * len(models)), 4.6 + 0.22 * len(runs)), layout="constrained")
     axes = [fig.add_subplot(1, len(models), i + 1) for i in range(len(models))]
-    colors = [f"C{i % 10}" for i in range(len(runs))]
     width = 0.8 / max(len(runs), 1)
     x = np.arange(len(cands))
     for ax, model in zip(axes, models):
+        absent = []  # said in the title: text inside the panel would be drawn over the other runs' bars
         for i, (label, dev, n, rec) in enumerate(runs):
             by = {
                 r["candidate"]: r
                 for r in rec["results"]
                 if r["device"] == dev and r["threads"] == n and r["model"] == model
             }
+            if not by:
+                absent.append(str(i + 1))
             v = np.array([by[c]["speedup_vs_seed_before"] if c in by else np.nan for c in cands], dtype=float)
-            ax.bar(x + (i - (len(runs) - 1) / 2) * width, v, width, color=colors[i], label=label)
+            ax.bar(x + (i - (len(runs) - 1) / 2) * width, v, width, color=f"C{i % 10}", label=label)
             if "floor" in by:
-                ax.axhline(by["floor"]["speedup_vs_seed_before"], color=colors[i], ls="--", lw=1.2)
-        # Said in the title: text inside the panel would be drawn over the other runs' bars.
-        absent = [
-            str(i + 1)
-            for i, (_, dev, n, rec) in enumerate(runs)
-            if not any(
-                r["device"] == dev and r["threads"] == n and r["model"] == model for r in rec["results"]
-            )
-        ]
+                ax.axhline(by["floor"]["speedup_vs_seed_before"], color=f"C{i % 10}", ls="--", lw=1.2)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_yscale("log")
         ax.set_xticks(x, cands)

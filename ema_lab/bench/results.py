@@ -1,17 +1,10 @@
-"""The bench result file: its versioned schema, a validator, loading, file names and the printed table.
+"""The bench result file: its schema, a validator, loading, file names and the printed table.
 
 A result is one JSON object (``SCHEMA``, ``SCHEMA_VERSION``) holding the environment it ran in, the
-settings, every device's status (measured, or the "skipped: <reason>" text), one row per
-(device, model, candidate, thread count) and the cost model per measured device (measured at the
-first thread count). Version 2 stores ``settings.threads`` as the list of thread counts measured;
-version 3 gives every row its ``floor_fraction`` (the ``floor`` row's median time over the row's, on
-the same device, model and thread count; None for ``copy``, which is not an EMA update, and where no
-floor was run) and the cost model its two fitted bandwidths (cache and DRAM, ``dram_bandwidth_gbps``)
-and ``floor_fraction``. Older files still load: :func:`upgrade` turns them into version 3 in memory,
-computing each row's ``floor_fraction`` from the file's own ``floor`` rows. Their rows also carry
-the old ``roofline_fraction`` (update bytes per second over a ``copy_``'s, which ignored the copy's
-write-allocate read and so went above 1), kept as stored but never printed, and their cost model
-keeps its single bandwidth, fitted on that sweep's sizes only (the 2026-12-02 file: up to 16 MiB per side).
+settings (``threads``: the list of thread counts measured), every device's status (measured, or the
+"skipped: <reason>" text), one :class:`Row` per (device, model, candidate, thread count) and the cost
+model per measured device (measured at the first thread count: a fit per strategy with a cache and a
+DRAM bandwidth, ``dram_bandwidth_gbps`` None when the sweep stayed in the cache).
 
 Each run's files share a stem that is unique per run (:func:`result_stem`): machine, date and time
 of day (UTC, to the second), quick or full, thread counts and measured devices, e.g.
@@ -22,21 +15,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import types
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "results_dir",
-    "ResultError",
-    "validate",
-    "load",
-    "load_many",
-    "bench_files",
-    "run_label",
-    "settings_differences",
-    "format_table",
-]
+from .models import ModelStats
+
+__all__ = ["Row", "ResultError", "results_dir", "load", "load_many", "bench_files", "format_table"]
+__all__ += ["machine_label"]
 
 
 def results_dir() -> Path:
@@ -45,142 +35,95 @@ def results_dir() -> Path:
     Notebooks call this instead of reading ``../results``, so a copy of them opened anywhere, or a
     kernel started in another folder, still finds the committed runs.
     """
-    import os
-
     env = os.environ.get("EMA_LAB_RESULTS")
     return Path(env) if env else Path(__file__).resolve().parents[2] / "results"
 
 
 SCHEMA = "ema_lab.bench"
 SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
 
 
 class ResultError(ValueError):
     """A result object or file does not match the schema; the message names the field."""
 
 
+@dataclass(frozen=True)
+class Row:
+    """A row of ``results``: one candidate on one (device, model, thread count); its fields are the schema."""
+
+    device: str
+    model: str
+    candidate: str
+    kind: str  # "baseline" (seed_before), "strategy" or "reference" (floor, copy)
+    stats: dict  # the model's ModelStats: what one update touches
+    ops: dict  # dispatched ATen ops per update, by overload name (count_ops)
+    ops_total: int
+    ops_compute: int  # ops_total without views
+    kernel_launches: int | None  # CUDA kernels per update; None where they cannot be counted ...
+    kernel_launches_note: str | None  # ... and then why
+    median_ms: float
+    q1_ms: float
+    q3_ms: float
+    rounds: int
+    number: int  # calls per measurement
+    threads: int
+    speedup_vs_seed_before: float
+    # The floor's median over this row's (same device, model, threads); None for copy (not an EMA
+    # update) and where no floor ran.
+    floor_fraction: float | None
+
+
+def _spec(cls: type) -> dict[str, tuple[type, ...]]:
+    """A dataclass's fields and the JSON types each accepts (a float field takes an int too)."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        args = typing.get_args(hint) if union else (typing.get_origin(hint) or hint,)
+        out[name] = tuple(t for a in args for t in ((int, float) if a is float else (a,)))
+    return out
+
+
 _NUM = (int, float)
 # field -> accepted types, for each part of the record (None is listed where a value may be missing)
-_TOP = {
-    "schema": (str,),
-    "schema_version": (int,),
-    "created": (str,),
-    "machine": (str,),
-    "environment": (dict,),
-    "settings": (dict,),
-    "devices": (dict,),
-    "results": (list,),
-    "cost_model": (dict,),
-}
+_TOP = {"schema": (str,), "schema_version": (int,), "created": (str,), "machine": (str,), "results": (list,)}
+_TOP |= dict.fromkeys(("environment", "settings", "devices", "cost_model"), (dict,))
 _SETTINGS = {"quick": (bool,), "threads": (list,), "rounds": (int,), "models": (list,), "candidates": (list,)}
 _ENV = {"torch": (str,), "python": (str,), "os": (str,), "cpu": (str,), "threads": (int,), "ema_lab": (str,)}
-_ROW = {
-    "device": (str,),
-    "model": (str,),
-    "candidate": (str,),
-    "kind": (str,),
-    "stats": (dict,),
-    "ops": (dict,),
-    "ops_total": (int,),
-    "ops_compute": (int,),
-    "kernel_launches": (int, type(None)),
-    "kernel_launches_note": (str, type(None)),
-    "median_ms": _NUM,
-    "q1_ms": _NUM,
-    "q3_ms": _NUM,
-    "rounds": (int,),
-    "number": (int,),
-    "threads": (int,),
-    "speedup_vs_seed_before": _NUM,
-    "floor_fraction": (*_NUM, type(None)),
-}
-_ROW_BEFORE_V3 = {**{k: v for k, v in _ROW.items() if k != "floor_fraction"}, "roofline_fraction": _NUM}
+_ROW = _spec(Row)
+_STATS = _spec(ModelStats)
 _COST = {"fits": (dict,), "points": (list,), "floor_fraction": (dict,), "llc_bytes": (int, type(None))}
-_COST_BEFORE_V3 = {"fits": (dict,), "points": (list,), "roofline_fraction": (dict,)}
-_FIT = {"overhead_per_op_us": _NUM, "bandwidth_gbps": (*_NUM, type(None)), "unit": (str,)}
-_FIT_V3 = {**_FIT, "dram_bandwidth_gbps": (*_NUM, type(None))}
-_STATS = {"entries": (int,), "float_tensors": (int,), "float_elements": (int,), "float_bytes": (int,)}
+_FIT = {
+    "overhead_per_op_us": _NUM,
+    "bandwidth_gbps": (*_NUM, type(None)),
+    "dram_bandwidth_gbps": (*_NUM, type(None)),
+    "unit": (str,),
+}
 _KINDS = {"baseline", "strategy", "reference"}
 
 
 def _check_fields(obj: Any, spec: dict[str, tuple], where: str) -> None:
     if not isinstance(obj, dict):
         raise ResultError(f"{where}: expected an object, got {type(obj).__name__}")
-    for key, types in spec.items():
+    for key, accepted in spec.items():
         if key not in obj:
             raise ResultError(f"{where}: missing field {key!r}")
         value = obj[key]
         # bool is an int subclass: accept it only where bool is listed.
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            names = "/".join(t.__name__ for t in types)
+        if not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted):
+            names = "/".join(t.__name__ for t in accepted)
             raise ResultError(f"{where}.{key}: expected {names}, got {type(value).__name__} {value!r:.40}")
 
 
-def _with_floor_fractions(rows: list[Any]) -> list[Any]:
-    """Rows of an older file with ``floor_fraction`` from its own ``floor`` rows (None where it has none)."""
-    floor = {}
-    for r in rows:
-        if isinstance(r, dict) and r.get("candidate") == "floor" and isinstance(r.get("median_ms"), _NUM):
-            floor[r.get("device"), r.get("model"), r.get("threads")] = r["median_ms"]
-    out = []
-    for r in rows:
-        if not isinstance(r, dict) or "floor_fraction" in r:
-            out.append(r)
-            continue
-        f = floor.get((r.get("device"), r.get("model"), r.get("threads")))
-        t = r.get("median_ms")
-        ok = f is not None and r.get("candidate") != "copy" and isinstance(t, _NUM) and t > 0
-        out.append({**r, "floor_fraction": f / t if ok else None})
-    return out
-
-
-def upgrade(record: dict[str, Any]) -> dict[str, Any]:
-    """A version-3 copy of a version-1 or -2 record; a version-3 record (or anything else) as it is.
-
-    Version 1 -> 2: ``settings.threads`` int -> [int]. Version 2 -> 3: each row gets ``floor_fraction``
-    from the file's own ``floor`` rows (None where there is none, and for ``copy``); ``roofline_fraction``
-    stays as stored, the cost model stays as it was fitted (one bandwidth). ``upgraded_from`` says
-    which version the file holds.
-    """
-    if not isinstance(record, dict) or record.get("schema_version") not in (1, 2):
-        return record
-    settings = record.get("settings")
-    if record["schema_version"] == 1:
-        if not isinstance(settings, dict) or not isinstance(settings.get("threads"), int):
-            return record  # let validate() name what is wrong
-        settings = {**settings, "threads": [settings["threads"]]}
-    rows = record.get("results")
-    if not isinstance(rows, list):
-        return record
-    return {
-        **record,
-        "schema_version": 3,
-        "upgraded_from": record.get("upgraded_from", record["schema_version"]),
-        "settings": settings,
-        "results": _with_floor_fractions(rows),
-    }
-
-
 def validate(record: Any) -> None:
-    """Raise :class:`ResultError` naming the first field of ``record`` that does not match the schema.
-
-    An older record is checked as its :func:`upgrade` to version 3, its rows and cost model against
-    the fields of the version it was written in.
-    """
+    """Raise :class:`ResultError` naming the first field of ``record`` that does not match the schema."""
     _check_fields(record, _TOP, "result")
     if record["schema"] != SCHEMA:
         raise ResultError(f"result.schema: expected {SCHEMA!r}, got {record['schema']!r}")
-    if record["schema_version"] not in READABLE_VERSIONS:
+    if record["schema_version"] != SCHEMA_VERSION:
         raise ResultError(
-            f"result.schema_version: this ema_lab reads versions {list(READABLE_VERSIONS)}, "
+            f"result.schema_version: this ema_lab reads version {SCHEMA_VERSION} only, "
             f"got {record['schema_version']}"
         )
-    version = record["schema_version"]
-    if version < 3 and isinstance(record["results"], list):
-        for i, row in enumerate(record["results"]):
-            _check_fields(row, _ROW_BEFORE_V3, f"result.results[{i}]")
-    record = upgrade(record)
     _check_fields(record["settings"], _SETTINGS, "result.settings")
     threads = record["settings"]["threads"]
     if not threads or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in threads):
@@ -217,13 +160,13 @@ def validate(record: Any) -> None:
     for dev, cm in record["cost_model"].items():
         if dev not in measured:
             raise ResultError(f"result.cost_model.{dev}: {dev!r} is not a measured device")
-        _check_fields(cm, _COST if version >= 3 else _COST_BEFORE_V3, f"result.cost_model.{dev}")
+        _check_fields(cm, _COST, f"result.cost_model.{dev}")
         for name, fit in cm["fits"].items():
-            _check_fields(fit, _FIT_V3 if version >= 3 else _FIT, f"result.cost_model.{dev}.fits.{name}")
+            _check_fields(fit, _FIT, f"result.cost_model.{dev}.fits.{name}")
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    """Read and validate one result file (version 1, 2 or 3), return it as version 3; errors name fields."""
+    """Read and validate one result file; errors name the file and the field."""
     try:
         record = json.loads(Path(path).read_text())
     except OSError as exc:
@@ -234,7 +177,7 @@ def load(path: str | Path) -> dict[str, Any]:
         validate(record)
     except ResultError as exc:
         raise ResultError(f"{str(path)!r} is not a valid ema_lab result: {exc}") from None
-    return upgrade(record)
+    return record
 
 
 def load_many(paths: list[str | Path]) -> tuple[list[tuple[Path, dict[str, Any]]], list[str]]:
@@ -245,17 +188,13 @@ def load_many(paths: list[str | Path]) -> tuple[list[tuple[Path, dict[str, Any]]
     typo must not pass silently.
     """
     records, skipped = [], []
-    for path in paths:
+    for path in map(Path, paths):
         try:
-            records.append((Path(path), load(path)))
+            records.append((path, load(path)))
         except ResultError:
-            try:
-                foreign = json.loads(Path(path).read_text()).get("schema") != SCHEMA
-            except (OSError, ValueError, AttributeError):
-                foreign = False
-            if not foreign:
+            if _schema(path) in (SCHEMA, None):  # a broken bench file, or no JSON object at all
                 raise
-            skipped.append(Path(path).name)
+            skipped.append(path.name)
     notes = []
     if skipped:  # one line, however many: the runs compared are what the reader came for
         names = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
@@ -270,22 +209,18 @@ def load_many(paths: list[str | Path]) -> tuple[list[tuple[Path, dict[str, Any]]
 
 
 def bench_files(folder: str | Path) -> list[Path]:
-    """The ``*.json`` files in ``folder`` and its subfolders one level down (a machine's folder such as
-    ``results/gpu-<machine>/``) that declare the bench schema, sorted by path.
+    """The ``*.json`` files in ``folder`` and one level down (``results/gpu-<machine>/``) that declare the
+    bench schema, sorted: other tools' JSON is left out; a broken bench file is listed, for :func:`load`."""
+    paths = sorted([*Path(folder).glob("*.json"), *Path(folder).glob("*/*.json")])
+    return [path for path in paths if _schema(path) == SCHEMA]
 
-    ``results/`` also holds other tools' JSON (``benchmarks/peers.py``, ``benchmarks/trainer.py``);
-    they are left out here by design (their own ``.md`` beside them shows them). A file that claims the
-    bench schema but is broken is still listed, so that :func:`load` reports it.
-    """
-    found = []
-    for path in sorted([*Path(folder).glob("*.json"), *Path(folder).glob("*/*.json")]):
-        try:
-            schema = json.loads(path.read_text()).get("schema")
-        except (OSError, ValueError, AttributeError):
-            schema = None
-        if schema == SCHEMA:
-            found.append(path)
-    return found
+
+def _schema(path: Path) -> str | None:
+    """The ``"schema"`` a JSON file declares ("" for none); None where it is no readable JSON object."""
+    try:
+        return json.loads(path.read_text()).get("schema", "")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _slug(text: str) -> str:
@@ -300,8 +235,14 @@ def machine_label(env: dict[str, Any], accelerators: list[str] = ()) -> str:
     return "-".join(filter(None, (_slug(p) for p in parts)))[:80]
 
 
-def _measured(record: dict[str, Any]) -> list[str]:
+def measured_devices(record: dict[str, Any]) -> list[str]:
+    """The devices a record measured (the others say why they were skipped)."""
     return [d for d, s in record["devices"].items() if s["status"] == "measured"]
+
+
+def measured_runs(record: dict[str, Any]) -> list[tuple[str, int]]:
+    """Every (device, thread count) a record measured: one run each, as compare labels them."""
+    return [(dev, n) for dev in measured_devices(record) for n in record["settings"]["threads"]]
 
 
 def result_stem(record: dict[str, Any]) -> str:
@@ -312,8 +253,8 @@ def result_stem(record: dict[str, Any]) -> str:
     created = record["created"]  # ISO 8601 in UTC, to the second
     stamp = created[:10] + "T" + created[11:19].replace(":", "") + "Z"
     mode = "quick" if record["settings"]["quick"] else "full"
-    threads = "-".join(str(t) for t in upgrade(record)["settings"]["threads"])
-    devices = "+".join(_measured(record)) or "none"
+    threads = "-".join(str(t) for t in record["settings"]["threads"])
+    devices = "+".join(measured_devices(record)) or "none"
     return f"{record['machine']}_{stamp}_{mode}_t{threads}_{devices}"
 
 
@@ -331,7 +272,6 @@ def settings_differences(records: list[dict[str, Any]]) -> list[str]:
     Machines and devices are what a comparison is for, so they are not listed; everything else that
     changes a timing is.
     """
-    recs = [upgrade(r) for r in records]
     checks = {
         "thread counts": lambda r: "/".join(str(t) for t in r["settings"]["threads"]),
         "rounds": lambda r: str(r["settings"]["rounds"]),
@@ -342,7 +282,7 @@ def settings_differences(records: list[dict[str, Any]]) -> list[str]:
     }
     lines = []
     for what, get in checks.items():
-        values = list(dict.fromkeys(get(r) for r in recs))
+        values = list(dict.fromkeys(get(r) for r in records))
         if len(values) > 1:
             lines.append(f"runs differ in {what}: {' vs '.join(values)}")
     return lines
@@ -353,12 +293,8 @@ def _mib(nbytes: float) -> str:
 
 
 def cost_model_line(cm: dict[str, Any], threads: int) -> str:
-    """One line of the cost model: per-op overheads and the floor's bandwidth(s), labelled by fit kind.
-
-    A version-3 cost model has a cache and a DRAM bandwidth (``dram_bandwidth_gbps``, None when the
-    sweep stayed in the cache); an older one has a single bandwidth, fitted on its sweep's sizes only.
-    """
-    loop, fe, floor = cm["fits"]["loop"], cm["fits"]["foreach"], cm["fits"].get("floor", {})
+    """One line of the cost model: per-op overheads, the floor's bandwidths in and beyond the cache."""
+    loop, fe, floor = cm["fits"]["loop"], cm["fits"]["foreach"], cm["fits"]["floor"]
     head = (
         f"cost model ({cm.get('threads', threads)} thread(s)): "
         f"{loop['overhead_per_op_us']:.2f} us per dispatched op (per-tensor loop), "
@@ -368,38 +304,32 @@ def cost_model_line(cm: dict[str, Any], threads: int) -> str:
     def gbps(v: float | None) -> str:
         return "-" if v is None else f"{v:.1f} GB/s"
 
-    if "dram_bandwidth_gbps" in floor:
-        llc = "size unknown" if cm.get("llc_bytes") is None else _mib(cm["llc_bytes"])
-        # Newer files split at the knee they measured; the OS's figure is only what it reports.
-        knee = cm.get("knee_bytes")
-        where = (
-            f"the measured knee ({_mib(knee)} of EMA + model; the OS reports a {llc} last-level cache)"
-            if knee
-            else f"the last-level cache ({llc} as reported)"
-        )
-        dram = floor["dram_bandwidth_gbps"]
-        text = f"floor (one lerp_) {gbps(floor['bandwidth_gbps'])} in cache, " + (
-            f"{gbps(dram)} beyond {where}" if dram is not None else f"no size beyond {where} measured"
-        )
-        for label, key in (
-            ("at the largest size in cache", "floor_fraction"),
-            ("beyond it", "floor_fraction_dram"),
-        ):
-            fr = {k: v for k, v in (cm.get(key) or {}).items() if v is not None}
-            if fr:
-                text += f"; floor fraction {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in fr.items())
-        return head + text
-    sizes = [p["elements"] for p in cm.get("points", []) if p.get("strategy") == "floor"]
-    upto = f" up to {_mib(4 * max(sizes))} per side" if sizes else ""
-    return head + (
-        f"floor (one lerp_) {gbps(floor.get('bandwidth_gbps'))}: one bandwidth fitted on sizes{upto} "
-        "(an older result file, no cache/DRAM split)"
+    llc = (
+        f"{_mib(cm['llc_bytes'])} as reported" if cm["llc_bytes"] else cm.get("llc_source") or "size unknown"
     )
+    # A run splits at the knee it measured; the OS's figure is only what it reports.
+    knee = cm.get("knee_bytes")
+    where = (
+        f"the measured knee ({_mib(knee)} of EMA + model; last-level cache {llc})"
+        if knee
+        else f"the last-level cache ({llc})"
+    )
+    dram = floor["dram_bandwidth_gbps"]
+    text = f"floor (one lerp_) {gbps(floor['bandwidth_gbps'])} in cache, " + (
+        f"{gbps(dram)} beyond {where}" if dram is not None else f"no size beyond {where} measured"
+    )
+    for label, key in (
+        ("at the largest size in cache", "floor_fraction"),
+        ("beyond it", "floor_fraction_dram"),
+    ):
+        fr = {k: v for k, v in (cm.get(key) or {}).items() if v is not None}
+        if fr:
+            text += f"; floor fraction {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in fr.items())
+    return head + text
 
 
 def format_table(record: dict[str, Any]) -> str:
     """The bench table: a block per (device, thread count), a row per (model, candidate), with speed-ups."""
-    record = upgrade(record)
     threads = record["settings"]["threads"]
     lines = [
         f"threads={','.join(map(str, threads))}  (median [IQR] of {record['settings']['rounds']} rounds)"

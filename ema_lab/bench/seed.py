@@ -7,6 +7,7 @@ for real work; these exist to measure and to reproduce.
 
 :class:`CachedListEMA` reproduces the step ultralytics took after the seed (8.4.190): the tensor
 lists are built once and reused forever, which is fast and silently wrong once a tensor is replaced.
+It runs :func:`seed_after`'s body over the ``state_dict()`` results it kept.
 """
 
 from __future__ import annotations
@@ -32,10 +33,14 @@ def seed_before(ema: nn.Module, model: nn.Module, d: float) -> None:
 
 def seed_after(ema: nn.Module, model: nn.Module, d: float) -> None:
     """The post-change update: collect float entries, one gated ``_foreach_lerp_``, else mul_/add_."""
+    _lerp_float_entries(ema.state_dict(), model.state_dict(), d)
+
+
+def _lerp_float_entries(esd: dict[str, torch.Tensor], msd: dict[str, torch.Tensor], d: float) -> None:
+    """The body of :func:`seed_after`, over two given ``state_dict()`` results."""
     with torch.no_grad():
-        msd = model.state_dict()
         ema_v, model_v = [], []
-        for k, v in ema.state_dict().items():
+        for k, v in esd.items():
             if v.dtype.is_floating_point:
                 ema_v.append(v)
                 model_v.append(msd[k])
@@ -50,35 +55,22 @@ def seed_after(ema: nn.Module, model: nn.Module, d: float) -> None:
 class CachedListEMA(ModelEMA):
     """UNSAFE ON PURPOSE: ultralytics 8.4.190's cached-list update, reproduced to show a cache going stale.
 
-    The first ``update`` collects the float ``state_dict()`` tensors of the EMA and the model into
-    two lists (ultralytics' ``self._pairs``); every later update lerps those same tensor objects.
+    The first ``update`` keeps the ``state_dict()`` of the EMA and of the model (ultralytics kept the float
+    tensors of each as ``self._pairs``); every later update lerps those same tensor objects.
     ``state_dict()`` returns detached aliases of the parameters' memory at that moment, and
     ``model.double()`` / ``.to()`` or an in-place ``ema.ema.half()`` give the modules new memory.
     From then on the update averages dead tensors: the EMA module either stops moving or follows a
-    frozen snapshot of the model, with no error. :class:`ema_lab.ModelEMA` checks its cache with
-    a per-slot ``data_ptr()`` check (:class:`ema_lab.watch.Watch`) on every update instead.
+    frozen snapshot of the model, with no error. :class:`ema_lab.ModelEMA` checks the tensors' memory
+    (``data_ptr()``) on every update instead.
     """
 
-    _cached: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (ema, model), built once
+    _cached: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None  # (ema, model), built once
 
     def update(self, model: nn.Module) -> None:
         """Move the (cached) EMA tensors one step towards the (cached) model tensors."""
         if not self.enabled:
             return
         if self._cached is None:
-            msd = model.state_dict()
-            ema_v, model_v = [], []
-            for k, v in self.ema.state_dict().items():
-                if v.dtype.is_floating_point:
-                    ema_v.append(v)
-                    model_v.append(msd[k])
-            self._cached = (ema_v, model_v)
+            self._cached = (self.ema.state_dict(), model.state_dict())
         self.updates += 1
-        d = self.decay(self.updates)
-        ema_v, model_v = self._cached
-        with torch.no_grad():
-            if ema_v and foreach_lerp_supported(None, ema_v[0].device.type):
-                torch._foreach_lerp_(ema_v, model_v, 1 - d)
-            else:
-                for v, m in zip(ema_v, model_v):
-                    v.mul_(d).add_(m, alpha=1 - d)
+        _lerp_float_entries(*self._cached, self.decay(self.updates))

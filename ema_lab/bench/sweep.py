@@ -1,23 +1,19 @@
 """The main job: time every EMA strategy on the model zoo on every available device, save JSON and plots.
 
-For each (device, model) it builds one set of candidates and times them interleaved
-(:func:`ema_lab.bench.timing.time_candidates`):
+For each (device, model, thread count) the candidates (:func:`candidate_names`) are timed interleaved
+(:func:`ema_lab.bench.timing.time_candidates`), their dispatched ops counted
+(:func:`ema_lab.bench.counting.count_ops`) and, on CUDA, their kernel launches:
 
-- ``seed_before`` (the baseline) and ``seed_after``: ultralytics PR #25315's before- and after-code,
-  walking ``state_dict()`` per call;
-- every strategy of :data:`ema_lab.ema.STRATEGIES` through ``ModelEMA(model, strategy=s).update``;
-- ``flat_model``: the default ``ModelEMA`` of a twin of the model after ``ema_lab.flatten_model``;
-- ``floor``: one ``lerp_`` over two contiguous buffers holding as many floats as the model, allocated
-  as ema_lab's own flat buffers are (:func:`ema_lab.flat.empty_flat`: 2 MiB pages where granted; the best
-  any EMA update of that model can do; every row's ``floor_fraction`` is the floor's median time over
-  the row's, on the same device, model and thread count), and ``copy``: one ``copy_`` of those bytes,
-  a reference of what copying them costs (on a CPU the copy's store also reads its destination,
-  write-allocate, so it is no cheaper yardstick than the floor and gets no fraction).
+- ``seed_before`` (the baseline) and ``seed_after``: ultralytics PR #25315's before- and after-code;
+- every strategy of :data:`ema_lab.ema.STRATEGIES` through ``ModelEMA(model, strategy=s).update``, and
+  ``flat_model``: the default ``ModelEMA`` of a twin of the model after ``ema_lab.flatten_model``;
+- ``floor``: one ``lerp_`` over two flat buffers of the model's floats, allocated as ema_lab's own are
+  (:func:`ema_lab.flat.empty_flat`): the best any update of that model can do, the reference of every
+  row's ``floor_fraction``; ``copy``: one ``copy_`` of those bytes (on a CPU its store also reads its
+  destination, write-allocate, so it is no cheaper yardstick than the floor and gets no fraction).
 
-Each candidate's dispatched ops per step are counted (:func:`ema_lab.bench.counting.count_ops`), and on
-CUDA its kernel launches. The decay is the ramp's value after ``RAMP_UPDATES`` steps (about 0.9999).
-With several thread counts (``threads=(1, 2)``) each (device, model) is timed at every count in turn
-(the candidates interleaved within a count); the cost model runs at the first count.
+The decay is the ramp's value after ``RAMP_UPDATES`` steps (about 0.9999); the cost model runs at the
+first thread count.
 """
 
 from __future__ import annotations
@@ -27,6 +23,7 @@ import gc
 import json
 from collections.abc import Callable, Sequence
 from copy import deepcopy
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +38,11 @@ from .environment import available_devices, environment
 from .results import (
     SCHEMA,
     SCHEMA_VERSION,
+    Row,
     load_many,
     machine_label,
+    measured_devices,
+    measured_runs,
     result_stem,
     run_label,
     settings_differences,
@@ -51,7 +51,7 @@ from .results import (
 from .seed import seed_after, seed_before
 from .timing import progress_bar, time_candidates
 
-__all__ = ["DEFAULT_MODELS", "run_bench", "write_results", "compare", "floor_fraction"]
+__all__ = ["DEFAULT_MODELS", "QUICK_MODELS", "run_bench", "write_results", "compare"]
 
 # gpt2 (124M parameters) is left out by default: every candidate holds its own EMA copy, about 4 GB in
 # all, and it measures nothing resnet50 does not (both bandwidth-bound, beyond the cache); ask for it.
@@ -69,7 +69,7 @@ def candidate_names() -> list[str]:
 
 
 def resolve_devices(device: str) -> dict[str, str | None]:
-    """Map "cpu"/"cuda"/"mps"/"all" to {device: None or skip reason}; a named absent device raises."""
+    """Every device ema_lab knows -> None to measure it, else why not; "cpu"/"cuda"/"mps"/"all" picks."""
     avail = available_devices()
     if device == "all":
         return avail
@@ -77,36 +77,34 @@ def resolve_devices(device: str) -> dict[str, str | None]:
         raise ValueError(f"unknown device {device!r}; expected one of {[*avail, 'all']}")
     if avail[device] is not None:
         raise ValueError(f"device {device!r} is not available ({avail[device]})")
-    return {device: None}
+    skipped = {d: why or f"skipped: not requested (--device {device})" for d, why in avail.items()}
+    return skipped | {device: None}
+
+
+def _decay() -> float:
+    """The decay every candidate applies: ModelEMA's ramp after ``RAMP_UPDATES`` updates."""
+    return ModelEMA(torch.nn.Linear(1, 1)).decay(RAMP_UPDATES)
 
 
 def candidates(
     model: torch.nn.Module, names: Sequence[str], rebuild: Callable[[], torch.nn.Module]
 ) -> dict[str, Callable[[], object]]:
     """Zero-argument update functions for each candidate on ``model``; ``rebuild()`` makes a fresh twin."""
-    decay = ModelEMA(torch.nn.Linear(1, 1)).decay(RAMP_UPDATES)
+    decay = _decay()
     out: dict[str, Callable[[], object]] = {}
-    for name in names:
-        if name not in {BASELINE, "seed_after", *REFERENCES}:
-            out[name] = _model_ema_step(model, name, rebuild)
-    seed_ema = deepcopy(model).eval() if {"seed_before", "seed_after"} & set(names) else None
-    floats = [v for v in model.state_dict().values() if v.is_floating_point()]
-    flat = {}
+    if {"seed_before", "seed_after"} & set(names):
+        seed_ema = deepcopy(model).eval()
+        out["seed_before"] = lambda: seed_before(seed_ema, model, decay)
+        out["seed_after"] = lambda: seed_after(seed_ema, model, decay)
     if set(REFERENCES) & set(names):
         # In the memory ema_lab's own flat buffers get (2 MiB pages where granted), so no strategy beats it.
-        values = torch.cat([v.reshape(-1).float() for v in floats])
-        flat["model"] = empty_flat(values.numel(), values.dtype, values.device).copy_(values)
-        flat["ema"] = empty_flat(values.numel(), values.dtype, values.device).copy_(values)
-    for name in names:
-        if name == "seed_before":
-            out[name] = lambda: seed_before(seed_ema, model, decay)
-        elif name == "seed_after":
-            out[name] = lambda: seed_after(seed_ema, model, decay)
-        elif name == "floor":
-            out[name] = lambda: flat["ema"].lerp_(flat["model"], 1 - decay)
-        elif name == "copy":
-            out[name] = lambda: flat["ema"].copy_(flat["model"])
-    return {k: out[k] for k in names}
+        values = torch.cat(
+            [v.reshape(-1).float() for v in model.state_dict().values() if v.is_floating_point()]
+        )
+        ema, twin = (empty_flat(values.numel(), values.dtype, values.device).copy_(values) for _ in range(2))
+        out["floor"] = lambda: ema.lerp_(twin, 1 - decay)
+        out["copy"] = lambda: ema.copy_(twin)
+    return {k: out[k] if k in out else _model_ema_step(model, k, rebuild) for k in names}
 
 
 def _model_ema_step(
@@ -155,34 +153,28 @@ def _measure_model(
     floor = timed["floor"].median_s if "floor" in timed else None
     rows = []
     for k, t in timed.items():
-        k_launch = kernels[k]
-        rows.append(
-            {
-                "device": device,
-                "model": name,
-                "candidate": k,
-                "kind": _kind(k),
-                "stats": {
-                    "entries": stats.entries,
-                    "float_tensors": stats.float_tensors,
-                    "float_elements": stats.float_elements,
-                    "float_bytes": stats.float_bytes,
-                },
-                "ops": dict(sorted(ops[k].items())),
-                "ops_total": sum(ops[k].values()),
-                "ops_compute": sum(without_views(ops[k]).values()),
-                "kernel_launches": None if isinstance(k_launch, str) else sum(k_launch.values()),
-                "kernel_launches_note": k_launch if isinstance(k_launch, str) else None,
-                "median_ms": 1e3 * t.median_s,
-                "q1_ms": 1e3 * t.q1_s,
-                "q3_ms": 1e3 * t.q3_s,
-                "rounds": t.rounds,
-                "number": t.number,
-                "threads": t.threads,
-                "speedup_vs_seed_before": base / t.median_s,
-                "floor_fraction": floor_fraction(k, floor, t.median_s),
-            }
+        launches = kernels[k]
+        row = Row(
+            device=device,
+            model=name,
+            candidate=k,
+            kind=_kind(k),
+            stats=asdict(stats),
+            ops=dict(sorted(ops[k].items())),
+            ops_total=sum(ops[k].values()),
+            ops_compute=sum(without_views(ops[k]).values()),
+            kernel_launches=None if isinstance(launches, str) else sum(launches.values()),
+            kernel_launches_note=launches if isinstance(launches, str) else None,
+            median_ms=1e3 * t.median_s,
+            q1_ms=1e3 * t.q1_s,
+            q3_ms=1e3 * t.q3_s,
+            rounds=t.rounds,
+            number=t.number,
+            threads=t.threads,
+            speedup_vs_seed_before=base / t.median_s,
+            floor_fraction=floor_fraction(k, floor, t.median_s),
         )
+        rows.append(asdict(row))
     del model, fns
     gc.collect()
     return rows
@@ -223,16 +215,11 @@ def run_bench(
         if s not in known:
             raise ValueError(f"unknown strategy {s!r}; expected one of {known}")
     counts = thread_counts(threads)
-    devices = resolve_devices(device)
-    # Every known device appears in the result: measured, absent (with the reason) or not asked for.
-    for dev, reason in available_devices().items():
-        devices.setdefault(dev, reason or f"skipped: not requested (--device {device})")
+    devices = resolve_devices(device)  # every known device appears in the result, measured or not
     # The baseline (for speed-ups) and the references (the floor for each row's floor fraction, the
     # copy for what moving the same bytes costs) are always measured.
     chosen = [c for c in known if c in {BASELINE, *REFERENCES, *(strategies or known)}]
     rounds = 3 if quick else 9  # 9 interleaved rounds: a stable median within the 3-minute budget on 2 cores
-    cm_rounds = rounds
-    measured = [d for d, reason in devices.items() if reason is None]
     previous = torch.get_num_threads()
     torch.set_num_threads(counts[0])
     try:
@@ -247,7 +234,7 @@ def run_bench(
                 "rounds": rounds,
                 "models": list(models),
                 "candidates": chosen,
-                "decay": ModelEMA(torch.nn.Linear(1, 1)).decay(RAMP_UPDATES),
+                "decay": _decay(),
             },
             "devices": {},
             "results": [],
@@ -268,11 +255,13 @@ def run_bench(
                         record["results"] += _measure_model(
                             dev, name, chosen, n, rounds, quick, lambda _r: bar.update(1)
                         )
-            cost = run_cost_model(dev, quick=quick, threads=counts[0], rounds=cm_rounds, progress=progress)
+            cost = run_cost_model(dev, quick=quick, threads=counts[0], rounds=rounds, progress=progress)
             record["cost_model"][dev] = cost.as_dict()
     finally:
         torch.set_num_threads(previous)
-    gpus = [record["devices"][d]["environment"]["device_name"] for d in measured if d != "cpu"]
+    gpus = [
+        record["devices"][d]["environment"]["device_name"] for d in measured_devices(record) if d != "cpu"
+    ]
     record["machine"] = machine_label(record["environment"], gpus)
     record = json.loads(json.dumps(record, default=_jsonable))  # numpy floats -> plain JSON numbers
     validate(record)
@@ -298,7 +287,7 @@ def write_results(record: dict[str, Any], out: str | Path) -> list[Path]:
     stem = result_stem(record)
     counts = record["settings"]["threads"]
     figures: dict[Path, Callable[[], Any]] = {}
-    measured = [dev for dev, status in record["devices"].items() if status["status"] == "measured"]
+    measured = measured_devices(record)
     for dev in measured:
         # The stem ends with the measured devices; a file names its device only when there are several.
         base = f"{stem}_{dev}" if len(measured) > 1 else stem
@@ -335,13 +324,8 @@ def compare(files: Sequence[str | Path], out: str | Path) -> tuple[str, Path]:
     loaded, notes = load_many(list(files))
     records = [rec for _, rec in loaded]
     lines = [*notes, *settings_differences(records)]
-    runs = []
-    for f, rec in loaded:
-        for dev, status in rec["devices"].items():
-            if status["status"] == "measured":
-                for n in rec["settings"]["threads"]:
-                    runs.append((f, rec, dev, n))
-                    lines.append(f"run {len(runs)}: {run_label(rec, dev, n)}  ({Path(f).name})")
+    runs = [(f, rec, dev, n) for f, rec in loaded for dev, n in measured_runs(rec)]
+    lines += [f"run {i}: {run_label(rec, dev, n)}  ({f.name})" for i, (f, rec, dev, n) in enumerate(runs, 1)]
     lines.append(f"{'run':<5}{'device':<7}{'model':<17}{'candidate':<13}{'median ms':>10}{'speed-up':>10}")
     for i, (_f, rec, dev, n) in enumerate(runs, 1):
         for r in rec["results"]:

@@ -15,13 +15,13 @@ import importlib.util
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.benchmark import Timer
 
-__all__ = ["time_candidates", "synchronize", "progress_bar"]
+__all__ = ["time_candidates", "quantiles", "progress_bar"]
 
 
 def progress_bar(**kwargs: Any) -> Any:
@@ -72,13 +72,6 @@ class TimingResult:
         """Interquartile range (q3 - q1) in seconds."""
         return self.q3_s - self.q1_s
 
-    def as_dict(self) -> dict[str, object]:
-        """A JSON-friendly dict, times in seconds."""
-        out = asdict(self)
-        out["times_s"] = list(self.times_s)
-        out["iqr_s"] = self.iqr_s
-        return out
-
 
 def _calls_per_measurement(fn: Callable[[], object], device: str, target_s: float, warmup: int) -> int:
     """Warm ``fn`` up, then pick how many calls make one measurement last about ``target_s``."""
@@ -101,13 +94,11 @@ def time_candidates(
     warmup: int = 3,
     threads: int = 1,
     on_round: Callable[[int], None] | None = None,
-    progress: bool = False,
 ) -> dict[str, TimingResult]:
     """Time every candidate ``rounds`` times, interleaved; return per-call median and IQR for each.
 
     ``threads`` is the intra-op thread count during measurement (recorded in each result).
-    ``target_s`` sizes each measurement (``number`` calls); ``on_round(i)`` reports progress, and
-    ``progress=True`` shows a bar whose steps are the rounds (for a notebook cell that runs long).
+    ``target_s`` sizes each measurement (``number`` calls); ``on_round(i)`` reports progress.
     """
     if not candidates:
         raise ValueError("time_candidates needs at least one candidate")
@@ -123,14 +114,12 @@ def time_candidates(
         }
         names = list(candidates)
         times: dict[str, list[float]] = {k: [] for k in names}
-        with progress_bar(total=rounds, disable=not progress, unit="round", desc="timing") as bar:
-            for r in range(rounds):
-                # Rotate the order each round so no candidate always runs right after the same neighbour.
-                for k in names[r % len(names) :] + names[: r % len(names)]:
-                    times[k].append(timers[k].timeit(numbers[k]).mean)
-                if on_round is not None:
-                    on_round(r)
-                bar.update(1)
+        for r in range(rounds):
+            # Rotate the order each round so no candidate always runs right after the same neighbour.
+            for k in names[r % len(names) :] + names[: r % len(names)]:
+                times[k].append(timers[k].timeit(numbers[k]).mean)
+            if on_round is not None:
+                on_round(r)
     finally:
         torch.set_num_threads(previous)
     out = {}

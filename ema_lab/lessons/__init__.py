@@ -1,5 +1,5 @@
-"""Reusable pieces of the notebooks: the PR's before/after code, the model zoo, thop helpers, references.
+"""Pieces the notebooks build in their cells and then import: thop profiling, the float64 buffer bug,
+the stale-cache probe, a low-precision EMA's stall and the distributed EMA.
 
-Small functions the notebooks and tests share; the narrative itself lives in the notebook cells.
 ``profiling`` and ``float64_bug`` need the ``notebooks`` extra (the pinned ``thop``).
 """

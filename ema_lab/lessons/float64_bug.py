@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..bench.models import Conv
-from .profiling import THOP_BUFFERS, import_thop
+from .profiling import THOP_BUFFERS, import_thop, remove_thop_buffers
 
 __all__ = ["leaked_keys", "shared_act_leak", "train_step"]
 
@@ -37,15 +37,15 @@ def shared_act_leak(cls: type[nn.Module] = Conv) -> Iterator[nn.Module]:
     if leaked:
         raise RuntimeError(
             f"{cls.__name__}.default_act already carries thop buffers {leaked} from an earlier in-place "
-            f"profile: remove them (remove_thop_buffers({cls.__name__}.default_act)) first"
+            f"profile: remove them first (remove_thop_buffers({cls.__name__}.default_act), "
+            "ema_lab.lessons.profiling)"
         )
     try:
         block = cls(3, 16, 3)
         thop.profile(block, inputs=(torch.randn(1, 3, 32, 32),), verbose=False)
         yield block
     finally:
-        for name in THOP_BUFFERS:
-            act._buffers.pop(name, None)
+        remove_thop_buffers(act)
 
 
 def train_step(model: nn.Module, seed: int = 0) -> None:

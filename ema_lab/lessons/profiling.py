@@ -5,8 +5,9 @@ PyPI ``thop`` 0.1.1.post2209072238 (the release the float64 bug comes from) regi
 counting rule for, and has no try/finally. :func:`profile_flops` therefore profiles a deep copy, as
 ultralytics PR #25315 did, and reports GFLOPs the way ultralytics does (``MACs / 1e9 * 2``).
 
-The inspection helpers (:func:`snapshot`, :func:`state_dict_diff`, :func:`fingerprint`) say what a call
-added to or changed in a model; :func:`check_movable` refuses a move to MPS (no float64 there) up front.
+:func:`compare_flop_counts` sets thop's count beside ``torch.utils.flop_counter.FlopCounterMode``'s
+(``docs/flop_counters.md``); :func:`remove_thop_buffers` takes thop's leftovers off a model profiled in
+place; :func:`check_movable` refuses a move to MPS (no float64 there) before any tensor moves.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import importlib
 import warnings
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -22,18 +23,8 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-__all__ = [
-    "import_thop",
-    "profile_flops",
-    "compare_flop_counts",
-    "snapshot",
-    "dtype_table",
-    "state_dict_diff",
-    "fingerprint",
-    "remove_thop_buffers",
-    "check_movable",
-    "move_to",
-]
+__all__ = ["THOP_BUFFERS", "import_thop", "profile_flops", "compare_flop_counts", "remove_thop_buffers"]
+__all__ += ["check_movable"]
 
 #: The buffer names thop registers on every module it profiles.
 THOP_BUFFERS = ("total_ops", "total_params")
@@ -184,153 +175,7 @@ def compare_flop_counts(model: nn.Module, inputs: Inputs) -> FlopComparison:
     )
 
 
-# --- What did a call do to a model? --------------------------------------------------------------------
-
-
-def snapshot(model: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """A detached copy of a model's state_dict (or of a mapping of tensors), to diff against later."""
-    sd = model.state_dict() if isinstance(model, nn.Module) else model
-    return {k: v.detach().clone() for k, v in sd.items()}
-
-
-def dtype_table(model: nn.Module | Mapping[str, Tensor]) -> str:
-    """One line per state_dict entry: key, dtype, shape; for printing a model's state in a notebook cell."""
-    sd = model.state_dict() if isinstance(model, nn.Module) else model
-    width = max((len(k) for k in sd), default=0)
-    return "\n".join(f"{k:<{width}}  {_dtype(v):<8} {tuple(v.shape)}" for k, v in sd.items())
-
-
-def _dtype(t: Tensor | torch.dtype) -> str:
-    return str(t.dtype if isinstance(t, Tensor) else t).removeprefix("torch.")
-
-
-def _same_values(a: Tensor, b: Tensor) -> bool:
-    """Bitwise-style equality that treats NaN as equal to NaN (a state_dict may hold NaNs legitimately)."""
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-        return False
-    if a.is_floating_point() or a.is_complex():
-        return bool(((a == b) | (a.isnan() & b.isnan())).all())
-    return torch.equal(a, b)
-
-
-@dataclass(frozen=True)
-class StateDictDiff:
-    """Keys added, removed, re-typed, re-shaped or changed in value between two state_dicts."""
-
-    added: tuple[tuple[str, str, tuple[int, ...]], ...]  # (key, dtype, shape)
-    removed: tuple[tuple[str, str, tuple[int, ...]], ...]
-    dtype_changed: tuple[tuple[str, str, str], ...]  # (key, before, after)
-    shape_changed: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
-    value_changed: tuple[str, ...]
-
-    @property
-    def empty(self) -> bool:
-        """True when nothing differs."""
-        return not (
-            self.added or self.removed or self.dtype_changed or self.shape_changed or self.value_changed
-        )
-
-    def __str__(self) -> str:
-        if self.empty:
-            return "state_dict unchanged"
-        width = max(
-            len(k) for k in [r[0] for r in (*self.added, *self.removed, *self.dtype_changed)] + ["key"]
-        )
-        lines = [f"+ {k:<{width}}  {dt:<8} {shape}" for k, dt, shape in self.added]
-        lines += [f"- {k:<{width}}  {dt:<8} {shape}" for k, dt, shape in self.removed]
-        lines += [f"~ {k:<{width}}  {a} -> {b}" for k, a, b in self.dtype_changed]
-        lines += [f"~ {k}  shape {a} -> {b}" for k, a, b in self.shape_changed]
-        if self.value_changed:
-            lines.append(f"values changed ({len(self.value_changed)}): {', '.join(self.value_changed)}")
-        return "\n".join(lines)
-
-
-def state_dict_diff(
-    before: nn.Module | Mapping[str, Tensor], after: nn.Module | Mapping[str, Tensor]
-) -> StateDictDiff:
-    """What differs between two state_dicts (modules are read with ``state_dict()``): keys, dtypes, values."""
-    a = before.state_dict() if isinstance(before, nn.Module) else before
-    b = after.state_dict() if isinstance(after, nn.Module) else after
-    common = [k for k in a if k in b]
-    return StateDictDiff(
-        added=tuple((k, _dtype(v), tuple(v.shape)) for k, v in b.items() if k not in a),
-        removed=tuple((k, _dtype(v), tuple(v.shape)) for k, v in a.items() if k not in b),
-        dtype_changed=tuple((k, _dtype(a[k]), _dtype(b[k])) for k in common if a[k].dtype != b[k].dtype),
-        shape_changed=tuple(
-            (k, tuple(a[k].shape), tuple(b[k].shape)) for k in common if a[k].shape != b[k].shape
-        ),
-        value_changed=tuple(
-            k
-            for k in common
-            if a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and not _same_values(a[k], b[k])
-        ),
-    )
-
-
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
-
-
-@dataclass
-class Fingerprint:
-    """Everything a profiler could change on a module tree: tensors, their identity, hooks, modes."""
-
-    tensors: dict[str, Tensor]  # every parameter and buffer (persistent or not), cloned
-    identity: dict[str, int]  # id() of each tensor object, so a swapped tensor shows
-    hooks: dict[str, tuple[tuple[str, tuple[int, ...]], ...]]  # per module: hook dict -> hook ids
-    training: dict[str, bool]
-    structure: tuple[tuple[str, str], ...]  # (module path, type name)
-
-    def changes(self, other: Fingerprint) -> list[str]:
-        """Human-readable differences to ``other``; empty when the two are the same."""
-        diff = state_dict_diff(self.tensors, other.tensors)
-        out = [] if diff.empty else [f"tensors: {line}" for line in str(diff).splitlines()]
-        out += [
-            f"tensor object replaced: {k}" for k, i in self.identity.items() if other.identity.get(k, i) != i
-        ]
-        for label, mine, theirs in (
-            ("hooks", self.hooks, other.hooks),
-            ("training mode", self.training, other.training),
-        ):
-            keys = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
-            if keys:
-                out.append(f"{label} changed on modules: {', '.join(repr(k) for k in keys[:10])}")
-        if self.structure != other.structure:
-            out.append("module tree changed")
-        return out
-
-
-def fingerprint(model: nn.Module) -> Fingerprint:
-    """Record a module tree's tensors (values, dtypes, identity), hooks, training flags and structure."""
-    tensors: dict[str, Tensor] = {}
-    identity: dict[str, int] = {}
-    hooks: dict[str, tuple[tuple[str, tuple[int, ...]], ...]] = {}
-    training: dict[str, bool] = {}
-    structure = []
-    for path, mod in model.named_modules(remove_duplicate=False):
-        dot = f"{path}." if path else ""
-        for name, t in (*mod._parameters.items(), *mod._buffers.items()):
-            if t is not None:
-                tensors[dot + name] = t.detach().clone()
-                identity[dot + name] = id(t)
-        hooks[path] = tuple(
-            (d, tuple(id(h) for h in getattr(mod, d, {}).values()))
-            for d in _HOOK_DICTS
-            if getattr(mod, d, None)
-        )
-        training[path] = mod.training
-        structure.append((path, type(mod).__name__))
-    return Fingerprint(tensors, identity, hooks, training, tuple(structure))
+# --- What thop leaves behind, and where it cannot go ------------------------------------------------------
 
 
 def remove_thop_buffers(model: nn.Module) -> list[str]:
@@ -344,29 +189,22 @@ def remove_thop_buffers(model: nn.Module) -> list[str]:
     return removed
 
 
-# --- Moving to a device without float64 ----------------------------------------------------------------
-
-
-def float64_entries(model: nn.Module) -> list[str]:
-    """Names of float64 parameters and buffers (persistent or not): what a move to MPS cannot carry."""
-    return [
-        f"{path}.{name}" if path else name
-        for path, mod in model.named_modules(remove_duplicate=False)
-        for name, t in (*mod._parameters.items(), *mod._buffers.items())
-        if t is not None and t.dtype == torch.float64
-    ]
-
-
 def check_movable(model: nn.Module, device: str | torch.device) -> None:
     """Raise ``ValueError`` before any tensor moves if ``model`` cannot go to ``device`` (float64 on MPS)."""
     if torch.device(device).type != "mps":
         return
-    bad = float64_entries(model)
+    bad = [
+        f"{path}.{name}" if path else name
+        for path, mod in model.named_modules(remove_duplicate=False)
+        for name, t in (*mod._parameters.items(), *mod._buffers.items())  # persistent or not: all move
+        if t is not None and t.dtype == torch.float64
+    ]
     if bad:
         leaked = [k for k in bad if k.rsplit(".", 1)[-1] in THOP_BUFFERS]
         hint = (
             f"; {len(leaked)} of them are thop's total_ops/total_params buffers left by an in-place "
-            "thop.profile: profile a deep copy (ema_lab.profile_flops) or call ema_lab.remove_thop_buffers"
+            "thop.profile: profile a deep copy (profile_flops) or call remove_thop_buffers (both in "
+            "ema_lab.lessons.profiling)"
             if leaked
             else "; cast them with .float() first"
         )
@@ -375,9 +213,3 @@ def check_movable(model: nn.Module, device: str | torch.device) -> None:
             f"cannot move {type(model).__name__} to {str(device)!r}: MPS has no float64 and "
             f"{len(bad)} entries are float64 ({shown}){hint}"
         )
-
-
-def move_to(model: nn.Module, device: str | torch.device) -> nn.Module:
-    """``model.to(device)`` after :func:`check_movable`, so a float64 model fails before a partial move."""
-    check_movable(model, device)
-    return model.to(device)
