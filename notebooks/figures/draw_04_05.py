@@ -11,7 +11,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyBboxPatch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-plt.rcParams.update({"svg.fonttype": "none", "font.size": 13, "font.family": "DejaVu Sans"})
+plt.rcParams.update(
+    {"svg.hashsalt": "ema_lab", "svg.fonttype": "none", "font.size": 13, "font.family": "DejaVu Sans"}
+)
 
 
 def box(ax, x: float, y: float, w: float, h: float, text: str, color: str) -> None:
@@ -50,7 +52,7 @@ def sync_points() -> None:
         ha="center",
         fontsize=11,
     )
-    fig.savefig(HERE / "04_sync_points.svg", bbox_inches="tight")
+    fig.savefig(HERE / "04_sync_points.svg", bbox_inches="tight", metadata={"Date": None})
     plt.close(fig)
 
 
@@ -69,7 +71,7 @@ def ulp() -> None:
     arrow(ax, (1.05, 1.1), (1.05, 0.12))
     ax.text(1.25, 1.1, "EMA after one step: 1.0 + 0.0000008 is nearer 1.0: rounds back to 1.0", fontsize=12)
     ax.text(9.2, 0.35, "next bf16 value", fontsize=11)
-    fig.savefig(HERE / "05_ulp.svg", bbox_inches="tight")
+    fig.savefig(HERE / "05_ulp.svg", bbox_inches="tight", metadata={"Date": None})
     plt.close(fig)
 
 
@@ -89,7 +91,7 @@ def stale_views() -> None:
     for i in range(4):
         box(ax, 5.9 + i * 1.0, 0.4, 0.8, 0.6, f"p{i}", "#fce5cd")
     ax.text(7.8, 1.55, "after: new fp16 memory", ha="center", fontsize=11, color="#c00")
-    fig.savefig(HERE / "05_stale_views.svg", bbox_inches="tight")
+    fig.savefig(HERE / "05_stale_views.svg", bbox_inches="tight", metadata={"Date": None})
     plt.close(fig)
 
 
