@@ -17,7 +17,7 @@ from .flat_step import FlatStep
 from .graph_step import GraphStep
 from .pairs import Pairs, collect_pairs, module_entries
 from .posthoc import save_snapshot, synthesize
-from .schedules import power
+from .schedules import decay_over, power
 from .step import CAT_MAX_NUMEL, Step, StepOptions, install_hooks
 from .updates import PREPARERS, ListStep, check_decay
 
@@ -199,7 +199,7 @@ class BaseEMA:
         elif self.every == 1:
             decay = self.decay(n)
         else:
-            decay = math.prod(map(self.decay, range(n - self.every + 1, n + 1)))
+            decay = decay_over(self.decay, n, self.every)
         model = unwrap_model(model)
         step = self._step
         if step is None or not step.intact(model) or not step.read():
