@@ -59,8 +59,8 @@ def foreach(ema, model, w):  # one call for the whole list
 
 # %% [markdown]
 # `torch._foreach_lerp_` updates a whole list in one call. Its leading underscore marks a
-# [private API](../docs/glossary.md#private-api): it works, but torch does not document it and may
-# change it. A third way keeps all the numbers in one flat buffer per side: one `lerp_`. First, do the
+# [private API](../docs/glossary.md#private-api): it works, but torch makes no promise to keep it as
+# it is. A third way keeps all the numbers in one flat buffer per side: one `lerp_`. First, do the
 # three agree?
 
 # %%
@@ -118,8 +118,8 @@ for name, ms in turns.items():
 # %% [markdown]
 # The range shows how much one measurement can move: when two ways' ranges overlap, their difference
 # is within the noise.
-# `ema_lab.bench.timing.time_candidates` is this timer, packaged: it also rotates the order within each
-# round and reports the quartiles. It times the sweep of `n` from 1 to 4096 tensors:
+# `ema_lab.bench.timing.time_candidates` is this timer, packaged: it also rotates the order from
+# round to round and reports the quartiles. It times the sweep of `n` from 1 to 4096 tensors:
 
 # %% tags=["nbval-ignore-output"]
 from ema_lab.bench.timing import time_candidates
@@ -155,7 +155,7 @@ plt.show()
 # %% [markdown]
 # The flat `lerp_` stays level: the work is the same at every `n`. The loop climbs: past a few dozen
 # tensors its time is mostly the fixed price of each op, called launch overhead (on a CPU, per-op
-# overhead). `_foreach_lerp_` climbs too, several times lower.
+# overhead). `_foreach_lerp_` climbs too, less steeply.
 #
 # ## 2. What an op goes through
 #
@@ -304,7 +304,7 @@ print("before / after: {:.1f}x (range {:.1f}x to {:.1f}x)".format(*ratio(pr["bef
 
 # %% [markdown]
 # The PR kept the two walks: compare them with the after-code. The floor is far below either. The
-# ratio is your machine's version of the PR's 2.2x (12.8 -> 5.8 ms, yolo26n, Apple M-series laptop).
+# ratio is your machine's version of the PR's 2.2x (12.8 -> 5.8 ms, yolo26n, Apple M-series).
 # A ratio of two noisy times has a range. Yours, beside saved runs (a bar spans the ratios that the
 # quartiles of both times allow):
 
@@ -396,6 +396,7 @@ for m in ("yolo", "tiny_tensors"):
 # %% tags=["nbval-ignore-output"]
 cpu_run, h200_fits = ref["2-core AMD EPYC VM, Dec 3"], h200["cost_model"]["cuda"]["fits"]
 cpu_fits = cpu_run["cost_model"]["cpu"]["fits"]
+print(f"your CPU: {env['cpu']}; the reference run's: {cpu_run['environment']['cpu']}, 2 cores\n")
 print(f"{'':<40}{'your CPU':>10}{'2-core CPU':>12}{'H200':>8}")
 print(
     f"{'one op in a Python loop (us)':<40}{price_ms * 1e3:>10.2f}{cpu_fits['loop']['overhead_per_op_us']:>12.2f}{h200_fits['loop']['overhead_per_op_us']:>8.2f}"
@@ -412,9 +413,9 @@ print(
 )
 
 # %% [markdown]
-# Read each column down, not across. Your CPU and the reference run's are the same kind of virtual
-# machine, yet their bottom rows differ: a virtual machine shares its host's cores, caches and memory
-# with others, and lands on another host from run to run.
+# Read each column down, not across: even two CPUs of the same name differ in the bottom row, the same
+# `lerp_` over the same numbers. A virtual machine shares its host's cores, caches and memory with
+# others, and lands on another host from run to run.
 #
 # On a CPU a loop's op costs a few times what a tensor inside `_foreach_lerp_` costs; on the H200 about
 # 20 times, because each op of the loop is a [kernel launch](../docs/glossary.md#kernel-launch). The

@@ -347,7 +347,7 @@ print(
 #
 # <details><summary>Solution 1</summary>
 #
-# With `tau=5` the decay is above 0.98 after 25 of the 300 updates, so from epoch 2 on the EMA averages
+# With `tau=5` the decay is above 0.98 after 25 of the 300 updates, so from epoch 3 on the EMA averages
 # about 1 / (1 - 0.99) = 100 steps, early bad weights included: it lags behind the improving model.
 # With `tau=50` the window grows as the model improves, and the EMA trails only in the first epochs.
 #

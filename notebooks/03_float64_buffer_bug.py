@@ -348,8 +348,8 @@ print(f"ModelEMA vs its start:  {gap(got, start):.1e}")
 torch.testing.assert_close({k: got[k] for k in floats}, {k: want[k] for k in floats}, rtol=1e-5, atol=1e-6)
 
 # %% [markdown]
-# `modes` lists how each group of tensors is updated: `cat` gathers the float32 pairs (notebook 05),
-# `cast` converts thop's float64 ones. The EMA agrees with the loop to float32 rounding, yet is far
+# `modes` lists how each group of tensors is updated: `cat` gathers the float32 pairs, `cast` converts
+# thop's float64 ones ([all modes](../docs/glossary.md#strategies-and-modes)). The EMA agrees with the loop to float32 rounding, yet is far
 # from the model and from its start: an EMA that skipped steps, or copied the model, would fail the
 # last line.
 
