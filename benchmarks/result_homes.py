@@ -12,6 +12,8 @@ A script in this folder imports it as a sibling (``python benchmarks/x.py`` puts
 from __future__ import annotations
 
 import argparse
+import json
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,3 +39,21 @@ def shown(folder: Path) -> str:
         return f"{folder.resolve().relative_to(ROOT)}/"
     except ValueError:
         return str(folder)
+
+
+def write_study(folder: Path, name: str, title: str, command: str, rows: list[dict], table: str) -> Path:
+    """Write ``<name>-<date>.json`` (rows, command, environment) and its Markdown page; return the stem."""
+    from ema_lab.bench.environment import environment
+
+    created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    env = environment("cpu")
+    stem = Path(folder) / f"{name}-{created[:10]}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    record = {"created": created, "command": command, "environment": env, "rows": rows}
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(
+        f"# {title}\n\n`PYTHONPATH=. python {command}`\n\n{env['cpu']} ({env['cpu_count']} cores), "
+        f"torch {env['torch']}, {created}\n\n{table}\n"
+    )
+    print(f"wrote {stem}.json and {stem}.md")
+    return stem

@@ -16,18 +16,14 @@ The constant ``ModelEMA`` uses by default is the split where this curve is lowes
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from copy import deepcopy
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
-from result_homes import add_study_out
+from result_homes import add_study_out, write_study
 
 from ema_lab import ModelEMA, flatten_tensors
 from ema_lab.bench import models
-from ema_lab.bench.environment import environment
 from ema_lab.bench.timing import time_candidates
 
 SPLITS = (1, 256, 1024, 2048, 4096, 16384)
@@ -70,19 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(table)
     if args.out:
-        created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         command = " ".join(["benchmarks/update_costs.py", *(sys.argv[1:] if argv is None else argv)])
-        env = environment("cpu")
-        stem = Path(args.out) / f"update-costs-{created[:10]}"
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        record = {"created": created, "command": command, "environment": env, "rows": rows}
-        stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-        stem.with_suffix(".md").write_text(
-            f"# The cat/foreach split\n\n`PYTHONPATH=. python {command}`\n\n{env['cpu']} "
-            f"({env['cpu_count']} cores), torch {env['torch']}, {created}, {args.rounds} rounds, 1 thread\n\n"
-            f"{table}\n"
-        )
-        print(f"wrote {stem}.json and {stem}.md")
+        title = f"The cat/foreach split ({args.rounds} rounds, 1 thread)"
+        write_study(args.out, "update-costs", title, command, rows, table)
     return 0
 
 
