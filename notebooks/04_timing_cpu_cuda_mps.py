@@ -113,7 +113,7 @@ print("not present:", ", ".join(d for d, ok in present.items() if not ok) or "no
 # ## 2. One measurement is not enough
 #
 # Now time the library's `ModelEMA` (ema_lab's EMA of a whole model; notebook 02) 40 times in a row.
-# `Timer.timeit(5)` runs 5 updates and returns the mean per call: one *measurement*.
+# `Timer.timeit(5)` times 5 updates and returns the mean per call: one *measurement*.
 
 # %% tags=["nbval-ignore-output"]
 import matplotlib.pyplot as plt

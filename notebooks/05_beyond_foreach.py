@@ -273,7 +273,7 @@ print("flattened:", ema_fused.modes, ops_of(ema_fused.update, net_flat))
 
 # %% [markdown]
 # You choose a *strategy* (`ModelEMA(model, strategy="auto")`, the default); `ema.modes` names what
-# each group of tensors then got (the [glossary](../docs/glossary.md) defines both):
+# each group of tensors then got ([glossary table](../docs/glossary.md#strategies-and-modes)). Here:
 #
 # | mode | the model | one update |
 # |---|---|---|
@@ -380,7 +380,7 @@ for name, cand in [
 # - foreach removes Python's per-tensor ops; flat buffers make the whole update one `lerp_`.
 # - Views go stale after `model.half()` or `.to()`: check them every update, as `ModelEMA` does.
 # - Keep the EMA in fp32: at decay 0.9999 a bf16 EMA's steps round away.
-# - On a GPU the default update is host-bound; a flattened model needs 2 kernels, close to the floor.
+# - On a GPU the default update is host-bound; a flattened model needs 2 kernels, 4x the floor.
 
 # %% [markdown]
 # ## Exercises
