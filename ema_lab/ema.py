@@ -21,17 +21,7 @@ from .schedules import decay_over, power
 from .step import CAT_MAX_NUMEL, Step, StepOptions, install_hooks
 from .updates import PREPARERS, ListStep, check_decay
 
-__all__ = [
-    "ModelEMA",
-    "PostHocEMA",
-    "BaseEMA",
-    "Schedule",
-    "STEPS",
-    "STRATEGIES",
-    "resolve_strategy",
-    "unwrap_model",
-]
-__all__ += ["copy_attr"]
+__all__ = ["ModelEMA", "PostHocEMA", "BaseEMA", "STRATEGIES", "unwrap_model"]
 
 #: Each strategy's step: the list strategies of :mod:`ema_lab.updates`, and "flat"; "auto"
 #: (:func:`resolve_strategy`) picks one of them per model.

@@ -22,7 +22,6 @@ from torch import Tensor, nn
 from .pairs import unique
 
 __all__ = ["flatten_model", "unflatten_model", "flatten_tensors", "unflatten_tensors"]
-__all__ += ["empty_flat", "group", "into_one_buffer", "tiles_in_order", "whole_storage"]
 
 
 def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]:

@@ -19,7 +19,7 @@ import re
 
 import torch
 
-__all__ = ["foreach_lerp_supported", "parse_version", "FOREACH_MIN", "MPS_FOREACH_MIN"]
+__all__ = ["foreach_lerp_supported"]
 
 FOREACH_MIN = (2, 0)
 MPS_FOREACH_MIN = (2, 4)

@@ -31,20 +31,8 @@ from .gates import foreach_lerp_supported
 from .pairs import Pairs
 from .step import Counters, StepOptions, Watch
 
-__all__ = [
-    "loop_update",
-    "foreach_update",
-    "gated_update",
-    "prepare",
-    "lerp_",
-    "check_decay",
-    "validate_pairs",
-    "PREPARERS",
-    "ListStep",
-    "Update",
-    "Tensors",
-    "Names",
-]
+__all__ = ["loop_update", "foreach_update", "gated_update", "prepare", "check_decay", "validate_pairs"]
+__all__ += ["ListStep"]
 
 Update = Callable[[float], None]
 Tensors = Sequence[Tensor]
