@@ -36,10 +36,10 @@ print(f"torch {env['torch']} on {env['cpu']} ({env['cpu_count']} cores), 1 threa
 # %% [markdown]
 # ## 1. Same numbers, more tensors
 #
-# An EMA update moves each weight `e` of an averaged copy a fraction `w` towards the model's weight
-# `m`: `e += w * (m - e)`, a [lerp](../docs/glossary.md#lerp) (linear interpolation), done in place by
-# `e.lerp_(m, w)`. Notebook 02 writes `w = 1 − d`, with `d` the decay. Here are 2^18 numbers in `n`
-# tensors:
+# An [EMA](../docs/glossary.md#ema) update moves each weight `e` of an averaged copy a fraction `w`
+# towards the model's weight `m`: `e += w * (m - e)`, a [lerp](../docs/glossary.md#lerp) (linear
+# interpolation), done in place by `e.lerp_(m, w)`. Notebook 02 writes `w = 1 − d`, with `d` the
+# [decay](../docs/glossary.md#decay-and-weight). Here are 2^18 numbers in `n` tensors:
 
 
 # %%
@@ -58,10 +58,10 @@ def foreach(ema, model, w):  # one call for the whole list
 
 
 # %% [markdown]
-# `torch._foreach_lerp_` updates a whole list in one call. Its leading underscore marks a
-# [private API](../docs/glossary.md#private-api): it works, but torch makes no promise to keep it as
-# it is. A third way keeps all the numbers in one flat buffer per side: one `lerp_`. First, do the
-# three agree?
+# `torch._foreach_lerp_` updates a whole list in one call ([foreach](../docs/glossary.md#foreach)). Its
+# leading underscore marks a [private API](../docs/glossary.md#private-api): it works, but torch makes no
+# promise to keep it as it is. A third way keeps all the numbers in one flat buffer per side: one
+# `lerp_`. First, do the three agree?
 
 # %%
 ema_t, model_t = make(1024)
@@ -154,16 +154,17 @@ plt.show()
 
 # %% [markdown]
 # The flat `lerp_` stays level: the work is the same at every `n`. The loop climbs: past a few dozen
-# tensors its time is mostly the fixed price of each op, called launch overhead (on a CPU, per-op
-# overhead). `_foreach_lerp_` climbs too, less steeply.
+# tensors its time is mostly the fixed price of each op, called [launch
+# overhead](../docs/glossary.md#kernel-launch) (on a CPU, per-op overhead). `_foreach_lerp_` climbs too,
+# less steeply.
 #
 # ## 2. What an op goes through
 #
 # ![A loop pays Python, the dispatcher and the kernel per tensor; _foreach_lerp_ pays the first two once per list](figures/op_path.svg)
 #
-# Python reads the arguments; the [dispatcher](../docs/glossary.md#dispatcher) (PyTorch's C++ layer)
-# runs the autograd layer and picks a kernel for the device and dtype; the kernel does the arithmetic.
-# The first two cost the same for one number or a million.
+# Python reads the arguments; the [dispatcher](../docs/glossary.md#dispatcher) (PyTorch's C++ layer) runs
+# the autograd layer and picks a kernel for the device and dtype; the kernel does the arithmetic. The
+# first two cost the same for one number or a million.
 
 # %% [markdown]
 # On a CPU nothing is "launched": the kernel is a function call. `_foreach_lerp_` pays Python and the
@@ -418,9 +419,8 @@ print(
 # others, and lands on another host from run to run.
 #
 # On a CPU a loop's op costs a few times what a tensor inside `_foreach_lerp_` costs; on the H200 about
-# 20 times, because each op of the loop is a [kernel launch](../docs/glossary.md#kernel-launch). The
-# before-code pays the first price 1782 times, the after-code the second 594 times: the wider the gap,
-# the larger the speed-up.
+# 20 times, because each op of the loop is a kernel launch. The before-code pays the first price 1782
+# times, the after-code the second 594 times: the wider the gap, the larger the speed-up.
 
 # %% [markdown]
 # ## Summary

@@ -43,10 +43,10 @@ for x in steps:
 #
 # ![The EMA weights past steps by (1 - d) d^k; the warm-up ramp widens that window](figures/02_ema_window.svg)
 #
-# Unrolled, the EMA gives the weights of `k` steps ago the share `(1 - d) d^k`: a window of about
-# `1 / (1 - d)` recent steps. At the start that window would hold the random initial weights, so
-# ultralytics ramps the decay up: `d(n) = decay * (1 - exp(-n / tau))`, by default `decay = 0.9999`,
-# `tau = 2000`.
+# Unrolled, the EMA gives the weights of `k` steps ago the share `(1 - d) d^k`: a
+# [window](../docs/glossary.md#window) of about `1 / (1 - d)` recent steps. At the start that window
+# would hold the random initial weights, so ultralytics ramps the decay up: `d(n) = decay * (1 - exp(-n /
+# tau))`, by default `decay = 0.9999`, `tau = 2000`.
 
 # %%
 import math

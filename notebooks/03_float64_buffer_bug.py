@@ -50,8 +50,9 @@ thop.profile(net, inputs=(torch.randn(1, 3, 32, 32),), verbose=False)
 print("after:", list(net.state_dict()))
 
 # %% [markdown]
-# Two new entries appeared in the `state_dict()` (the dict of parameters and buffers that a checkpoint
-# saves and the EMA update walks). Where they come from, and where they go, in one picture:
+# Two new entries appeared in the [`state_dict()`](../docs/glossary.md#state_dict) (the dict of
+# parameters and buffers that a checkpoint saves and the EMA update walks). Where they come from, and
+# where they go, in one picture:
 #
 # ![thop's float64 buffers: from an in-place profile into the model and the failing EMA update; a deep copy keeps them out](figures/03_thop_path.svg)
 
@@ -349,9 +350,9 @@ torch.testing.assert_close({k: got[k] for k in floats}, {k: want[k] for k in flo
 
 # %% [markdown]
 # `modes` lists how each group of tensors is updated: `cat` gathers the float32 pairs, `cast` converts
-# thop's float64 ones ([all modes](../docs/glossary.md#strategies-and-modes)). The EMA agrees with the loop to float32 rounding, yet is far
-# from the model and from its start: an EMA that skipped steps, or copied the model, would fail the
-# last line.
+# thop's float64 ones ([all modes](../docs/glossary.md#strategies-and-modes)). The EMA agrees with the
+# loop to float32 rounding, yet is far from the model and from its start: an EMA that skipped steps, or
+# copied the model, would fail the last line.
 
 # %% [markdown]
 # ## 5. The fix in the PR: profile a deep copy
