@@ -40,8 +40,8 @@ for call in range(1, 6):  # the PR's after-code (notebook 01), timed by hand
     print(f"call {call}: {1e3 * (time.perf_counter() - t0):6.2f} ms")
 
 # %% [markdown]
-# Five calls of the same code, five different times. Which one is *the* time? This lesson builds a
-# timer that can answer, one step at a time.
+# Five calls of the PR's after-code (its EMA update: one `_foreach_lerp_`, notebook 01), five different
+# times. Which one is *the* time? This lesson builds a timer that can answer, one step at a time.
 
 # %% [markdown]
 # ## 1. A clock of your own: warm up, then synchronise
@@ -310,7 +310,8 @@ for rec, f in saved:
     print(f"torch {rec['environment']['torch']}", "<- reference" if f.name == reference_name else "")
 
 # %% [markdown]
-# Plot each run's speed-ups on `tiny_tensors` (2,000 tensors) over the before-code; each line spans the least to the most favourable ratio of the two candidates' quartiles:
+# Plot each run's speed-ups on `tiny_tensors` (2,000 tensors) over the before-code; a line spans the
+# least to the most favourable ratio of the two candidates' quartiles:
 
 
 # %% tags=["nbval-ignore-output"]

@@ -17,7 +17,7 @@
 #
 # - Put the EMA and the model each in one contiguous buffer, and the whole update is one `lerp_`.
 # - Views go stale when the model moves, so check them; keep the EMA in fp32.
-# - On a GPU the default update is host-bound: a flattened model gets close to the floor.
+# - On a GPU the default update is host-bound: flattening the model cuts it to two launches.
 
 # %% tags=["nbval-ignore-output"]
 import copy
@@ -94,8 +94,8 @@ print(first, f"| foreach {first['loop'] / first['foreach']:.1f}x faster")
 # %% [markdown]
 # ## 2. One buffer, many views
 #
-# The floor is one `lerp_` over all 2.6 million elements at once; for that they must sit in one
-# contiguous buffer. Copy every EMA tensor into one flat buffer, then re-point the tensor at its slice:
+# The *floor*, the fastest an update can be, is one `lerp_` over all 2.6 million elements at once; for
+# that they must sit in one contiguous buffer. Copy every EMA tensor into one flat buffer, then re-point the tensor at its slice:
 # a *view*, a tensor that reads and writes another tensor's memory.
 #
 # ![EMA tensors as views into one flat buffer, and one lerp_ between two buffers](figures/05_flat_views.svg)
@@ -197,7 +197,8 @@ print("after model.half():", all_views_of(M, model_flat), "| parameter dtype:", 
 # %% [markdown]
 # ## 4. Keep the EMA in fp32
 #
-# Should the EMA of a bf16 model be bf16 too? A float stores a few significant bits, its *mantissa*:
+# Should the EMA of a bf16 model be bf16 too? A float stores a few significant bits, its *mantissa*
+# ([glossary](../docs/glossary.md#mantissa-bits)):
 # bf16 (bfloat16: 16 bits, float32's range) keeps 7 of them, so near 1.0 its values are 2^-7 apart.
 # That spacing is one *ulp* (unit in the last place). A result closer to 1.0 than half an ulp rounds
 # back to 1.0:
@@ -353,9 +354,9 @@ for name, cand in [
     print(f"{name:<25} {ms:7.3f} ms = {ms / floor_ms:5.0f}x the floor, {n:>5} kernels")
 
 # %% [markdown]
-# The default's 8 kernels take about 30x the floor's time, though they move nearly the same bytes. That time is
-# the host's, queueing launches from Python (its update is *host-bound*; notebook 04 shows the sync test).
-# Flattening the model leaves 2 kernels, about 4x the floor. On a GPU, count launches, not bytes.
+# The default's 8 kernels take about 30x the floor's time, though they move nearly the same bytes.
+# That time is the host's, queueing launches from Python: the update is *host-bound* (notebook 04's
+# sync test shows it). Flattening the model leaves 2 kernels, about 4x the floor. Count launches.
 
 # %% [markdown]
 # A *CUDA graph* takes any number of launches down to one: record an update's kernels once
@@ -363,8 +364,8 @@ for name, cand in [
 #
 # ![Eager: the host launches each kernel. A graph: one launch replays them all](figures/05_cuda_graph.svg)
 #
-# A replay reuses the recorded addresses and numbers: the slots must be checked before each replay,
-# and the decay must live in a device tensor. `ModelEMA(model, cuda_graph=True)` does both. It has
+# A replay reuses the recorded addresses and numbers: the tensors' addresses must be checked before
+# each replay, and the decay must live in a device tensor. `ModelEMA(model, cuda_graph=True)` does both. It has
 # never run on a GPU, so no time exists for it: measure it as notebook 04 does before relying on it.
 #
 # <details><summary>CUDA graph machinery, torch.compile and a tensor decay</summary>
