@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import Tensor
+
+from ema_lab import ModelEMA
+from ema_lab.bench.models import build
+from ema_lab.bench.seed import lerp_float_entries
 
 
 def float_entries(module: torch.nn.Module) -> dict[str, Tensor]:
@@ -87,3 +92,48 @@ def changes(before: dict[str, tuple], after: dict[str, tuple]) -> list[str]:
             elif not _same(tensors[name][1], tensors2[name][1]):
                 out.append(f"values changed: {dot}{name}")
     return sorted(out)
+
+
+#: name -> what it does to (model, ema); each gives the tensors new memory behind the same module objects.
+CONVERSIONS: dict[str, Callable[[torch.nn.Module, ModelEMA], object]] = {
+    "model.double()": lambda model, ema: model.double(),
+    "ema.ema.half()": lambda model, ema: ema.ema.half(),
+}
+
+
+class CachedListEMA(ModelEMA):
+    """UNSAFE ON PURPOSE: ultralytics 8.4.190's update, over the ``state_dict()`` tensors it kept at first.
+
+    ``state_dict()`` returns aliases of the parameters' memory at that moment; after ``model.double()``,
+    ``.to()`` or an in-place ``ema.ema.half()`` the modules hold new memory and this EMA averages dead
+    tensors, with no error. ModelEMA must not behave like this.
+    """
+
+    _cached: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None  # (ema, model), kept once
+
+    def update(self, model: torch.nn.Module) -> None:
+        """Move the kept EMA tensors one step towards the kept model tensors (the seed's after-code)."""
+        if not self.enabled:
+            return
+        if self._cached is None:
+            self._cached = (self.ema.state_dict(), model.state_dict())
+        self.updates += 1
+        lerp_float_entries(*self._cached, self.decay(self.updates))
+
+
+def follows_after(ema_class: type[ModelEMA], conversion: str, updates: int = 20) -> tuple[bool, float]:
+    """(did any EMA weight move, max |EMA - model|) after one update, ``conversion``, a shift of every model
+    weight by 1.0 and ``updates`` more updates at decay ~0.5: a working EMA closes the gap to 0.5**updates."""
+    model = build("tiny_cnn")
+    ema = ema_class(model, decay=0.5, tau=0.01)
+    ema.update(model)  # builds whatever cache the class keeps
+    CONVERSIONS[conversion](model, ema)
+    before = {k: v.clone() for k, v in float_entries(ema.ema).items()}
+    with torch.no_grad():
+        for v in float_entries(model).values():
+            v.add_(1.0)
+    for _ in range(updates):
+        ema.update(model)
+    after, target = float_entries(ema.ema), float_entries(model)
+    moved = any(not torch.equal(before[k], v) for k, v in after.items())
+    return moved, max((v.double() - target[k].double()).abs().max().item() for k, v in after.items())

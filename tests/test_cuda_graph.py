@@ -12,10 +12,9 @@ from torch import nn
 from ema_lab import ModelEMA, flat_step, flatten_model, graph_step
 from ema_lab.bench import models
 from ema_lab.graph_step import GraphStep
-from ema_lab.lessons.staleness import CONVERSIONS
 from ema_lab.schedules import power
 
-from .helpers import float_entries
+from .helpers import CONVERSIONS, float_entries
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="skipped: no CUDA device")
 

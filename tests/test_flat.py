@@ -13,7 +13,6 @@ from ema_lab.bench import models
 from ema_lab.bench.counting import count_ops
 from ema_lab.ema import resolve_strategy
 from ema_lab.flat import flatten_tensors, tiles_in_order, unflatten_tensors
-from ema_lab.lessons.precision import ema_stall
 from ema_lab.pairs import collect_pairs
 from ema_lab.step import CAT_MAX_NUMEL
 
@@ -234,9 +233,17 @@ def test_bf16_model_into_an_fp32_ema_without_the_per_tensor_path():
 
 
 def test_a_bf16_ema_at_decay_0_9999_rounds_every_update_away():
-    bf16, fp32 = ema_stall(torch.bfloat16), ema_stall(torch.float32)
-    assert bf16.step_size < bf16.half_ulp and bf16.end == bf16.start  # 1000 updates, not one moved it
-    assert fp32.step_size > fp32.half_ulp and fp32.end == pytest.approx(fp32.exact, abs=1e-5)
+    """Notebook 05's stall: 1,000 lerp_ updates of an EMA at 1.0 towards a model 0.01 above it."""
+    ends = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        ema, model = torch.full((1,), 1.0, dtype=dtype), torch.full((1,), 1.01, dtype=dtype)
+        for _ in range(1000):
+            ema.lerp_(model, 1 - 0.9999)
+        ends[dtype] = (ema.item(), model.item() - 1.0)  # the gap as the dtype stores it
+    (bf16, bf16_gap), (fp32, gap) = ends[torch.bfloat16], ends[torch.float32]
+    step, half_ulp = (1 - 0.9999) * bf16_gap, torch.finfo(torch.bfloat16).eps / 2  # the spacing at 1.0
+    assert step < half_ulp and bf16 == 1.0  # each step rounds away: not one update moved it
+    assert fp32 == pytest.approx(1.0 + gap * (1 - 0.9999**1000), abs=1e-5)
 
 
 def test_a_tensor_decay_gives_the_same_ema_and_no_host_sync():

@@ -7,6 +7,8 @@ Each test does what a section of notebook 03 shows, on the zoo's ``tiny_cnn`` an
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from copy import deepcopy
 from importlib import metadata
 
@@ -19,14 +21,42 @@ pytest.importorskip("thop", reason="thop is not installed (the notebooks extra)"
 from ema_lab import ModelEMA, foreach_update, gated_update
 from ema_lab.bench.models import Conv, tiny_cnn, yolo
 from ema_lab.bench.seed import seed_after, seed_before
-from ema_lab.lessons.float64_bug import leaked_keys, shared_act_leak, train_step
-from ema_lab.lessons.profiling import import_thop, profile_flops, remove_thop_buffers
+from ema_lab.lessons.profiling import THOP_BUFFERS, import_thop, profile_flops, remove_thop_buffers
 
 from .helpers import changes, fingerprint
 
 THOP_PIN = "0.1.1.post2209072238"
 D = 0.9  # far from 1: one step and two steps differ clearly
 BLOCK_INPUT = (1, 3, 32, 32)
+
+
+def leaked_keys(model: nn.Module) -> list[str]:
+    """The state_dict keys that are thop's buffers (``total_ops``/``total_params``), in state_dict order."""
+    return [k for k in model.state_dict() if k.rsplit(".", 1)[-1] in THOP_BUFFERS]
+
+
+@contextmanager
+def shared_act_leak() -> Iterator[nn.Module]:
+    """Profile ``Conv(3, 16, 3)`` in place, leaking onto the shared ``Conv.default_act``; clean it on exit."""
+    thop = import_thop()
+    try:
+        block = Conv(3, 16, 3)
+        thop.profile(block, inputs=(torch.randn(BLOCK_INPUT),), verbose=False)
+        yield block
+    finally:
+        remove_thop_buffers(Conv.default_act)
+
+
+def train_step(model: nn.Module, seed: int = 0) -> None:
+    """One deterministic SGD step (lr 0.1) on random 4x3x32x32 images, so weights and BN statistics move."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 3, 32, 32, generator=gen)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def _thop_bufs(module: nn.Module) -> list[str]:
@@ -304,23 +334,3 @@ def test_profiling_a_deep_copy_leaves_nothing_and_the_foreach_update_runs():
     ema = deepcopy(model).eval().float()
     train_step(model)
     seed_after(ema, model, D)  # no float64 pair left: the one _foreach_lerp_ runs
-
-
-# --- the helper's own contract ----------------------------------------------------------------------
-
-
-def test_a_failing_body_still_removes_the_shared_leak():
-    with pytest.raises(KeyError), shared_act_leak():
-        assert _thop_bufs(Conv.default_act) == ["total_ops", "total_params"]
-        raise KeyError("fails mid-step")
-    assert not _thop_bufs(Conv.default_act)
-
-
-def test_shared_act_leak_refuses_an_already_leaked_class():
-    Conv.default_act.register_buffer("total_ops", torch.zeros(1, dtype=torch.float64))
-    try:
-        with pytest.raises(RuntimeError, match="already carries thop buffers"), shared_act_leak():
-            pass
-        assert _thop_bufs(Conv.default_act) == ["total_ops"]  # someone else's leak is not touched
-    finally:
-        remove_thop_buffers(Conv.default_act)

@@ -5,9 +5,8 @@ its flaws: no validation, non-float entries left alone, tied weights decayed twi
 ``_foreach_lerp_`` that fails part-way leaves the EMA half-updated. Use :class:`ema_lab.ModelEMA`
 for real work; these exist to measure and to reproduce.
 
-:class:`CachedListEMA` reproduces the step ultralytics took after the seed (8.4.190): the tensor
-lists are built once and reused forever, which is fast and silently wrong once a tensor is replaced.
-It runs :func:`seed_after`'s body over the ``state_dict()`` results it kept.
+The after-code's body is :func:`lerp_float_entries`, over two ``state_dict()`` results: ``seed_after``
+passes fresh ones; the tests' cached-list EMA (ultralytics 8.4.190) passes the ones it kept.
 """
 
 from __future__ import annotations
@@ -15,10 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ema import ModelEMA
 from ..gates import foreach_lerp_supported
 
-__all__ = ["seed_before", "seed_after", "CachedListEMA"]
+__all__ = ["seed_before", "seed_after", "lerp_float_entries"]
 
 
 def seed_before(ema: nn.Module, model: nn.Module, d: float) -> None:
@@ -33,11 +31,12 @@ def seed_before(ema: nn.Module, model: nn.Module, d: float) -> None:
 
 def seed_after(ema: nn.Module, model: nn.Module, d: float) -> None:
     """The post-change update: collect float entries, one gated ``_foreach_lerp_``, else mul_/add_."""
-    _lerp_float_entries(ema.state_dict(), model.state_dict(), d)
+    lerp_float_entries(ema.state_dict(), model.state_dict(), d)
 
 
-def _lerp_float_entries(esd: dict[str, torch.Tensor], msd: dict[str, torch.Tensor], d: float) -> None:
-    """The body of :func:`seed_after`, over two given ``state_dict()`` results."""
+def lerp_float_entries(esd: dict[str, torch.Tensor], msd: dict[str, torch.Tensor], d: float) -> None:
+    """The body of :func:`seed_after`, over two given ``state_dict()`` results: the EMA's float entries
+    move towards the model's entries of the same keys."""
     with torch.no_grad():
         ema_v, model_v = [], []
         for k, v in esd.items():
@@ -50,27 +49,3 @@ def _lerp_float_entries(esd: dict[str, torch.Tensor], msd: dict[str, torch.Tenso
         else:
             for v, m in zip(ema_v, model_v):
                 v.mul_(d).add_(m, alpha=1 - d)
-
-
-class CachedListEMA(ModelEMA):
-    """UNSAFE ON PURPOSE: ultralytics 8.4.190's cached-list update, reproduced to show a cache going stale.
-
-    The first ``update`` keeps the ``state_dict()`` of the EMA and of the model (ultralytics kept the float
-    tensors of each as ``self._pairs``); every later update lerps those same tensor objects.
-    ``state_dict()`` returns detached aliases of the parameters' memory at that moment, and
-    ``model.double()`` / ``.to()`` or an in-place ``ema.ema.half()`` give the modules new memory.
-    From then on the update averages dead tensors: the EMA module either stops moving or follows a
-    frozen snapshot of the model, with no error. :class:`ema_lab.ModelEMA` checks the tensors' memory
-    (``data_ptr()``) on every update instead.
-    """
-
-    _cached: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None  # (ema, model), built once
-
-    def update(self, model: nn.Module) -> None:
-        """Move the (cached) EMA tensors one step towards the (cached) model tensors."""
-        if not self.enabled:
-            return
-        if self._cached is None:
-            self._cached = (self.ema.state_dict(), model.state_dict())
-        self.updates += 1
-        _lerp_float_entries(*self._cached, self.decay(self.updates))

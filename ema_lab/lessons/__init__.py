@@ -1,5 +1,3 @@
-"""Pieces the notebooks build in their cells and then import: thop profiling, the float64 buffer bug,
-the stale-cache probe, a low-precision EMA's stall and the distributed EMA.
-
-``profiling`` and ``float64_bug`` need the ``notebooks`` extra (the pinned ``thop``).
+"""Pieces the notebooks import: thop profiling (notebook 03, docs/flop_counters.md) and the distributed EMA
+(notebook 06). ``profiling`` needs the ``notebooks`` extra (the pinned ``thop``).
 """
