@@ -15,7 +15,7 @@
 # %% [markdown]
 # # 07 · Choosing the decay: what the EMA buys
 #
-# - Trained with noisy SGD steps, the EMA of the weights predicts better than the weights themselves.
+# - In a run of noisy SGD steps, the EMA of the weights scores better on new data than the weights do.
 # - Its window is about `1 / (1 - d)` steps; a warm-up keeps it from remembering the initial weights.
 # - Post-hoc EMA: train once, keep snapshots, and choose the EMA's length afterwards.
 
@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt
 import torch
 from torch import nn
 
-torch.set_num_threads(1)  # one thread: the same numbers on every machine with the same torch
+torch.set_num_threads(1)  # one thread: results that do not depend on how many cores you have
 QUICK = os.environ.get("EMA_LAB_QUICK", "0") not in ("", "0")  # a shorter run: fewer seeds and points
 STEPS, BATCH, LR = 3000, 16, 0.1
 
@@ -134,7 +134,7 @@ print(f"after {STEPS} steps: raw {losses['raw'][-1]:.4f}, EMA {losses[0][-1]:.4f
 print(f"the raw weights' best test loss at any of the {len(steps)} checkpoints: {min(losses['raw']):.4f}")
 
 # %% [markdown]
-# At this step size SGD keeps bouncing around the minimum: the raw loss jumps from checkpoint to
+# At this step size each SGD step jolts the weights: the raw loss jumps from checkpoint to
 # checkpoint. The EMA averages the bounces away, and ends below the best the raw weights ever reached.
 # Is that the luck of one seed? Other initial weights:
 
@@ -145,6 +145,8 @@ for seed in range(1, 2 if QUICK else 6):
     print(f"seed {seed}: final raw {raw[-1]:.4f}, best raw {min(raw):.4f}, final EMA {avg[-1]:.4f}")
 
 # %% [markdown]
+# Every seed ends the same way: the EMA below the best checkpoint of the raw weights.
+#
 # ## 2. The window, and what an EMA remembers of the start
 #
 # Unrolled, the EMA gives the weights of `k` steps ago the share `(1 - d) d^k`: a window of about
@@ -265,12 +267,13 @@ ramped = ModelEMA(make_model(), decay=0.999, tau=100)
 print("a number is the ramp:", all(ramped.decay(n) == ramp(n, 0.999, 100) for n in range(1, 100_001)))
 
 # %% [markdown]
-# The same run with `ModelEMA` and the packaged warm-up in place of our class and function:
+# `ModelEMA` with the packaged warm-up, beside our class with our function, in one run:
 
 # %%
-_, _, hand_losses = train(lambda m: HandEMA(m, lambda n: warmup(n, 0.999)))
-_, _, packaged_losses = train(lambda m: ModelEMA(m, decay=schedules.warmup(0.999)))
-gap = max(abs(a - b) for a, b in zip(hand_losses[0], packaged_losses[0]))
+_, _, both = train(
+    lambda m: HandEMA(m, lambda n: warmup(n, 0.999)), lambda m: ModelEMA(m, decay=schedules.warmup(0.999))
+)
+gap = max(abs(a - b) for a, b in zip(both[0], both[1]))
 print("same EMA test losses, to 1e-6:", gap < 1e-6)
 
 # %% [markdown]
