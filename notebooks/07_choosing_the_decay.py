@@ -58,8 +58,9 @@ print(f"{STEPS} SGD steps of {BATCH} samples; the test set is {len(x_test)} poin
 # %% [markdown]
 # ## 1. What the EMA buys
 #
-# The model, and an EMA of its weights: after each SGD step, each averaged tensor moves a fraction
-# `1 - d` of the way to the model's (one `lerp_`). The decay `d` may change with the update number `n`:
+# The model, and an [EMA](../docs/glossary.md#ema) of its weights: after each SGD step, each averaged
+# tensor moves a fraction `1 - d` of the way to the model's (one `lerp_`). The decay `d` may change with
+# the update number `n`:
 
 # %%
 from copy import deepcopy
@@ -149,8 +150,9 @@ for seed in range(1, 2 if QUICK else 6):
 #
 # ## 2. The window, and what an EMA remembers of the start
 #
-# Unrolled, the EMA gives the weights of `k` steps ago the share `(1 - d) d^k`: a window of about
-# `1 / (1 - d)` recent steps. The share it does not give to any step stays on the weights it started from:
+# Unrolled, the EMA gives the weights of `k` steps ago the share `(1 - d) d^k`: a
+# [window](../docs/glossary.md#window) of about `1 / (1 - d)` recent steps. The share it does not give to
+# any step stays on the weights it started from:
 #
 # ![After 10 updates, an EMA with a constant decay of 0.999 is still 99 % the initial weights; a warm-up has let them go](figures/07_start_bias.svg)
 
