@@ -19,6 +19,12 @@ def pytest_collection_modifyitems(items: list) -> None:
         item.compare_outputs = compare_without_stderr
 
 
-def pytest_ignore_collect(collection_path, config) -> bool:
-    """The jupytext .py sources and execute.py are not test modules (their .ipynb pairs are checked)."""
-    return collection_path.suffix == ".py" and collection_path.name != "conftest.py"
+def pytest_ignore_collect(collection_path, config) -> bool | None:
+    """The jupytext .py sources and execute.py are not test modules (their .ipynb pairs are checked).
+
+    Elsewhere no opinion (None): a False would override pytest's own rules, and nbval would collect the
+    lab's .ipynb_checkpoints/ copies, which ``norecursedirs`` (``.*``) leaves out.
+    """
+    if collection_path.suffix == ".py" and collection_path.name != "conftest.py":
+        return True
+    return None

@@ -147,3 +147,26 @@ def test_committed_outputs_compare_equal_on_every_torch(version: str) -> None:
     line = f"torch {version}: 3792 ops\ntorch {version}, cpu: foreach\n"
     assert _sanitize(line) == _sanitize("torch 2.13.0+cpu: 3792 ops\ntorch 2.13.0+cpu, cpu: foreach\n")
     assert _sanitize("3792 ops") != _sanitize("3793 ops")  # counts are still compared
+
+
+def test_nbval_collects_the_committed_notebooks_and_not_the_labs_checkpoint_copies(tmp_path: Path) -> None:
+    """Opening notebooks in JupyterLab leaves .ipynb_checkpoints/ copies beside them; nbval skips those."""
+    folder = tmp_path / "notebooks"
+    shutil.copytree(NOTEBOOKS, folder, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+
+    def collected() -> list[str]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "--nbval",
+             "--nbval-current-env", "-o", "addopts=", "notebooks"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return [line for line in proc.stdout.splitlines() if "::" in line]
+
+    before = collected()
+    checkpoints = folder / ".ipynb_checkpoints"
+    checkpoints.mkdir()
+    for ipynb in folder.glob("*.ipynb"):  # what the lab writes when it opens or saves a notebook
+        shutil.copy(ipynb, checkpoints / f"{ipynb.stem}-checkpoint.ipynb")
+    assert {line.split("::")[0] for line in before} == {f"notebooks/{p.name}" for p in PAIRS}
+    assert collected() == before
