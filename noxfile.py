@@ -39,3 +39,16 @@ def core(session: nox.Session, torch: str) -> None:
     session.install("-e", ".", "pytest>=8", "hypothesis>=6")
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *CORE_TESTS, *session.posargs)
+
+
+# The peers whose decay schedules and post-hoc EMA ema_lab.schedules and ema_lab.posthoc match, at the
+# versions docs/results/peer-schedules.json records. Not a default session: the torch wheel brings its CUDA
+# libraries (about 5 GB), and the run takes minutes.
+PEERS = ["timm==1.0.31", "diffusers==0.42.1", "ema-pytorch==0.8.3", "ultralytics==8.4.190"]
+
+
+@nox.session(python="3.11")
+def peer_schedules(session: nox.Session) -> None:
+    """Run benchmarks/peer_schedules.py against the peers: ``nox -s peer_schedules -- --out [--edm2 DIR]``."""
+    session.install("torch==2.14.1", "torchvision==0.29.1", *PEERS)
+    session.run("python", "benchmarks/peer_schedules.py", *session.posargs, env={"PYTHONPATH": "."})
