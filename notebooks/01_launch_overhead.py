@@ -79,15 +79,18 @@ print(f"{len(ema_t)} tensors of {ema_t[0].numel()} numbers, or one of {by_flat.n
 # `torch.utils.benchmark.Timer`, PyTorch's stopwatch (it repeats the statement and reports the median):
 
 # %% tags=["nbval-ignore-output"]
+first = {}
 for name, stmt in [
     ("loop over 1024", "loop(ema_t, model_t, 0.1)"),
     ("one flat lerp_", "ema_flat[0].lerp_(model_flat[0], 0.1)"),
 ]:
     t = Timer(stmt, globals=globals()).blocked_autorange(min_run_time=0.2 if quick_mode() else 1)
-    print(f"{name:<15} {t.median * 1e3:6.3f} ms")
+    first[name] = t.median * 1e3
+    print(f"{name:<15} {first[name]:6.3f} ms")
+print(f"the loop takes {first['loop over 1024'] / first['one flat lerp_']:.1f}x the flat lerp_'s time")
 
 # %% [markdown]
-# The loop is many times slower, for the same work. One `Timer` run can catch a busy moment of your
+# The ratio shows the loop's cost for the same work. One `Timer` run can catch a busy moment of your
 # computer, so time in turns instead: each round times every way once, and each keeps its median
 # over the rounds and its range.
 
@@ -114,6 +117,7 @@ turns = interleaved(
 )
 for name, ms in turns.items():
     print(f"{name:<15} median {np.median(ms):.3f} ms, range {min(ms):.3f} to {max(ms):.3f} ms")
+print(f"loop / flat: {np.median(turns['loop over 1024']) / np.median(turns['one flat lerp_']):.1f}x")
 
 # %% [markdown]
 # The range shows how much one measurement can move: when two ways' ranges overlap, their difference
@@ -218,10 +222,16 @@ price_ms, work_ms = np.polyfit(TENSORS, loop_ms, 1, w=1 / loop_ms)
 per_tensor_ms, _ = np.polyfit(TENSORS, foreach_ms, 1, w=1 / foreach_ms)
 print(f"loop:    {price_ms * 1e3:.2f} us per op, plus {work_ms:.3f} ms of work on the 2^18 numbers")
 print(f"foreach: {per_tensor_ms * 1e3:.2f} us per tensor inside the one call")
-print(f"one flat lerp_ on the 2^18 numbers, measured: {sweep['one flat lerp_'][0]:.3f} ms")
+flat_ms = np.median(sweep["one flat lerp_"])  # the same op at every n: its median over the sweep
+print(f"one flat lerp_ on the 2^18 numbers, measured: {flat_ms:.3f} ms (median over the sweep)")
+at = TENSORS.index(1024)
+print(
+    f"loop over 1024: the line says {price_ms * 1024 + work_ms:.3f} ms, the sweep measured {loop_ms[at]:.3f} ms"
+)
 
 # %% [markdown]
-# The slope is one op's price on your machine; the work is close to one flat `lerp_`'s time. Inside
+# The slope is one op's price on your machine; compare the work with one flat `lerp_`'s time, and the
+# line with the sweep at 1024 tensors. Inside
 # `_foreach_lerp_` a tensor costs less: Python and the autograd layer are paid once per list.
 #
 # ## 5. The real change: ultralytics PR #25315
@@ -260,7 +270,8 @@ sd = model.state_dict()
 sizes = sorted((v.numel() for v in sd.values() if v.is_floating_point()), reverse=True)
 print(f"{len(sd)} entries: {len(sizes)} float tensors, {len(sd) - len(sizes)} integer ones")
 print(f"float numbers: {sum(sizes):,}; median tensor {np.median(sizes):.0f}, largest {sizes[0]:,}")
-print(f"the 28 largest tensors hold {sum(sizes[:28]) / sum(sizes):.1%} of the numbers")
+big = [s for s in sizes if s > 32_768]
+print(f"the {len(big)} tensors of over 32,768 numbers hold {sum(big) / sum(sizes):.1%} of them")
 
 # %% [markdown]
 # Most of the 594 float tensors are small, but a few large ones hold most of the numbers. The 114
@@ -306,8 +317,8 @@ print("before / after: {:.1f}x (range {:.1f}x to {:.1f}x)".format(*ratio(pr["bef
 # %% [markdown]
 # The PR kept the two walks: compare them with the after-code. The floor is far below either. The
 # ratio is your machine's version of the PR's 2.2x (12.8 -> 5.8 ms, yolo26n, Apple M-series).
-# A ratio of two noisy times has a range. Yours, beside saved runs (a bar spans the ratios that the
-# quartiles of both times allow):
+# A ratio of two noisy times has a range. Yours, beside saved runs of the bench, which names the PR's
+# code `seed_before` and `seed_after` (a bar spans the ratios that the quartiles of both times allow):
 
 # %% tags=["nbval-ignore-output"]
 import json
@@ -324,6 +335,7 @@ RUNS = {  # file in results/ -> label
 ref = {label: json.loads((results_dir() / f).read_text()) for f, label in RUNS.items()}
 
 
+# The bench calls the PR's before- and after-code seed_before and seed_after, one flat lerp_ floor.
 def yolo_row(run, candidate):  # one timing of the bench's yolo model, in seconds, as time_candidates gives it
     r = next(r for r in run["results"] if r["model"] == "yolo" and r["candidate"] == candidate)
     return SimpleNamespace(median_s=r["median_ms"] / 1e3, q1_s=r["q1_ms"] / 1e3, q3_s=r["q3_ms"] / 1e3)
@@ -409,7 +421,7 @@ floors = [pr["one flat lerp_"].median_s * 1e3] + [
     yolo_row(r, "floor").median_s * 1e3 for r in (cpu_run, h200)
 ]
 print(
-    f"{'the arithmetic: one flat lerp_ (ms)':<40}"
+    f"{f'one flat lerp_ of {numbers / 1e6:.1f}M numbers (ms)':<40}"
     + "".join(f"{f:>{w}.3f}" for f, w in zip(floors, (10, 12, 8)))
 )
 
@@ -454,17 +466,25 @@ print(
 #
 # 2. Predict what runs inside one `_foreach_lerp_` over 600 tensors on a CPU (section 2), then look:
 #    with `ema_t, model_t = make(600)`, call `foreach(ema_t, model_t, 0.1)` inside `with
-#    torch.profiler.profile() as prof:`, and print each event of `prof.events()` with its `cpu_children`.
+#    torch.profiler.profile() as prof:`, and print each top-level event of `prof.events()` (its
+#    `cpu_parent` is `None`) with its `cpu_children`.
 #
 # <details><summary>Solution 2</summary>
 #
-# One `aten::_foreach_lerp_`, with one `aten::lerp_` per tensor inside it. (Ignore the two log lines
-# the profiler writes to stderr.)
+# One `aten::_foreach_lerp_`, with one `aten::lerp_` per tensor inside it. The profiler writes two log
+# lines to stderr; `os.dup2` sends them to `/dev/null` while it runs.
 #
 # ```python
+# import os
+#
 # ema_t, model_t = make(600)
-# with torch.profiler.profile() as prof:
-#     foreach(ema_t, model_t, 0.1)
+# saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+# os.dup2(devnull, 2)  # file descriptor 2 (stderr) to /dev/null: no profiler log lines in this notebook
+# try:
+#     with torch.profiler.profile() as prof:
+#         foreach(ema_t, model_t, 0.1)
+# finally:
+#     os.dup2(saved, 2)  # stderr back
 # for event in prof.events():
 #     if event.cpu_parent is None:  # the top-level calls only
 #         print(event.name, "runs inside it:", dict(Counter(c.name for c in event.cpu_children)))
