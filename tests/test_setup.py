@@ -264,3 +264,29 @@ def test_stopping_dev_py_stops_the_command_it_runs(tmp_path) -> None:
         left = leftovers(mark)  # and killed, whatever happened above
     assert len(found) == 2 and rc == 128 + signal.SIGTERM, (found, rc)
     assert left == []
+
+
+def test_the_readmes_compare_command_selects_every_bench_run_and_nothing_else(tmp_path, capsys) -> None:
+    """`dev.py compare results`: each bench run in results/ and results/gpu-*/, no other JSON (issue 39)."""
+    import json
+
+    from ema_lab.bench.cli import _result_files, main
+
+    commands = {
+        tuple(line.split("#")[0].split()[3:])
+        for doc in (ROOT / "README.md", ROOT / "results" / "README.md")
+        for line in re.findall(r"python3 dev\.py compare [^`\n]*", doc.read_text())
+    }
+    assert commands == {("results",)}
+    runs = [
+        p
+        for p in (ROOT / "results").rglob("*.json")
+        if json.loads(p.read_text()).get("schema") == "ema_lab.bench"
+    ]
+    assert any(p.parent.name.startswith("gpu-") for p in runs) and len(runs) >= 5
+    assert any(p.name.startswith("costmodel-") for p in (ROOT / "results").glob("*.json"))  # left out
+    assert _result_files([str(ROOT / "results")]) == sorted(runs)
+    assert main(["compare", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert (
+        capsys.readouterr().err.strip().endswith(f"{tmp_path}: no bench run in this folder or one level down")
+    )

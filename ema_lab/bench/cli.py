@@ -82,7 +82,12 @@ def _parser() -> _Parser:
     bench.add_argument("--out", default="results", help="output folder (default: results/)")
     bench.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     comp = sub.add_parser("compare", help="plot several result files side by side")
-    comp.add_argument("files", nargs="+", help="result JSON files (e.g. results/*.json)")
+    comp.add_argument(
+        "files",
+        nargs="+",
+        help="result JSON files, or folders: a folder stands for the bench runs in it and one level down "
+        "(e.g. results, with the GPU runs in results/gpu-*/)",
+    )
     comp.add_argument(
         "--out", default="results", help="where compare_<date>T<time>Z.png goes (default: results/)"
     )
@@ -117,6 +122,19 @@ def writable_folder(out: str) -> Path:
     return path
 
 
+def _result_files(args: list[str]) -> list[Path]:
+    """compare's arguments as files: a folder becomes the bench runs in it and one level down."""
+    from .results import bench_files
+
+    files = []
+    for arg in map(Path, args):
+        found = bench_files(arg) if arg.is_dir() else [arg]
+        if not found:
+            raise ValueError(f"{arg}: no bench run in this folder or one level down")
+        files += found
+    return files
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .results import format_table
     from .sweep import run_bench, write_results
@@ -149,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(args)
         from .sweep import compare
 
-        table, png = compare(args.files, args.out)
+        table, png = compare(_result_files(args.files), args.out)
         print(table)
         print(f"wrote {png}")
         return 0
