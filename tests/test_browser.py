@@ -6,7 +6,8 @@ another folder, and the committed outputs stay as they are. When the lab stops, 
 may be left running. Chromium is Debian's
 ``chromium`` package (playwright cannot download its own browsers on every machine); without it the
 test is skipped with the reason, unless ``EMA_LAB_REQUIRE_BROWSER=1`` (set by ``.ci/run``) makes that a
-failure.
+failure. The lab keeps its settings, workspace, runtime files and IPython history in the test's own
+folders: the reader's next lab opens as they left it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,41 @@ NOTEBOOK = "02_ema_strategies"  # the one whose jupytext form is opened as well
 TOKEN = "ema-lab-browser-test"
 
 
+def jupyter_dirs(where: Path) -> dict[str, str]:
+    """Environment variables that give a lab and its kernels their own Jupyter folders under ``where``."""
+    names = {
+        "JUPYTER_CONFIG_DIR": "config",
+        "JUPYTER_DATA_DIR": "data",
+        "JUPYTER_RUNTIME_DIR": "runtime",
+        "JUPYTERLAB_SETTINGS_DIR": "lab-settings",
+        "JUPYTERLAB_WORKSPACES_DIR": "lab-workspaces",
+        "IPYTHONDIR": "ipython",
+    }
+    return {var: str(where / name) for var, name in names.items()}
+
+
+def readers_jupyter_files() -> dict[str, int | None]:
+    """The reader's own Jupyter folders (config, with lab settings and workspaces; data): path -> mtime.
+
+    Folders map to None; runtime/ is left out, as any Jupyter the reader runs meanwhile writes there.
+    """
+    from jupyter_core.paths import jupyter_config_dir, jupyter_data_dir, jupyter_runtime_dir
+
+    runtime = Path(jupyter_runtime_dir())
+    tops = {Path(jupyter_config_dir()), Path(jupyter_data_dir())}
+    tops |= {
+        Path(os.environ[v])
+        for v in ("JUPYTERLAB_SETTINGS_DIR", "JUPYTERLAB_WORKSPACES_DIR")
+        if v in os.environ
+    }
+    found: dict[str, int | None] = {}
+    for top in tops:
+        for p in [top, *top.rglob("*")] if top.exists() else []:
+            if p != runtime and runtime not in p.parents:
+                found[str(p)] = p.stat().st_mtime_ns if p.is_file() else None
+    return found
+
+
 def _missing(reason: str) -> None:
     if os.environ.get("EMA_LAB_REQUIRE_BROWSER") == "1":
         pytest.fail(reason)
@@ -56,7 +92,10 @@ def lab(tmp_path_factory):
     log = (copy.parent / "lab.log").open("w")
     # Without EMA_LAB_RESULTS: the copy must find results/ the way a reader's kernel does.
     env = {**{k: v for k, v in os.environ.items() if k != "EMA_LAB_RESULTS"}, "EMA_LAB_QUICK": "1"}
+    env.update(jupyter_dirs(copy.parent / "jupyter"))  # the reader's workspace and settings stay theirs
     env, mark = marked_env(env)  # finds the lab, its kernels and theirs at the end
+    readers_files = readers_jupyter_files()
+    (copy.parent / "readers_jupyter_files.json").write_text(json.dumps(readers_files))
     server = subprocess.Popen(
         [sys.executable, str(ROOT / "dev.py"), "lab", "--notebook-dir", str(copy), "--no-browser"]
         + [f"--port={port}", "--ip=127.0.0.1", f"--IdentityProvider.token={TOKEN}"]
@@ -87,6 +126,7 @@ def lab(tmp_path_factory):
         log.close()
         left = leftovers(mark)
         assert not left, f"still running after the lab stopped (now killed): {left}"
+        assert readers_jupyter_files() == readers_files, "the lab changed the reader's Jupyter folders"
 
 
 def _open(page, url: str, path: str, factory: str) -> None:
@@ -192,3 +232,24 @@ def test_the_jupytext_py_form_opens_as_the_same_notebook(lab) -> None:
     stored = json.loads((ROOT / "notebooks" / f"{NOTEBOOK}.ipynb").read_text())
     assert [c["cell_type"] for c in nb["cells"]] == [c["cell_type"] for c in stored["cells"]]
     assert ["".join(c["source"]) for c in nb["cells"]] == ["".join(c["source"]) for c in stored["cells"]]
+
+
+def test_the_lab_keeps_its_workspace_in_its_own_folder_not_the_readers(lab) -> None:
+    """A notebook opened in the lab: the layout the lab saves lands in the test's folder, not the reader's."""
+    from playwright.sync_api import sync_playwright
+
+    url, copy = lab
+    before = json.loads((copy.parent / "readers_jupyter_files.json").read_text())
+    workspaces = Path(jupyter_dirs(copy.parent / "jupyter")["JUPYTERLAB_WORKSPACES_DIR"])
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], headless=True)
+        page = browser.new_page()
+        _open(page, url, f"{NOTEBOOK}.ipynb", "Notebook")
+        for _ in range(60):  # JupyterLab saves its layout a moment after it changes
+            if list(workspaces.glob("*.jupyterlab-workspace")):
+                break
+            page.wait_for_timeout(500)
+        browser.close()
+    saved = [json.loads(w.read_text()) for w in workspaces.glob("*.jupyterlab-workspace")]
+    assert any(f"notebook:{NOTEBOOK}.ipynb" in w["data"] for w in saved), f"no workspace in {workspaces}"
+    assert readers_jupyter_files() == before
