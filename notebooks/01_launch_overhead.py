@@ -38,8 +38,8 @@ print(f"torch {env['torch']} on {env['cpu']} ({env['cpu_count']} cores), 1 threa
 #
 # An [EMA](../docs/glossary.md#ema) update moves each weight `e` of an averaged copy a fraction `w`
 # towards the model's weight `m`: `e += w * (m - e)`, a [lerp](../docs/glossary.md#lerp) (linear
-# interpolation), done in place by `e.lerp_(m, w)`. Notebook 02 writes `w = 1 − d`, with `d` the
-# [decay](../docs/glossary.md#decay-and-weight). Here are 2^18 numbers in `n` tensors:
+# interpolation), in place: `e.lerp_(m, w)`. Notebook 02 writes `w = 1 − d` (`d`: the
+# [decay](../docs/glossary.md#decay-and-weight)). Here are 2^18 numbers in `n` tensors:
 
 
 # %%
@@ -172,8 +172,8 @@ plt.show()
 
 # %% [markdown]
 # On a CPU nothing is "launched": the kernel is a function call. `_foreach_lerp_` pays Python and the
-# dispatcher once per list (bottom row); its CPU kernel then calls `lerp_` per tensor, through the
-# dispatcher but below the autograd layer: its line still climbs, below the loop's.
+# dispatcher once per list (bottom row); its CPU kernel then calls `lerp_` per tensor below the
+# autograd layer: its line climbs, less steeply.
 #
 # ## 3. Count the ops
 #
@@ -230,15 +230,13 @@ print(
 )
 
 # %% [markdown]
-# The slope is one op's price on your machine; compare the work with one flat `lerp_`'s time, and the
-# line with the sweep at 1024 tensors. Inside
-# `_foreach_lerp_` a tensor costs less: Python and the autograd layer are paid once per list.
+# The slope is one op's price on your machine; the work should be near one flat `lerp_`'s time, and the
+# line near the sweep. Inside `_foreach_lerp_` a tensor costs less: Python and autograd are paid once.
 #
 # ## 5. The real change: ultralytics PR #25315
 #
-# [The PR](https://github.com/ultralytics/ultralytics/pull/25315) changed ultralytics' EMA update. Its
-# code before and after (the after-code also checks the torch version and device first; notebook 02
-# shows that gate):
+# [The PR](https://github.com/ultralytics/ultralytics/pull/25315) changed ultralytics' EMA update, from
+# this to this (the after-code first checks the torch version and device: notebook 02's gate):
 
 
 # %%
@@ -315,10 +313,9 @@ def ratio(before, after):  # median ratio, and its range from the quartiles of b
 print("before / after: {:.1f}x (range {:.1f}x to {:.1f}x)".format(*ratio(pr["before"], pr["after"])))
 
 # %% [markdown]
-# The PR kept the two walks: compare them with the after-code. The floor is far below either. The
-# ratio is your machine's version of the PR's 2.2x (12.8 -> 5.8 ms, yolo26n, Apple M-series).
-# A ratio of two noisy times has a range. Yours, beside saved runs of the bench, which names the PR's
-# code `seed_before` and `seed_after` (a bar spans the ratios that the quartiles of both times allow):
+# The PR kept the two walks: compare them with the after-code; the floor is far below either. The
+# ratio is your machine's version of the PR's 2.2x (12.8 -> 5.8 ms, yolo26n, Apple M-series). Yours,
+# beside saved runs (a bar spans the ratios that the quartiles of both times allow):
 
 # %% tags=["nbval-ignore-output"]
 import json
@@ -335,7 +332,7 @@ RUNS = {  # file in results/ -> label
 ref = {label: json.loads((results_dir() / f).read_text()) for f, label in RUNS.items()}
 
 
-# The bench calls the PR's before- and after-code seed_before and seed_after, one flat lerp_ floor.
+# The bench names the PR's before- and after-code seed_before and seed_after, one flat lerp_ floor.
 def yolo_row(run, candidate):  # one timing of the bench's yolo model, in seconds, as time_candidates gives it
     r = next(r for r in run["results"] if r["model"] == "yolo" and r["candidate"] == candidate)
     return SimpleNamespace(median_s=r["median_ms"] / 1e3, q1_s=r["q1_ms"] / 1e3, q3_s=r["q3_ms"] / 1e3)
@@ -364,7 +361,7 @@ plt.show()
 
 # %% [markdown]
 # On the 2-core CPU the speed-up was 1.4x one day and 1.8x the next; on the H200, 4.2x in a short run
-# and 5.8x in a full one. Why the GPU gains more is the last section.
+# and 5.8x in a full one.
 #
 # ## 6. On a GPU
 #
@@ -400,8 +397,7 @@ for m in ("yolo", "tiny_tensors"):
 # %% [markdown]
 # The before-code launches one kernel per `mul_`, `mul` and `add_` (3 x 594); `detach` launches none.
 # The after-code's `_foreach_lerp_` took 10 launches for 594 tensors and 32 for 2,000: in that build
-# one launch carries at most 64 tensors (builds that allow larger kernel arguments pack more). One flat
-# `lerp_` is one launch.
+# one launch carries at most 64 tensors. One flat `lerp_` is one launch.
 #
 # Why does the GPU gain more? Not cheaper arithmetic: on a CPU too, the floor is a small part of the
 # before-code's time. The prices differ. The bench fits section 4's line on each machine:
@@ -426,8 +422,7 @@ print(
 )
 
 # %% [markdown]
-# Read each column down, not across: even two CPUs of the same name differ in the bottom row, the same
-# `lerp_` over the same numbers. A virtual machine shares its host's cores, caches and memory with
+# Read each column down, not across: two CPUs of the same name differ even in the bottom row. A virtual machine shares its host's cores, caches and memory with
 # others, and lands on another host from run to run.
 #
 # On a CPU a loop's op costs a few times what a tensor inside `_foreach_lerp_` costs; on the H200 about
@@ -471,8 +466,8 @@ print(
 #
 # <details><summary>Solution 2</summary>
 #
-# One `aten::_foreach_lerp_`, with one `aten::lerp_` per tensor inside it. The profiler writes two log
-# lines to stderr; `os.dup2` sends them to `/dev/null` while it runs.
+# One `aten::_foreach_lerp_`, with one `aten::lerp_` per tensor inside it (`os.dup2` hides the
+# profiler's two log lines on stderr).
 #
 # ```python
 # import os

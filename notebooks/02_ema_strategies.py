@@ -30,9 +30,9 @@ import torch
 
 torch.set_num_threads(1)  # one thread: results that do not depend on how many cores you have
 torch.manual_seed(0)
-steps = 1 + 0.3 * torch.randn(8)  # one weight's value at 8 steps, bouncing around 1.0
-ema, d = steps[0].clone(), 0.7
-for x in steps:
+weights = 1 + 0.3 * torch.randn(8)  # one weight's value at 8 steps, bouncing around 1.0
+ema, d = weights[0].clone(), 0.7
+for x in weights:
     ema.lerp_(x, 1 - d)  # ema = d * ema + (1 - d) * x
     print(f"weight {x:.3f}   EMA {ema:.3f}")
 
@@ -66,14 +66,14 @@ for n in [1, 100, 2000, 10_000, 50_000]:
 # %%
 import matplotlib.pyplot as plt
 
-steps = range(0, 30_001, 100)
+updates = range(0, 30_001, 100)
 fig, ax = plt.subplots(figsize=(6.5, 3.8))
 for tau, color in [(500, "C0"), (2000, "C1"), (5000, "C2")]:
-    window = [1 / (1 - ramp(n, tau=tau)) for n in steps]
-    ax.plot(steps, window, color=color)
+    window = [1 / (1 - ramp(n, tau=tau)) for n in updates]
+    ax.plot(updates, window, color=color)
     at = next(i for i, w in enumerate(window) if w >= 200)  # label each curve where it is alone
     ax.annotate(
-        f"tau = {tau}", (steps[at], window[at]), xytext=(8, -4), textcoords="offset points", color=color
+        f"tau = {tau}", (updates[at], window[at]), xytext=(8, -4), textcoords="offset points", color=color
     )
 ax.set(yscale="log", xlabel="update n (optimizer steps)", ylabel="averaging window (steps)")
 ax.set_title("How many recent steps the EMA averages")
@@ -190,9 +190,8 @@ print("same ramp:", all(packaged.decay(n) == ramp(n, 0.99, 50) for n in range(0,
 #
 # ema_lab has the step three ways: `loop_update` (the arithmetic before ultralytics PR #25315, one
 # tensor at a time), `foreach_update` (one `torch._foreach_lerp_`, the after-code) and `gated_update`
-# (the PR's gate of section 4 plus a fallback: where the dtypes of a pair differ, the PR's call raises,
-# and `gated_update` updates that pair with `mul_` and `add_`). Take the float tensors of a model shaped
-# like the yolo26n detector:
+# (the after-code with a safety check, section 4). Take the float tensors of a model shaped like the
+# yolo26n detector:
 
 # %%
 from ema_lab import foreach_update, gated_update, loop_update
@@ -253,7 +252,9 @@ for version in ["1.13", "2.0", "2.3", "2.4", "2.13"]:
     print(f"{version:<7}" + "".join(f"{r:>9}" for r in row))
 
 # %% [markdown]
-# Ascend NPUs (`npu`) are excluded by a later version of the gate. Your torch, on a CPU:
+# Ascend NPUs (`npu`) are excluded by a later version of the gate. `gated_update` is the gate plus a
+# fallback: where the dtypes of a pair differ, the PR's call raises, and `gated_update` updates that
+# pair with `mul_` and `add_`. Your torch, on a CPU:
 
 # %%
 print(f"torch {torch.__version__}, cpu:", "foreach" if foreach_lerp_supported(None, "cpu") else "loop")
@@ -347,15 +348,26 @@ print(
 #
 # <details><summary>Solution 1</summary>
 #
-# With `tau=5` the decay is above 0.98 after 25 of the 300 updates, so from epoch 3 on the EMA averages
-# about 1 / (1 - 0.99) = 100 steps, early bad weights included: it lags behind the improving model.
-# With `tau=50` the window grows as the model improves, and the EMA trails only in the first epochs.
+# With `tau=5` the decay is near 0.99 within a few updates. Then the weights of epoch 1, far from the
+# minimum, keep the share `d(21) d(22) ... d(n)`, about `0.99^(n - 20)`, of the EMA at step `n`: above
+# 10 % for over 200 steps. The EMA drags them along while the model improves. With `tau=50` the decay
+# is still small at step 21, and that share falls below 10 % within a few steps.
 #
 # ```python
+# def early_share_below(tau, limit=0.1):  # the step at which epoch 1's weights hold under 10 % of the EMA
+#     share, n = 1.0, 20
+#     while share > limit:
+#         n += 1
+#         share *= ramp(n, 0.99, tau)
+#     return n
+#
+#
 # for tau in (5, 50):
 #     raw_t, avg_t, _ = train(HandEMA, tau=tau)
 #     worse = [e for e, r, a in zip(epochs, raw_t, avg_t) if a > r]
+#     n = early_share_below(tau)
 #     print(f"tau = {tau:>2}: EMA worse than raw in epochs {worse}")
+#     print(f"          epoch 1's weights hold over 10 % of the EMA until step {n} (epoch {math.ceil(n / 20)})")
 # ```
 # </details>
 #
@@ -404,18 +416,29 @@ print(
 # try:
 #     foreach_update(ema_t, mixed, 0.9)
 # except ValueError as e:
-#     print("foreach_update: ValueError:", str(e)[:100], "...")
+#     print("foreach_update: ValueError:", e)
 # ```
 # </details>
 #
 # The three cells below run the solutions (folded in JupyterLab: click to expand).
 
+
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
 # Solution 1
+def early_share_below(tau, limit=0.1):  # the step at which epoch 1's weights hold under 10 % of the EMA
+    share, n = 1.0, 20
+    while share > limit:
+        n += 1
+        share *= ramp(n, 0.99, tau)
+    return n
+
+
 for tau in (5, 50):
     raw_t, avg_t, _ = train(HandEMA, tau=tau)
     worse = [e for e, r, a in zip(epochs, raw_t, avg_t) if a > r]
+    n = early_share_below(tau)
     print(f"tau = {tau:>2}: EMA worse than raw in epochs {worse}")
+    print(f"          epoch 1's weights hold over 10 % of the EMA until step {n} (epoch {math.ceil(n / 20)})")
 
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
@@ -445,4 +468,4 @@ print(f"torch {torch.__version__}, gated_update:", dict(count_ops(gated_update, 
 try:
     foreach_update(ema_t, mixed, 0.9)
 except ValueError as e:
-    print("foreach_update: ValueError:", str(e)[:100], "...")
+    print("foreach_update: ValueError:", e)
