@@ -100,7 +100,8 @@ def leaked_keys(model):  # thop's entries in a state_dict
     return [k for k in model.state_dict() if k.endswith(("total_ops", "total_params"))]
 
 
-rules = set(thop.profile.__globals__["register_hooks"])  # thop's table: module type -> counting rule
+# thop's private rule table (module type -> counting rule), read from the module that defines profile
+rules = set(thop.profile.__globals__["register_hooks"])
 for name, m in block.named_modules():
     print(
         f"{name or '<block>':<8} {type(m).__name__:<12} rule: {type(m) in rules!s:<5}  kept: {'total_ops' in m._buffers}"
@@ -138,23 +139,23 @@ print("one shared SiLU:", later[0].act is later[2].act is Conv.default_act)
 print(len(later.state_dict()), "entries, of which thop's:", leaked_keys(later))
 
 # %% [markdown]
-# The same on a YOLO-sized network from ema_lab's model zoo (`models.yolo()`), which has its own `Conv`
+# The same on a YOLO-sized network from ema_lab's model zoo (`models.build("yolo")`), which has its own `Conv`
 # with a shared `SiLU`. Profile one zoo `Conv` in place, build two more networks, profile one of them:
 
 # %%
 from ema_lab.bench import models
 
-clean = models.yolo()  # built before the leak
+clean = models.build("yolo")  # built before the leak
 sizes = {"built before, clean": (len(clean.state_dict()), len(leaked_keys(clean)))}
 thop.profile(models.Conv(3, 16, 3), inputs=(torch.randn(1, 3, 32, 32),), verbose=False)  # the leak
-fresh = models.yolo()  # built after it; never profiled itself
-profiled = models.yolo()
+fresh = models.build("yolo")  # built after it; never profiled itself
+profiled = models.build("yolo")
 thop.profile(profiled, inputs=(torch.randn(1, 3, 64, 64),), verbose=False)
 for label, m in (("built before, now", clean), ("built after", fresh), ("profiled in place", profiled)):
     sizes[label] = (len(m.state_dict()), len(leaked_keys(m)))
 for label, (entries, stray) in sizes.items():
-    print(f"yolo() {label:<19}: {entries} entries, {stray} of them thop's")
-print("Conv modules in yolo():", sum(type(m).__name__ == "Conv" for m in fresh.modules()))
+    print(f"yolo {label:<19}: {entries} entries, {stray} of them thop's")
+print("Conv modules in yolo:", sum(type(m).__name__ == "Conv" for m in fresh.modules()))
 del models.Conv.default_act.total_ops, models.Conv.default_act.total_params  # clean the shared SiLU
 
 # %%
@@ -167,7 +168,7 @@ ax.bar(labels, stray, bottom=own, color="tab:red")
 for i, n in enumerate(stray):
     ax.text(i, own[i] + n + 15, f"+{n} thop", ha="center", color="tab:red")
 ax.text(0, own[0] / 2, "the model's\nown entries", ha="center", color="white")
-ax.set(ylabel="state_dict entries", title="yolo(): thop's float64 entries, profiled or not")
+ax.set(ylabel="state_dict entries", title="yolo: thop's float64 entries, profiled or not")
 ax.set_ylim(0, (own[0] + max(stray)) * 1.15)
 plt.show()
 
@@ -229,8 +230,8 @@ print("already updated:", updated)
 # so the five tensors before the first bad pair were already moved: a failed `_foreach_lerp_` is **not
 # atomic**.
 #
-# The obvious repair, which the PR did *not* make: catch the error and run the old per-tensor loop.
-# It promotes to float64 and casts back, so it succeeds, and moves those five tensors a second time:
+# The obvious repair, which the PR did *not* make: catch the error, run the old per-tensor loop. It
+# promotes to float64 and casts back, so it succeeds, and moves those five tensors again:
 
 # %%
 with torch.no_grad():  # a hypothetical `except RuntimeError:` branch: the PR's before-code loop
@@ -275,8 +276,8 @@ ax.set_xticks(range(len(shown)), shown, rotation=90, fontsize=8)
 plt.show()
 
 # %% [markdown]
-# Red: moved twice, by about 1 − d² = 0.19 instead of 0.1. The mismatch stays, so this would happen at
-# *every* step, silently halving those tensors' averaging window (about 1 / (1 − d) steps).
+# Red: moved twice, by 1 − d² = 0.19 (to float32 rounding) instead of 0.1. The mismatch stays, so
+# this would happen at *every* step, silently halving those tensors' averaging window (about 1 / (1 − d) steps).
 #
 # ## 4. Check every pair before touching any
 #
@@ -349,7 +350,8 @@ print(f"ModelEMA vs its start:  {gap(got, start):.1e}")
 torch.testing.assert_close({k: got[k] for k in floats}, {k: want[k] for k in floats}, rtol=1e-5, atol=1e-6)
 
 # %% [markdown]
-# `modes` lists how each group of tensors is updated: `cat` gathers the float32 pairs, `cast` converts
+# `modes` lists how each group of tensors is updated: `cat` concatenates the small float32 tensors into
+# one buffer, then one `lerp_`; `cast` converts
 # thop's float64 ones ([all modes](../docs/glossary.md#strategies-and-modes)). The EMA agrees with the
 # loop to float32 rounding, yet is far from the model and from its start: an EMA that skipped steps, or
 # copied the model, would fail the last line.
@@ -427,7 +429,7 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 #
 # Try each one before you open its solution.
 #
-# 1. Predict: profiled in place, does `resnet = models.resnet50()` keep more or fewer of thop's keys
+# 1. Predict: profiled in place, does `resnet = models.build("resnet50")` keep more or fewer of thop's keys
 #    than the YOLO-sized net of section 2, and why? Check with `thop.profile(resnet, (torch.randn(1, 3,
 #    64, 64),), verbose=False)`, `leaked_keys(resnet)` and `"total_ops" in m._buffers`.
 #
@@ -438,11 +440,11 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 # blocks and, under every one of its `Conv` modules, the shared `SiLU`, which has no rule.
 #
 # ```python
-# resnet = models.resnet50()
+# resnet = models.build("resnet50")
 # thop.profile(resnet, (torch.randn(1, 3, 64, 64),), verbose=False)
 # kept = sorted({type(m).__name__ for m in resnet.modules() if "total_ops" in m._buffers})
 # print(f"resnet50: {len(leaked_keys(resnet))} of thop's keys, kept by {kept}")
-# print(f"yolo() profiled in place (section 2): {sizes['profiled in place'][1]}")
+# print(f"yolo profiled in place (section 2): {sizes['profiled in place'][1]}")
 # ```
 # </details>
 #
@@ -495,11 +497,11 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
 # Solution 1
-resnet = models.resnet50()
+resnet = models.build("resnet50")
 thop.profile(resnet, (torch.randn(1, 3, 64, 64),), verbose=False)
 kept = sorted({type(m).__name__ for m in resnet.modules() if "total_ops" in m._buffers})
 print(f"resnet50: {len(leaked_keys(resnet))} of thop's keys, kept by {kept}")
-print(f"yolo() profiled in place (section 2): {sizes['profiled in place'][1]}")
+print(f"yolo profiled in place (section 2): {sizes['profiled in place'][1]}")
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
 # Solution 2
