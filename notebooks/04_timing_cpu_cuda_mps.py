@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from ema_lab.bench import models, seed
+from ema_lab.bench import models, seed  # seed: the PR's code as first written (seed_before, seed_after)
 
 torch.set_num_threads(1)  # one intra-op thread below, unless a cell says otherwise
 print(f"torch {torch.__version__}, {torch.get_num_threads()} thread")
@@ -40,8 +40,8 @@ for call in range(1, 6):  # the PR's after-code (notebook 01), timed by hand
     print(f"call {call}: {1e3 * (time.perf_counter() - t0):6.2f} ms")
 
 # %% [markdown]
-# Five calls of the PR's after-code (its EMA update: one `_foreach_lerp_`, notebook 01), five different
-# times. Which one is *the* time? This lesson builds a timer that can answer, one step at a time.
+# Five calls of the PR's after-code (one `_foreach_lerp_`, notebook 01), five different times. `seed`
+# holds the PR's code as first written: `seed_before`, `seed_after`. Which one is *the* time? This lesson builds a timer that can answer, one step at a time.
 
 # %% [markdown]
 # ## 1. A clock of your own: warm up, then synchronise
@@ -100,7 +100,7 @@ print("not present:", ", ".join(d for d, ok in present.items() if not ok) or "no
 # On a CPU the two differ only by noise: a call returns when its work is done (section 5 shows a GPU).
 #
 # Any line that needs a value on the host waits for the GPU as `synchronize` does: `x.item()`,
-# `print(x)` (it reads the values with `.tolist()`), `x.cpu()`, `float(x)`, `if x > 0:`. Such a hidden
+# `print(x)`, `x.cpu()`, `float(x)`, `if x > 0:`. Such a hidden
 # wait is a **sync point**. On CUDA, `torch.cuda.set_sync_debug_mode("warn")` warns at each one.
 #
 # ![x.item() waits until the queued kernels are done](figures/04_sync_points.svg)
@@ -135,8 +135,9 @@ ax.axhline(med, color="tab:blue")
 ax.plot(range(1, 41), times_ms, "o", color="k", ms=4)
 running = [statistics.median(times_ms[max(0, i - 7) : i + 1]) for i in range(40)]  # trend: last 8
 ax.plot(range(1, 41), running, color="tab:orange")
-ax.text(40.5, med, " median", va="center", color="tab:blue")
-ax.text(40.5, running[-1], " running\n median", va="top", color="tab:orange")
+above = med >= running[-1]  # the upper label sits above its line, the lower one below: no overlap
+ax.text(40.5, med, " median", va="bottom" if above else "top", color="tab:blue")
+ax.text(40.5, running[-1], " running\n median", va="top" if above else "bottom", color="tab:orange")
 ax.set(
     xlabel="measurement", ylabel="ms per update", title="One update, timed 40 times in a row", xlim=(0, 48)
 )
@@ -149,9 +150,8 @@ plt.show()
 
 # %% [markdown]
 # If the first points sit above the rest (the printed ranges, the orange running median), the times
-# **drift**: a trend, not noise. Noise varies per measurement; a trend slows a whole stretch (after a
-# build, while another program runs), and a version timed in it looks slower than it is. So the rest
-# of this lesson alternates versions.
+# **drift**: a trend slows a whole stretch (while another program runs), and a version timed in it looks
+# slower than it is. So the rest of this lesson alternates versions.
 
 # %% [markdown]
 # ## 3. Compare two versions: alternate them
@@ -204,8 +204,9 @@ for name, r in packaged.items():
 
 # %% [markdown]
 # Both the after-code and `ModelEMA "foreach"` run one `_foreach_lerp_`. The after-code also walks both
-# `state_dict()`s on every call to rebuild its lists, and the last line shows that this is most of its
-# time; `ModelEMA` keeps its lists. Hence a gain near 2x for one, several times that for the other.
+# `state_dict()`s every call to rebuild its lists, most of its time (last line); `ModelEMA` keeps them.
+# Its time differs from the first cell's and from notebook 01's: same code, another moment (the drift
+# of section 2). Compare ratios within one run, not times across runs.
 
 # %% [markdown]
 # ## 4. Threads: which ops can use a second core?
@@ -230,16 +231,17 @@ for _ in range(9):
     for key, t in timers.items():  # one round: both ops, every setting
         times[key].append(1e3 * t.timeit(10).mean)
 for op in stmts:
-    noise = [a / b for a, b in zip(times[op, "1 thread"], times[op, "1 thread again"])]
-    gain = statistics.median(a / b for a, b in zip(times[op, "1 thread"], times[op, "2 threads"]))
-    verdict = "faster" if gain > max(noise) else "slower" if gain < min(noise) else "within the noise"
+    med = {r: statistics.median(times[op, r]) for r in settings}  # ms, median of the 9 rounds
+    print(f"{op:<21}", ", ".join(f"{r} {ms:.3f} ms" for r, ms in med.items()))
     print(
-        f"{op:<21} 2 threads: {gain:.2f}x; 1 thread vs itself: {min(noise):.2f}x to {max(noise):.2f}x -> {verdict}"
+        f"{'':<21} 1 thread / 2 threads: {med['1 thread'] / med['2 threads']:.2f}x;"
+        f" 1 thread / itself: {med['1 thread'] / med['1 thread again']:.2f}x"
     )
 
 # %% [markdown]
-# The tiny tensors have nothing to split: expect "within the noise". The large `lerp_` gains if the
-# second core is free; if another program holds it, the threads wait for each other and lose.
+# A gain counts when it is much further from 1x than 1 thread against itself. Tiny tensors have nothing
+# to split. The large `lerp_` gains if the second core is free; on 2 cores shared with other work the
+# second thread waits for a core, and 2 threads can be slower.
 
 # %% [markdown]
 # ## 5. On a GPU: what an H200 measured
@@ -263,30 +265,30 @@ for cell in saved_nb["cells"]:  # the sync cell, as the H200 ran it
         )
         break
 launches = json.loads((h200 / "kernel-launches.json").read_text())
-print("CUDA kernels per EMA update:")
+print("CUDA kernels per ModelEMA update, by strategy:")
 for name in ("yolo", "tiny_tensors"):
-    counts = {k: v["total"] for k, v in launches[name].items() if isinstance(v, dict) and "total" in v}
-    print(f"  {name:<13}", ", ".join(f"{k} {n}" for k, n in counts.items()))
+    print(
+        f"  {name:<13}", ", ".join(f"{k} {launches[name][k]['total']}" for k in ("loop", "foreach", "auto"))
+    )
 
 # %% [markdown]
 # Sync matters 13x for the `lerp_`: the host queues one kernel in 0.008 ms, and the GPU then moves
 # 384 MiB (reads two buffers, writes one) in 0.107 ms. It hardly matters for the update: the host
-# spends about 0.29 ms in Python queueing 8 kernels whose work is tiny (one `lerp_` over all of yolo's
-# floats took 0.009 ms in that run), so the GPU has almost caught up when the call returns. Such an
+# spends about 0.29 ms in Python queueing 8 kernels whose work is tiny, so the GPU has almost caught up
+# when the call returns. Such an
 # update is **host-bound**: the CPU, not the GPU, sets its time.
 
 # %% [markdown]
-# The loop launches a kernel per arithmetic op: 3 per tensor. One `_foreach_lerp_` carried at most 64
-# tensors per launch in that build: 10 launches for yolo's 594, plus one `cat` for BatchNorm's integer
-# counters. A flattened model (notebook 05) needs one or two.
+# `ModelEMA`'s strategy `loop` launches a kernel per arithmetic op (3 per tensor), `foreach` one
+# `_foreach_lerp_`, `auto` (the default) the flat buffer of notebook 05. Each also copies BatchNorm's
+# integer counters in one `cat` kernel: 1783 is notebook 01's 1782 plus that `cat`. One
+# `_foreach_lerp_` carried at most 64 tensors per launch in that build: 10 launches for yolo's 594.
 #
 # <details><summary>Will a newer torch pack more tensors into one launch?</summary>
 #
 # In torch 2.13's `aten/src/ATen/native/cuda/MultiTensorApply.cuh` the limit is fixed at compile time:
-# a build against CUDA 13 or newer (not ROCm) passes 32 KB of kernel arguments, 448 tensors per launch
-# for two lists (2 launches for yolo); other builds 4 KB, 64 tensors. No run-time or CUDA-graph condition
-# applies. The H200's torch 2.11+cu130 packed 64: count on your build. Tensors of mixed dtypes or devices
-# in one list leave this path: one kernel per tensor.
+# builds against CUDA 13 or newer (not ROCm) pass 448 tensors per launch for two lists, others 64. The
+# H200's torch 2.11+cu130 packed 64: count on your build.
 # </details>
 
 # %% [markdown]
@@ -351,7 +353,7 @@ fig.supxlabel(
 plt.show()
 
 # %% [markdown]
-# The three `linux-amd-epyc-2c` runs are the same kind of 2-core VM, yet `foreach` gained 11.8x, 7.0x
+# The three plotted `linux-amd-epyc-2c` runs (the fourth timed 2 threads only) are the same kind of 2-core VM, yet `foreach` gained 11.8x, 7.0x
 # and 8.3x. Put the two full runs side by side:
 
 # %%
@@ -365,15 +367,14 @@ for rec in (earlier, reference):
     print(rec["created"][:10], " | ".join(cells), f"| {speedup(rec, 'foreach', 'cpu')[1]:.1f}x")
 
 # %% [markdown]
-# On 12-03 every time was longer and the quartiles wider, a sign that the VM shared its host with more
-# work that day; the short `foreach` calls lost more than the loop. Interleaving protects a ratio from
-# a drift within a run, not from a different machine state between runs. So compare runs with their
-# spreads, and keep one reference: the 12-03 run, as in notebook 01. (8.3x came from a 3-round quick run.)
+# On 12-03 every time was longer and the quartiles wider: the VM shared its host with more work that
+# day, and the short `foreach` calls lost more than the loop. Interleaving protects a ratio from drift
+# within a run, not between runs: compare runs with their spreads, and keep one reference (the 12-03
+# run, as in notebook 01; 8.3x was a 3-round quick run).
 
 # %% [markdown]
 # The H200's speed-ups are several times the CPUs'. The cost model (notebook 01) explains why: the
-# price of one op of the loop against the price of one tensor inside `_foreach_lerp_`. Each run fitted
-# both:
+# price of a loop's op against that of a tensor inside `_foreach_lerp_`. Each run fitted both:
 
 # %%
 h200_full = load(h200 / "linux-intel-xeon-16c-nvidia-h200_2026-12-04T154528Z_full_t1_cuda.json")
@@ -403,22 +404,25 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 #
 # Try each one before you open its solution.
 #
-# 1. A fresh `ModelEMA(net)` builds its update on its first `update(net)` call. Predict how many calls
-#    it needs before its time settles on `net = models.build("tiny_tensors")`, then time five calls with
-#    `time.perf_counter()`, printing `rebuilds` (builds so far) after each.
+# 1. A fresh `ModelEMA(net)` builds its update on its first `update(net)` call. Predict how much more
+#    the first call costs on `net = models.build("tiny_tensors")`, then time ten calls with
+#    `time.perf_counter()`, printing `rebuilds` (builds so far) after each, and compare the first with
+#    the median of calls 2-10.
 #
 # <details><summary>Solution 1</summary>
 #
-# The first call builds (rebuilds becomes 1) and costs tens of times more; after one or two more the
-# times settle.
+# The first call builds (rebuilds becomes 1) and costs many times the later ones; single later calls
+# still jump with noise, so compare with their median.
 #
 # ```python
 # net = models.build("tiny_tensors")
-# fresh = ModelEMA(net)
-# for call in range(1, 6):
+# fresh, ms = ModelEMA(net), []
+# for call in range(1, 11):
 #     t0 = time.perf_counter()
 #     fresh.update(net)
-#     print(f"call {call}: {1e3 * (time.perf_counter() - t0):7.2f} ms, rebuilds {fresh.rebuilds}")
+#     ms.append(1e3 * (time.perf_counter() - t0))
+#     print(f"call {call}: {ms[-1]:7.2f} ms, rebuilds {fresh.rebuilds}")
+# print(f"first call / median of calls 2-10: {ms[0] / statistics.median(ms[1:]):.0f}x")
 # ```
 # </details>
 #
@@ -457,11 +461,13 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
 # Solution 1
 net = models.build("tiny_tensors")
-fresh = ModelEMA(net)
-for call in range(1, 6):
+fresh, ms = ModelEMA(net), []
+for call in range(1, 11):
     t0 = time.perf_counter()
     fresh.update(net)
-    print(f"call {call}: {1e3 * (time.perf_counter() - t0):7.2f} ms, rebuilds {fresh.rebuilds}")
+    ms.append(1e3 * (time.perf_counter() - t0))
+    print(f"call {call}: {ms[-1]:7.2f} ms, rebuilds {fresh.rebuilds}")
+print(f"first call / median of calls 2-10: {ms[0] / statistics.median(ms[1:]):.0f}x")
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
 # Solution 2
