@@ -23,16 +23,13 @@
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 
-from ema_lab.lessons.distributed import loopback_interface, skip_reason
+from ema_lab.lessons.distributed import loopback_interface, scratch_dir, skip_reason
 
 torch.set_num_threads(1)
 print(
@@ -97,13 +94,14 @@ print("shards of the update == update of the whole:", torch.equal(torch.cat(shar
 # saves the cell to a temporary folder:
 
 # %%
-workdir = Path(tempfile.mkdtemp(prefix="ema_lab_06_"))  # removed at the end of the notebook
+workdir = scratch_dir("ema_lab_06_")  # removed when the kernel stops, however it stops
 
 # %% tags=["nbval-ignore-output"]
 # %%writefile {workdir}/train_ema.py
 """Train one model with DDP + ModelEMA, then with FSDP2 + ShardedModelEMA; rank 0 checks both."""
 
 import json
+import os
 import sys
 
 import torch
@@ -203,6 +201,10 @@ def main() -> None:
                 json.dump(summary, f)
     dist.barrier()  # no rank tears its connections down while rank 0 still checks
     dist.destroy_process_group()
+    # DDP and FSDP2 leave references to the group inside torch, so its gloo threads outlive this call;
+    # running on into Python's shutdown they were seen to abort a rank now and then: end here instead.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
@@ -370,6 +372,3 @@ else:
         print("dist.all_reduce:", comm.get_total_counts(), "collective")
     finally:
         dist.destroy_process_group()
-
-# %%
-shutil.rmtree(workdir)  # the temporary folder of section 3

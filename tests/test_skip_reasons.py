@@ -25,7 +25,6 @@ def _without_numpy(real):
 def test_a_missing_package_is_named_as_not_installed(monkeypatch, capsys) -> None:
     monkeypatch.setattr(importlib, "import_module", _without_numpy(importlib.import_module))
     monkeypatch.setattr(distributed, "FSDP2_CPU_MIN", "2.0")
-    assert distributed.missing_apis() == ["numpy (not installed; torch.distributed.tensor.debug imports it)"]
     assert distributed.main(["--world-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "skipped: numpy (not installed; torch.distributed.tensor.debug imports it)\n" in out

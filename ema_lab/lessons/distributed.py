@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,8 +31,7 @@ from ..bench.models import build
 from ..ema import ModelEMA
 from ..sharded import ShardedModelEMA
 
-__all__ = ["missing_apis", "skip_reason", "loopback_interface", "ddp_model_ema", "launch", "reference"]
-__all__ += ["main"]
+__all__ = ["skip_reason", "loopback_interface", "scratch_dir", "ddp_model_ema", "launch", "reference", "main"]
 
 #: (import path, name) of every torch API the runs need; checked before anything is spawned.
 REQUIRED_APIS = (
@@ -70,12 +70,6 @@ def _unavailable() -> tuple[list[str], list[str]]:
         except (ImportError, AttributeError):
             apis.append(f"{mod}.{name}")
     return apis, list(packages)
-
-
-def missing_apis() -> list[str]:
-    """What the runs need and do not find: torch APIs this torch lacks, then packages not installed."""
-    apis, packages = _unavailable()
-    return apis + packages
 
 
 def skip_reason() -> str | None:
@@ -122,6 +116,31 @@ def loopback_interface() -> str | None:
     return next((n for n in names if n.startswith("lo")), None)
 
 
+_WATCHERS: list[subprocess.Popen] = []  # kept, so that no watcher is ever reaped as garbage meanwhile
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A new temporary folder, removed when this process ends however it ends: exit, restart, even killed.
+
+    A small watcher process removes it: it waits on a pipe whose writing end only this process holds,
+    and the system closes that end when this process ends, whatever ended it.
+    """
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    read_end, write_end = os.pipe()  # write_end stays open, never inherited, until this process ends
+    code = (
+        "import os, shutil, sys; os.read(int(sys.argv[1]), 1); shutil.rmtree(sys.argv[2], ignore_errors=True)"
+    )
+    watcher = subprocess.Popen(
+        [sys.executable, "-c", code, str(read_end), str(path)],
+        pass_fds=(read_end,),
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # a Ctrl-C in a terminal reaches this process, not the watcher
+    )
+    os.close(read_end)
+    _WATCHERS.append(watcher)
+    return path
+
+
 def shard_model(model: nn.Module, mesh: object) -> nn.Module:
     """FSDP2 recipe: one ``fully_shard`` group per transformer block, then the root (embeddings, head)."""
     from torch.distributed.fsdp import fully_shard
@@ -152,6 +171,12 @@ def _worker(
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # DDP and FSDP2 leave references to the group inside torch, so its gloo threads outlive
+    # destroy_process_group(); running on into Python's shutdown they can abort the rank (SIGABRT,
+    # "terminate called without an active exception"). A rank that is done ends without that shutdown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(
