@@ -201,7 +201,8 @@ def synthesize(
     )
     out: dict[str, Tensor] = {}
     for snapshot, w in zip(used, weights.tolist()):
-        data = torch.load(snapshot.path, map_location="cpu", weights_only=True, mmap=True)
+        # str: torch 2.1 memory-maps a file given by name only
+        data = torch.load(str(snapshot.path), map_location="cpu", weights_only=True, mmap=True)
         if (data["step"], data["gamma"]) != (snapshot.step, snapshot.gamma):
             raise ValueError(f"{snapshot.path.name} holds step {data['step']}, gamma {data['gamma']}")
         tensors = data["tensors"]
