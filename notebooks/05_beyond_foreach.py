@@ -21,16 +21,15 @@
 
 # %% tags=["nbval-ignore-output"]
 import copy
-import os
-import statistics
 
 import torch
 from torch.utils.benchmark import Timer
 
 from ema_lab.bench import models
+from ema_lab.bench.environment import quick_mode
 
 torch.set_num_threads(1)  # one thread, so timings compare across runs
-QUICK = os.environ.get("EMA_LAB_QUICK", "0") not in ("", "0")  # a shorter run with the same steps
+QUICK = quick_mode()  # EMA_LAB_QUICK=1: a shorter run with the same steps
 print(f"torch {torch.__version__}, threads: {torch.get_num_threads()}")
 
 model = models.build("yolo")  # a conv net shaped like ultralytics' yolo26n
@@ -68,28 +67,37 @@ def ema_foreach() -> None:  # the PR's after-code: one call for all tensors
     torch._foreach_lerp_(E, M, 1 - D)
 
 
-def time_rounds(fns: dict[str, object], rounds: int = 5 if QUICK else 15) -> dict[str, list[float]]:
-    """ms per call of each function in every round; they take turns, so load hits all alike."""
-    timers = {name: Timer("fn()", globals={"fn": fn}) for name, fn in fns.items()}
-    runs = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, timer in timers.items():
-            runs[name].append(timer.timeit(5).median * 1e3)  # 5 calls per sample
-    return runs
-
-
-def medians(runs: dict[str, list[float]]) -> dict[str, float]:
-    return {name: round(statistics.median(r), 2) for name, r in runs.items()}
-
+# %% [markdown]
+# Time both with notebook 04's `time_candidates` (turns, medians, IQR), and the two `state_dict()` walks
+# that the PR's code adds to each:
 
 # %% tags=["nbval-ignore-output"]
-first = medians(time_rounds({"loop": ema_loop, "foreach": ema_foreach}))
-print(first, f"| foreach {first['loop'] / first['foreach']:.1f}x faster")
+from ema_lab.bench.timing import time_candidates
+
+
+def timed(fns: dict[str, object], rounds: int = 5 if QUICK else 15) -> dict[str, float]:
+    """Time the functions in turns; print each one's median and IQR; return the medians in ms."""
+    results = time_candidates(fns, rounds=rounds)
+    for name, r in results.items():
+        print(f"{name:<25} {r.median_s * 1e3:6.2f} ms (IQR {r.iqr_s * 1e3:.2f})")
+    return {name: r.median_s * 1e3 for name, r in results.items()}
+
+
+first = timed(
+    {
+        "loop": ema_loop,
+        "foreach": ema_foreach,
+        "two state_dict() walks": lambda: (ema.state_dict(), model.state_dict()),
+    }
+)
+walks = first["two state_dict() walks"]
+print(f"foreach over loop: {first['loop'] / first['foreach']:.1f}x;", end=" ")
+print(f"with the walks in both, as in the PR: {(first['loop'] + walks) / (first['foreach'] + walks):.1f}x")
 
 # %% [markdown]
-# foreach wins by more than the 2x of notebooks 01 and 04. Those time the PR's code, which walks both
-# `state_dict()`s on every call, before and after alike; here the lists are built once, so only the
-# per-tensor work differs. Yet on a CPU `_foreach_lerp_` still runs one `lerp_` per tensor inside.
+# The PR's code walks both `state_dict()`s on every call, before and after alike, diluting its gain;
+# here the lists are built once.
+# Yet on a CPU `_foreach_lerp_` still runs one `lerp_` per tensor inside.
 
 # %% [markdown]
 # ## 2. One buffer, many views
@@ -139,16 +147,12 @@ def ema_cat_lerp() -> None:  # flat EMA; the model copied into one tensor each s
     ema_flat.lerp_(torch.cat([m.reshape(-1) for m in M]), 1 - D)
 
 
-runs = time_rounds({"foreach": ema_foreach, "flat EMA + cat": ema_cat_lerp}, rounds=9)
-slower = [c / f for c, f in zip(runs["flat EMA + cat"], runs["foreach"])]
-print(
-    medians(runs),
-    f"| cat slower in {sum(r > 1 for r in slower)} of 9 rounds, by {min(slower):.2f}x to {max(slower):.2f}x",
-)
+cat_ms = timed({"foreach": ema_foreach, "flat EMA + cat": ema_cat_lerp})
+print(f"flat EMA + cat / foreach: {cat_ms['flat EMA + cat'] / cat_ms['foreach']:.2f}x")
 
 # %% [markdown]
-# The gather costs more than it saves: `cat` copies all 2.6 million model elements on every update. So
-# flatten the model too: the update becomes one `lerp_` over two buffers, and it must equal foreach to
+# The gather costs more than it saves: `cat` copies all 2.6 million model elements on
+# every update. So flatten the model too: the update becomes one `lerp_` over two buffers, and it must equal foreach to
 # the bit:
 
 
@@ -170,10 +174,11 @@ with torch.no_grad():
     ema_flat.copy_(start)
     ema_one_lerp()
 print("one lerp_ == foreach, bitwise:", torch.equal(ema_flat, by_foreach))
-print(medians(time_rounds({"foreach": ema_foreach, "one lerp_": ema_one_lerp})))
+flat_ms = timed({"foreach": ema_foreach, "one lerp_": ema_one_lerp})
 
 # %% [markdown]
 # Bitwise equal: the same formula on the same elements, in one call instead of 594 inside one.
+# foreach's time moves from cell to cell (notebook 04's drift): compare times within one cell.
 
 # %% [markdown]
 # ## 3. Views go stale
@@ -232,45 +237,22 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
 #
 # `ema_lab.ModelEMA` packages sections 2-4: it flattens its EMA copy, checks the views before every
 # update (rebuilding when they moved), and casts a bf16 model into an fp32 buffer first.
-# `ema_lab.flatten_model` is our `flatten` for the model. A ten-line op counter (notebook 01) shows what
-# one update calls:
+# `ema_lab.flatten_model` is our `flatten` for the model. `count_ops`, the op counter of notebook 01,
+# packaged, shows what one update calls:
 
 # %%
-from collections import Counter
-
-from torch.utils._python_dispatch import TorchDispatchMode
-
 import ema_lab
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the ATen ops (PyTorch's C++ tensor operations) called while it is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def ops_of(fn: object, *args: object) -> dict[str, int]:
-    """Run fn(*args) once; how many times each ATen op was called."""
-    with OpCounter() as counter:
-        fn(*args)
-    return dict(counter.ops)
-
+from ema_lab.bench.counting import count_ops
 
 net = models.build("yolo")
 ema_default = ema_lab.ModelEMA(net)
 ema_default.update(net)  # the first update builds the flat buffers
-print("default:  ", ema_default.modes, ops_of(ema_default.update, net))
+print("default:  ", ema_default.modes, dict(count_ops(ema_default.update, net)))
 net_flat = models.build("yolo")
 ema_lab.flatten_model(net_flat)
 ema_fused = ema_lab.ModelEMA(net_flat)
 ema_fused.update(net_flat)
-print("flattened:", ema_fused.modes, ops_of(ema_fused.update, net_flat))
+print("flattened:", ema_fused.modes, dict(count_ops(ema_fused.update, net_flat)))
 
 # %% [markdown]
 # You choose a *strategy* (`ModelEMA(model, strategy="auto")`, the default); `ema.modes` names what
@@ -293,24 +275,29 @@ model_flat = flatten(M)  # fresh flat memory for the float model
 ways = {"loop": ema_loop, "foreach": ema_foreach, "flat EMA + cat": ema_cat_lerp, "one lerp_": ema_one_lerp}
 ways["ModelEMA"] = lambda: ema_default.update(net)
 ways["flatten_model + ModelEMA"] = lambda: ema_fused.update(net_flat)
-runs = time_rounds(ways)
-times = medians(runs)
+results = time_candidates(ways, rounds=5 if QUICK else 15)
+times = {k: r.median_s * 1e3 for k, r in results.items()}  # ms
 
 fig, ax = plt.subplots(figsize=(6.5, 2.8))
 names = list(times)[::-1]
 colors = ["tab:blue" if "ModelEMA" in k else "tab:gray" for k in names]  # blue: ema_lab, gray: built above
-ax.barh(names, [times[k] for k in names], color=colors)
+iqr = [
+    [1e3 * (results[k].median_s - results[k].q1_s) for k in names],
+    [1e3 * (results[k].q3_s - results[k].median_s) for k in names],
+]  # the middle half of the rounds
+ax.barh(names, [times[k] for k in names], xerr=iqr, color=colors, error_kw={"lw": 1})
 for y, k in enumerate(names):
-    ax.text(times[k], y, f" {times[k]:.2f} ms", va="center", fontsize=9)
-ax.set_xlim(0, 1.25 * max(times.values()))
-ax.set_xlabel("ms per EMA update, yolo-sized model, 1 thread")
+    ax.text(1e3 * results[k].q3_s, y, f" {times[k]:.2f} ms", va="center", fontsize=9)
+ax.set_xlim(0, 1.3 * max(1e3 * r.q3_s for r in results.values()))
+ax.set_xlabel("ms per EMA update (median; line: IQR), yolo-sized model, 1 thread")
 fig.tight_layout()
 plt.show()
 
 # %% [markdown]
 # Gray: built here; blue: `ema_lab`. The flattened model's `ModelEMA` runs the floor's `lerp_` plus the
-# counters' `copy_` and the check. The default leaves your model alone: it reads the scattered tensors
-# like our foreach, plus the check and the counters, and its `cat` saves per-tensor calls on the small ones.
+# counters' `copy_` and the check, so it cannot beat the floor: where the two IQR lines overlap, their
+# difference is noise. The default leaves your model alone: it reads the scattered tensors like our
+# foreach, plus the check and the counters, and its `cat` saves per-tensor calls on the small ones.
 
 # %% [markdown]
 # The check, packaged: make the flattened model fp16 and update once. With decay 0 the EMA must equal
@@ -388,9 +375,9 @@ for name, cand in [
 #
 # Try each one before you open its solution.
 #
-# 1. `models.build("tiny_tensors")` holds 2,000 float tensors of 136 elements. Predict: does one `lerp_`
-#    gain more over foreach there than on the yolo-sized model? Then measure with `float_tensors`,
-#    `flatten` and `time_rounds`.
+# 1. `models.build("tiny_tensors")` holds 2,000 float tensors (1,000 of 256 elements, 1,000 of 16).
+#    Predict: does one `lerp_` gain more over foreach there than on the yolo-sized model? Measure with
+#    `float_tensors`, `flatten` and `timed`.
 #
 # <details><summary>Solution 1</summary>
 #
@@ -400,37 +387,45 @@ for name, cand in [
 # tiny, tiny_ema = models.build("tiny_tensors"), models.build("tiny_tensors").requires_grad_(False)
 # tE, tM = float_tensors(tiny_ema), float_tensors(tiny)
 # tE_flat, tM_flat = flatten(tE), flatten(tM)
-# tiny_runs = time_rounds({
-#     "foreach": torch.no_grad()(lambda: torch._foreach_lerp_(tE, tM, 1 - D)),
-#     "one lerp_": torch.no_grad()(lambda: tE_flat.lerp_(tM_flat, 1 - D)),
-# })
-# ratio = statistics.median(tiny_runs["foreach"]) / statistics.median(tiny_runs["one lerp_"])
+# tiny_ms = timed(
+#     {
+#         "foreach": torch.no_grad()(lambda: torch._foreach_lerp_(tE, tM, 1 - D)),
+#         "one lerp_": torch.no_grad()(lambda: tE_flat.lerp_(tM_flat, 1 - D)),
+#     }
+# )
+# ratio = tiny_ms["foreach"] / tiny_ms["one lerp_"]
 # print(f"tiny_tensors: {ratio:.0f}x; yolo-sized: {times['foreach'] / times['one lerp_']:.1f}x")
 # ```
 # </details>
 #
 # 2. Predict the share of a training step that an EMA update takes, then time a step of
-#    `models.build("yolo")`: input `torch.randn(8, 3, 256, 256)` (8 RGB images of 256x256), forward,
-#    loss `sum(o.square().mean() for o in net(images))`, backward, `torch.optim.SGD(net.parameters(),
-#    lr=0.01, momentum=0.9).step()`. Compare with section 5's `times` (quick mode: 2 images of 64x64).
+#    `models.build("yolo")`: input `torch.randn(8, 3, 256, 256)`, forward, loss `sum(o.square().mean()
+#    for o in net(images))`, backward, `torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9).step()`.
+#    Compare with section 5's `times`. Quick mode (`EMA_LAB_QUICK=1`, a shorter run) uses 2 images of 64x64.
 #
 # <details><summary>Solution 2</summary>
 #
-# Little, on a CPU at 8 x 256x256: the step takes hundreds of ms, an update a few ms at most. The share
-# grows as the step shortens (smaller batches or images) while the update stays the same.
+# The printed shares answer it. The step's work grows with batch and image size, the update's does not:
+# the smaller the step, the larger the EMA's share.
 #
 # ```python
+# batch, size = (2, 64) if QUICK else (8, 256)
 # net = models.build("yolo").train()
 # opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-# images = torch.randn(8, 3, 256, 256)
-# def train_step():
+# images = torch.randn(batch, 3, size, size)
+#
+#
+# def train_step() -> None:
 #     opt.zero_grad()
 #     sum(o.square().mean() for o in net(images)).backward()
 #     opt.step()
+#
+#
 # train_step()  # warm-up
 # step_ms = Timer("train_step()", globals=globals()).timeit(3).mean * 1e3
+# print(f"training step, batch {batch} at {size}x{size}: {step_ms:.0f} ms")
 # for k in ("loop", "foreach", "ModelEMA", "flatten_model + ModelEMA"):
-#     print(f"{k:<25} {times[k] / (step_ms + times[k]):6.2%} of the step")
+#     print(f"  {k:<25} {times[k]:6.2f} ms = {times[k] / (step_ms + times[k]):6.2%} of the step")
 # ```
 # </details>
 #
@@ -447,9 +442,10 @@ for name, cand in [
 # ema_lab.flatten_model(cnn)
 # cnn_ema = ema_lab.ModelEMA(cnn)
 # cnn_ema.update(cnn)
+# print("flattened:  ", cnn_ema.modes, "| builds:", cnn_ema.rebuilds)
 # ema_lab.unflatten_model(cnn)
 # cnn_ema.update(cnn)
-# print(cnn_ema.modes, "| builds:", cnn_ema.rebuilds)
+# print("unflattened:", cnn_ema.modes, "| builds:", cnn_ema.rebuilds)
 # ```
 # </details>
 #
@@ -460,13 +456,13 @@ for name, cand in [
 tiny, tiny_ema = models.build("tiny_tensors"), models.build("tiny_tensors").requires_grad_(False)
 tE, tM = float_tensors(tiny_ema), float_tensors(tiny)
 tE_flat, tM_flat = flatten(tE), flatten(tM)
-tiny_runs = time_rounds(
+tiny_ms = timed(
     {
         "foreach": torch.no_grad()(lambda: torch._foreach_lerp_(tE, tM, 1 - D)),
         "one lerp_": torch.no_grad()(lambda: tE_flat.lerp_(tM_flat, 1 - D)),
     }
 )
-ratio = statistics.median(tiny_runs["foreach"]) / statistics.median(tiny_runs["one lerp_"])
+ratio = tiny_ms["foreach"] / tiny_ms["one lerp_"]
 print(f"tiny_tensors: {ratio:.0f}x; yolo-sized: {times['foreach'] / times['one lerp_']:.1f}x")
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
