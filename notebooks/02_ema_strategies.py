@@ -190,7 +190,7 @@ print("same ramp:", all(packaged.decay(n) == ramp(n, 0.99, 50) for n in range(0,
 #
 # ema_lab has the step three ways: `loop_update` (the arithmetic before ultralytics PR #25315, one
 # tensor at a time), `foreach_update` (one `torch._foreach_lerp_`, the after-code) and `gated_update`
-# (the after-code with a safety check, section 4). Take the float tensors of a model shaped like the
+# (the after-code with the PR's checks and a fallback). Take the float tensors of a model shaped like the
 # yolo26n detector:
 
 # %%
