@@ -50,7 +50,8 @@ def jupyter_dirs(where: Path) -> dict[str, str]:
 def readers_jupyter_files() -> dict[str, int | None]:
     """The reader's own Jupyter folders (config, with lab settings and workspaces; data): path -> mtime.
 
-    Folders map to None; runtime/ is left out, as any Jupyter the reader runs meanwhile writes there.
+    Folders map to None; runtime/ (and the folders above it) are left out: any Jupyter the reader runs
+    meanwhile writes there.
     """
     from jupyter_core.paths import jupyter_config_dir, jupyter_data_dir, jupyter_runtime_dir
 
@@ -64,7 +65,7 @@ def readers_jupyter_files() -> dict[str, int | None]:
     found: dict[str, int | None] = {}
     for top in tops:
         for p in [top, *top.rglob("*")] if top.exists() else []:
-            if p != runtime and runtime not in p.parents:
+            if p != runtime and runtime not in p.parents and p not in runtime.parents:
                 found[str(p)] = p.stat().st_mtime_ns if p.is_file() else None
     return found
 
