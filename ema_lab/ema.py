@@ -6,19 +6,18 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from copy import deepcopy
-from numbers import Real
 from operator import getitem
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from .flat_step import FlatStep
+from .flat_step import FlatStep, Twin
 from .graph_step import GraphStep
 from .pairs import Pairs, collect_pairs, module_entries
-from .posthoc import save_snapshot, synthesize
+from .posthoc import list_snapshots, save_snapshot, synthesize
 from .schedules import decay_over, power
-from .step import CAT_MAX_NUMEL, Step, StepOptions, install_hooks
+from .step import CAT_MAX_NUMEL, Step, StepOptions
 from .updates import PREPARERS, ListStep, check_decay
 
 __all__ = ["ModelEMA", "PostHocEMA", "BaseEMA", "STRATEGIES", "unwrap_model"]
@@ -108,12 +107,15 @@ class BaseEMA:
         ):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
                 raise ValueError(f"{name} must be a {kind} int, got {value!r}")
-        allowed = [s for s in STRATEGIES if not self.sharded or s == "auto" or STEPS[s].in_place]
-        if strategy not in allowed:
-            raise ValueError(f"unknown strategy {strategy!r}; expected one of {tuple(allowed)}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+        if self.sharded and strategy != "auto" and not STEPS[strategy].in_place:
+            raise ValueError(
+                f"strategy {strategy!r} moves the EMA into new buffers; a sharded EMA keeps its DTensor "
+                "shards in place: use 'auto', 'gated', 'foreach' or 'loop'"
+            )
         if cuda_graph and self.sharded:
             raise ValueError("cuda_graph=True records one device's update; a sharded EMA cannot use it")
-        install_hooks()  # torch's global registration hooks: on the first EMA made, once per process
         self.ema = self._average_of(unwrap_model(model))
         floats = [t for t in (*self.ema.parameters(), *self.ema.buffers()) if t.is_floating_point()]
         self.resolved_strategy = resolve_strategy(strategy, floats, in_place=self.sharded)
@@ -146,11 +148,12 @@ class BaseEMA:
         if self.schedule is None:
             return self.max_decay * (1 - math.exp(-n / self.tau))
         d = self.schedule(n)
-        if not (isinstance(d, Real) and not isinstance(d, bool) and 0.0 <= d <= 1.0):
+        try:
+            return check_decay(d)
+        except (TypeError, ValueError):
             raise ValueError(
                 f"the schedule {self.schedule!r} gave decay {d!r} at update {n}, not a number in [0, 1]"
-            )
-        return float(d)
+            ) from None
 
     @property
     def modes(self) -> list[str]:
@@ -174,22 +177,20 @@ class BaseEMA:
     def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:
         """Move the EMA one step towards ``model`` (wrapped models are unwrapped).
 
-        ``decay`` overrides the schedule for this step; with "flat" it may be a 0-dim tensor on the
-        model's device: no host sync, no recompiles. With ``every=k`` only every k-th call updates, by the
-        product of the k decays (the others only count).
+        ``decay`` overrides the schedule for this step (with ``every=k``: for the k steps at once); with
+        "flat" it may be a 0-dim tensor on the model's device: no host sync, no recompiles. With
+        ``every=k`` only every k-th call updates, by the product of the k decays (the others only count).
         """
         if not self.enabled:
             return
+        if decay is not None:
+            decay = check_decay(decay, self._step_type.tensor_decay)
         n = self.updates + 1
         if n % self.every:
             self.updates = n
             return
-        if decay is not None:
-            decay = check_decay(decay, self._step_type.tensor_decay)
-        elif self.every == 1:
-            decay = self.decay(n)
-        else:
-            decay = decay_over(self.decay, n, self.every)
+        if decay is None:  # every == 1, the default, computes its decay here
+            decay = self.decay(n) if self.every == 1 else decay_over(self.decay, n, self.every)
         model = unwrap_model(model)
         step = self._step
         if step is None or not step.intact(model) or not step.read():
@@ -255,7 +256,8 @@ class PostHocEMA(ModelEMA):
     """Two power-function EMAs (Karras et al. 2024) of one model, both updated from one read of it, and their
     snapshots saved in ``folder`` every ``snapshot_every`` updates; :meth:`synthesize` then makes the EMA of
     any length ``sigma_rel`` after training (:mod:`ema_lab.posthoc`). ``.ema`` holds the first profile,
-    ``.ema2`` the second; the flat step reads the model once, and the second EMA is one more lerp per group.
+    ``.ema2`` the second, laid out like the first (its dtype follows the first's). ``updates=N`` resumes a
+    run from its snapshots of update N; a snapshot is never written over.
     """
 
     def __init__(
@@ -264,6 +266,7 @@ class PostHocEMA(ModelEMA):
         folder: str | os.PathLike,
         sigma_rels: tuple[float, float] = (0.05, 0.10),
         snapshot_every: int = 1000,
+        updates: int = 0,
     ) -> None:
         if not (isinstance(sigma_rels, (tuple, list)) and len(sigma_rels) == 2):
             raise ValueError(f"sigma_rels must be two lengths, got {sigma_rels!r}")
@@ -272,29 +275,43 @@ class PostHocEMA(ModelEMA):
         ):
             raise ValueError(f"snapshot_every must be a positive int, got {snapshot_every!r}")
         first, second = (power(sigma_rel=s) for s in sigma_rels)
-        super().__init__(model, decay=first, strategy="flat")
+        super().__init__(model, decay=first, updates=updates, strategy="flat")
         self.second = second
         self.ema2 = deepcopy(self.ema)
         for (_, slot), (_, (table, name)) in zip(module_entries(self.ema), module_entries(self.ema2)):
             if not getitem(*slot).is_floating_point():  # the counters: one tensor for both EMAs
                 table[name] = getitem(*slot)
         self.folder, self.snapshot_every = Path(folder), snapshot_every
-        self._twin_of: Step | None = None  # the step the second EMA is laid out for
-        self._twins: list[list[Tensor]] = []
+        self.folder.mkdir(parents=True, exist_ok=True)  # a bad folder fails here, not at the first save
+        later = [s.step for s in list_snapshots(self.folder) if s.step > updates]
+        if later:
+            raise ValueError(
+                f"{self.folder} holds snapshots up to update {max(later)}: resume with updates=<a saved "
+                "update> or give an empty folder"
+            )
+        if updates:
+            self._resume(updates)
+        self._twin: Twin | None = None  # the second EMA laid out like the current step
+
+    def _resume(self, step: int) -> None:
+        """Load both EMAs from their snapshots of update ``step``."""
+        saved = {s.gamma: s.path for s in list_snapshots(self.folder) if s.step == step}
+        for ema, schedule in ((self.ema, self.schedule), (self.ema2, self.second)):
+            if schedule.gamma not in saved:
+                raise ValueError(
+                    f"no snapshot of update {step} with gamma {schedule.gamma!r} in {self.folder}"
+                )
+            data = torch.load(str(saved[schedule.gamma]), map_location="cpu", weights_only=True)
+            ema.load_state_dict(data["tensors"])
 
     def update(self, model: nn.Module) -> None:
         """Move both EMAs one step towards ``model``; every ``snapshot_every`` updates, save both."""
         if not self.enabled:
             return
         super().update(model)  # the first EMA: reads the model, lerps, copies the counters
-        step = self._step
-        if self._twin_of is not step:  # built or rebuilt: lay the second EMA out like it
-            self._twins = step.twin(collect_pairs(self.ema2, self.ema).ema)
-            self._twin_of = step
-        weight = 1.0 - self.second(self.updates)
-        with torch.no_grad():
-            for g, targets in zip(step.groups, self._twins):
-                g.lerp(weight, targets)
+        if self._twin is None or not self._twin.intact(self._step, self.ema2):
+            self._twin = self._step.twin(self.ema2)
+        self._twin.lerp(1.0 - self.second(self.updates))
         if self.updates % self.snapshot_every == 0:
             self.save()
 
@@ -308,4 +325,4 @@ class PostHocEMA(ModelEMA):
         return synthesize(self.folder, sigma_rel, step)
 
     def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "_twin_of": None, "_twins": []}
+        return {**super().__getstate__(), "_twin": None}

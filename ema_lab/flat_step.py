@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from .flat import empty_flat, group, into_one_buffer, tiles_in_order, whole_storage
 from .gates import foreach_lerp_supported
-from .pairs import Pairs, Slot
+from .pairs import Pairs, Slot, collect_pairs
 from .step import Counters, StepOptions, Watch
 from .updates import validate_pairs
 
@@ -198,11 +198,8 @@ class FlatStep:
         validate_pairs(pairs.ema, pairs.model, pairs.names)
         ema, mod = pairs.ema, [m.detach() for m in pairs.model]
         self.groups: list[_FusedGroup | _CastGroup | _SplitGroup] = []
-        self.ema, self.indices = (
-            ema,
-            group(range(len(ema)), lambda i: (ema[i].device, ema[i].dtype, mod[i].dtype)),
-        )
-        for idx in self.indices:
+        indices = group(range(len(ema)), lambda i: (ema[i].device, ema[i].dtype, mod[i].dtype))
+        for idx in indices:
             es, ms, slots = [ema[i] for i in idx], [mod[i] for i in idx], [pairs.model_slots[i] for i in idx]
             if tiles_in_order(sorted(ms, key=Tensor.storage_offset)):
                 self.groups.append(_FusedGroup(es, ms))
@@ -210,6 +207,12 @@ class FlatStep:
                 self.groups.append(_CastGroup(es, ms, slots))
             else:
                 self.groups.append(_SplitGroup(es, ms, slots, options.cat_max_numel))
+        # Where each EMA tensor lies in its group's buffer, (pair, start): a Twin is laid out the same.
+        # Positions, not the tensors: a reference to the EMA's own tensors would block swap_tensors.
+        self.places = [
+            [(i, ema[i].storage_offset() - g.ema.storage_offset()) for i in idx]
+            for g, idx in zip(self.groups, indices)
+        ]
         self.counters = Counters(pairs.ema_counters, pairs.model_counters)
         self.modes = [g.mode for g in self.groups]
         # Every read slot that is not a view of a watched buffer is checked per step (counters included).
@@ -264,23 +267,39 @@ class FlatStep:
                 g.lerp(w)
             self.counters()
 
-    def twin(self, ema: list[Tensor]) -> list[list[Tensor]]:
-        """Move ``ema`` (a second EMA's float tensors, paired as this step's) into buffers laid out like the
-        groups' and return each group's targets over them: ``g.lerp(w, targets)`` then updates the twin
-        from what :meth:`read` gathered for this step, without reading the model again."""
-        twins = []
+    def twin(self, module: nn.Module) -> Twin:
+        """A second EMA, ``module`` (a copy of the first), laid out like this step's buffers (see Twin)."""
+        return Twin(self, module)
+
+
+class Twin:
+    """A second EMA module moved into buffers laid out like a flat step's groups, so that each group lerps
+    it from what the step's :meth:`FlatStep.read` gathered: one read of the model for both EMAs. Its
+    tensors are watched like the step's; once they move, a new twin copies them in again."""
+
+    def __init__(self, step: FlatStep, module: nn.Module) -> None:
+        pairs = collect_pairs(module, module)  # the same keys in the same order as the first EMA's
+        ema = pairs.ema
+        self.step, self.targets = step, []
         with torch.no_grad():
-            for g, idx in zip(self.groups, self.indices):
+            for g, places in zip(step.groups, step.places):
                 buffer = empty_flat(g.ema.numel(), g.ema.dtype, g.ema.device)
-                for i in idx:
-                    view = _same_place(buffer, g.ema, self.ema[i])
+                for i, start in places:
+                    view = buffer[start : start + ema[i].numel()].view(ema[i].shape)
                     view.copy_(ema[i])
                     ema[i].data = view  # keeps the Parameter object, as into_one_buffer does
-                twins.append([_same_place(buffer, g.ema, t) for t in g.targets])
-        return twins
+                base = g.ema.storage_offset()
+                self.targets.append(
+                    [buffer[t.storage_offset() - base :][: t.numel()].view(t.shape) for t in g.targets]
+                )
+        self.watch = Watch(module, pairs.ema_slots[: len(ema)])
 
+    def intact(self, step: FlatStep, module: nn.Module) -> bool:
+        """True while ``step`` is the one this twin was laid out for and its tensors have not moved."""
+        return step is self.step and self.watch.current(module)
 
-def _same_place(buffer: Tensor, like: Tensor, view: Tensor) -> Tensor:
-    """The view of ``buffer`` where ``view`` lies in ``like`` (both 1-D buffers of one size)."""
-    start = view.storage_offset() - like.storage_offset()
-    return buffer[start : start + view.numel()].view(view.shape)
+    def lerp(self, weight: float) -> None:
+        """``e += weight * (m - e)`` over the twin, from what the step read for its own update."""
+        with torch.no_grad():
+            for g, targets in zip(self.step.groups, self.targets):
+                g.lerp(weight, targets)

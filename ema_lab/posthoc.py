@@ -130,6 +130,8 @@ def save_snapshot(folder: str | os.PathLike, tensors: Mapping[str, Tensor], step
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"ema-{step:012d}-g{float(gamma)!r}.pt"
+    if path.exists():
+        raise ValueError(f"{path} exists: a snapshot is never written over")
     payload = {
         "step": step,
         "gamma": float(gamma),

@@ -6,9 +6,10 @@ the flat step recorded in a CUDA graph (``ModelEMA(cuda_graph=True)``). ``ModelE
 keep one and rebuild it when :meth:`Step.intact` says the model's or the EMA's tensors moved.
 
 A step reads the model through detached aliases (same memory, no autograd, no reference that would make
-``swap_tensors`` refuse). Before each update :class:`Watch` compares the ``data_ptr()`` each module slot
-holds now with the one it was built from, plus a counter bumped by torch's global registration hooks
-(:func:`install_hooks`, on the first EMA made, never at import): ``.to()``, ``.half()``, a reassigned
+``swap_tensors`` refuse). Before each update :class:`Watch` compares the ``data_ptr()`` each watched module
+slot holds now with the one it was built from (the flat step watches its own buffers by reference count
+and reads its small 1-D tensors live instead), plus a counter bumped by torch's global registration hooks
+(:func:`install_hooks`, when the first watch is made, never at import): ``.to()``, ``.half()``, a reassigned
 parameter, ``p.data = ...`` and ``torch.utils.swap_tensors`` all show up as a moved pointer or a new
 registration, and the step is rebuilt. A tensor re-viewed in place (``p.data = p.view(shape)``, same
 memory) is averaged as that memory in the EMA's shape: the aliases keep theirs, so no foreach stops halfway.
@@ -56,7 +57,7 @@ class Step(Protocol):
     def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None: ...
 
     def intact(self, model: nn.Module) -> bool:
-        """True while ``model`` and the EMA still hold the memory the step was built over (reads nothing)."""
+        """True while ``model`` and the EMA still hold the memory the step was built over (no tensor read)."""
         ...
 
     def read(self) -> bool:
@@ -76,9 +77,13 @@ def _count_registrations(table: str) -> Callable[[nn.Module, str, object], None]
     def hook(module: nn.Module, name: str, value: object) -> None:
         global _generation
         # ``self.step += 1`` on a buffer re-registers the same object (AveragedModel and ema-pytorch do it
-        # every update): not a replacement, so it must not make every cache in the process rebuild.
-        if module.__dict__.get(table, {}).get(name) is not value:
-            _generation += 1
+        # every update): not a replacement, so it must not make every cache in the process rebuild; nor
+        # does a non-persistent buffer reassigned by a forward (a rotary or mask cache): no EMA reads it.
+        if module.__dict__.get(table, {}).get(name) is value:
+            return
+        if table == "_buffers" and name in module.__dict__.get("_non_persistent_buffers_set", ()):
+            return
+        _generation += 1
 
     return hook
 
@@ -99,6 +104,7 @@ class Watch:
     """Whether ``model`` is still the one a step was built for and its slots hold the same memory."""
 
     def __init__(self, model: nn.Module, slots: list[Slot], sharded: bool = False):
+        install_hooks()  # an EMA unpickled in a new process builds its watch before any constructor ran
         self.model_ref = weakref.ref(model)
         self.generation = _generation
         self.dicts, self.keys = (tuple(x) for x in zip(*slots)) if slots else ((), ())

@@ -53,8 +53,8 @@ def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tenso
     if isinstance(decay, Tensor):
         if not tensor_ok:
             raise TypeError(
-                "decay must be a Python number for this strategy (a 0-dim tensor decay needs 'flat', "
-                f"which the default 'auto' picks), got a {type(decay).__name__}"
+                "decay must be a Python number here (only update(model, decay=...) of an EMA whose step is "
+                f"'flat' takes a 0-dim tensor), got a {type(decay).__name__}"
             )
         if decay.dim() != 0 or not decay.is_floating_point():
             raise ValueError(

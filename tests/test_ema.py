@@ -278,7 +278,7 @@ def test_pickle_and_deepcopy_drop_the_cache_and_keep_averaging(strategy: str) ->
             torch.testing.assert_close(v, float_entries(ema.ema)[k])
 
 
-def test_import_registers_no_torch_hooks_the_first_ema_does() -> None:
+def test_import_registers_no_torch_hooks_the_first_update_does() -> None:
     import subprocess
     import sys
 
@@ -287,11 +287,14 @@ def test_import_registers_no_torch_hooks_the_first_ema_does() -> None:
         "names = ('_global_parameter_registration_hooks', '_global_buffer_registration_hooks',"
         " '_global_module_registration_hooks')\n"
         "print([len(getattr(m, n)) for n in names])\n"
-        "ema_lab.ModelEMA(torch.nn.Linear(2, 2)); ema_lab.ModelEMA(torch.nn.Linear(2, 2))\n"
+        "lin = torch.nn.Linear(2, 2); a, b = ema_lab.ModelEMA(lin), ema_lab.ModelEMA(lin)\n"
+        "print([len(getattr(m, n)) for n in names])\n"
+        "a.update(lin); b.update(lin)\n"
         "print([len(getattr(m, n)) for n in names])\n"
     ).replace("torch.nn.Linear", "__import__('torch').nn.Linear")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split("\n")[:2] == ["[0, 0, 0]", "[1, 1, 1]"]  # none at import, one each after, not two
+    # none at import nor construction, one each after the first updates (their watches), not two
+    assert out.split("\n")[:3] == ["[0, 0, 0]", "[0, 0, 0]", "[1, 1, 1]"]
 
 
 def test_a_compiled_model_is_unwrapped() -> None:

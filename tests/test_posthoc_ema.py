@@ -77,3 +77,43 @@ def test_bad_arguments_are_one_line_errors(kwargs: dict, message: str, tmp_path)
     with pytest.raises(ValueError, match=message) as info:
         PostHocEMA(torch.nn.Linear(2, 2), tmp_path, **kwargs)
     assert "\n" not in str(info.value)
+
+
+def test_the_second_ema_follows_its_own_tensors_being_replaced(tmp_path) -> None:
+    """.ema2's tensors moved by the user (new memory, another dtype) are laid out again, not left behind."""
+    model = models.build("tiny_cnn")
+    posthoc = PostHocEMA(model, tmp_path, sigma_rels=(0.05, 0.2), snapshot_every=100)
+    direct = ModelEMA(model, decay=power(sigma_rel=0.2), strategy="flat")
+    for step in range(1, 9):
+        _train_step(model, step)
+        if step == 3:
+            posthoc.ema2[0].conv.weight.data = posthoc.ema2[0].conv.weight.data.clone()
+        if step == 5:
+            posthoc.ema2.double()  # laid out again in the first EMA's dtype
+        posthoc.update(model)
+        direct.update(model)
+    want = direct.ema.state_dict()
+    for k, v in posthoc.ema2.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
+def test_a_run_resumed_from_its_snapshots_equals_one_that_never_stopped(tmp_path) -> None:
+    model, again = models.build("tiny_cnn"), models.build("tiny_cnn")
+    whole = PostHocEMA(model, tmp_path / "whole", snapshot_every=4)
+    first = PostHocEMA(again, tmp_path / "resumed", snapshot_every=4)
+    for step in range(1, 9):
+        for m, ema in ((model, whole), (again, first)):
+            _train_step(m, step)
+            ema.update(m)
+    with pytest.raises(ValueError, match="holds snapshots up to update 8: resume with updates="):
+        PostHocEMA(again, tmp_path / "resumed", snapshot_every=4)
+    resumed = PostHocEMA(again, tmp_path / "resumed", snapshot_every=4, updates=8)
+    for step in range(9, 13):
+        for m, ema in ((model, whole), (again, resumed)):
+            _train_step(m, step)
+            ema.update(m)
+    assert resumed.updates == whole.updates == 12
+    for mine, other in ((resumed.ema, whole.ema), (resumed.ema2, whole.ema2)):
+        want = other.state_dict()
+        for k, v in mine.state_dict().items():
+            assert torch.equal(v, want[k]), k

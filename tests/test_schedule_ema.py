@@ -124,3 +124,11 @@ def test_a_schedule_value_outside_0_1_is_a_one_line_error_and_changes_nothing(ba
 def test_every_must_be_a_positive_int(every) -> None:
     with pytest.raises(ValueError, match="every must be a positive int"):
         ModelEMA(torch.nn.Linear(2, 2), every=every)
+
+
+def test_with_every_k_a_bad_decay_is_refused_on_every_call() -> None:
+    model = torch.nn.Linear(2, 2)
+    ema = ModelEMA(model, every=3)
+    with pytest.raises(ValueError, match=r"finite number in \[0, 1\]"):
+        ema.update(model, decay=7.0)  # call 1 of 3: no update, still no bad decay let through
+    assert ema.updates == 0

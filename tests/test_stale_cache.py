@@ -363,3 +363,43 @@ def test_sharded_ema_also_averages_a_tensor_reshaped_in_place_as_its_memory() ->
     for k, v in ema.ema.state_dict().items():
         assert torch.equal(v, before[k].lerp(now[k].reshape(v.shape), 0.5)), k
     assert ema.rebuilds == 1
+
+
+def test_a_forward_that_reassigns_a_non_persistent_buffer_does_not_rebuild_the_step() -> None:
+    """A rotary or mask cache reassigned every forward is no entry of the EMA: no rebuild per update."""
+
+    class WithCache(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(4, 4)
+            self.register_buffer("cache", torch.zeros(4), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.cache = x.detach().mean(0)  # a new tensor each call
+            return super().forward(x)
+
+    model = WithCache()
+    ema = ModelEMA(model)
+    for _ in range(5):
+        model(torch.randn(2, 4))
+        ema.update(model)
+    assert ema.rebuilds == 1
+
+
+def test_an_ema_unpickled_where_no_ema_was_made_still_sees_a_replaced_module(monkeypatch) -> None:
+    """The registration hooks come with the first watch, not only with the first constructor."""
+    import pickle
+
+    from ema_lab import step
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    ema = ModelEMA(model)
+    ema.update(model)
+    blob = pickle.dumps(ema)
+    for handle in step._hooks:  # as in a fresh process
+        handle.remove()
+    monkeypatch.setattr(step, "_hooks", [])
+    fresh = pickle.loads(blob)
+    fresh.update(model)
+    model[0] = nn.Linear(3, 3)  # a registration, seen only through the hooks
+    fresh.update(model, decay=0.0)
+    assert torch.equal(fresh.ema[0].weight, model[0].weight) and fresh.rebuilds == 3  # pickled after 1
