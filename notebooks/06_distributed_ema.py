@@ -29,7 +29,8 @@ import sys
 import matplotlib.pyplot as plt
 import torch
 
-from ema_lab.lessons.distributed import loopback_interface, scratch_dir, skip_reason
+from ema_lab.lessons import scratch_dir
+from ema_lab.lessons.distributed import loopback_interface, skip_reason
 
 torch.set_num_threads(1)
 print(

@@ -339,12 +339,10 @@ print(
 # which returns a `state_dict`. One run, with two more EMAs tracked directly, to check the synthesis:
 
 # %% tags=["nbval-ignore-output"]
-import shutil
-import tempfile
-
 from ema_lab import PostHocEMA
+from ema_lab.lessons import scratch_dir
 
-folder = tempfile.mkdtemp(prefix="ema_lab_07_")  # removed at the end of the section
+folder = scratch_dir("ema_lab_07_")  # a temporary folder, removed when the kernel stops
 tracked = [0.03, 0.15]
 model, (posthoc, *direct), losses = train(
     lambda m: PostHocEMA(m, sigma_rels=(0.05, 0.10), snapshot_every=100, folder=folder),
@@ -383,7 +381,6 @@ best_loss, best = min(zip(synthesized, sigma_rels))
 print(
     f"best sigma_rel of those tried: {best} (test loss {best_loss:.4f}; raw weights {losses['raw'][-1]:.4f})"
 )
-shutil.rmtree(folder)
 
 # %% [markdown]
 # Too short an EMA keeps some of the raw weights' noise; too long a one reaches back to the worse
@@ -446,15 +443,14 @@ shutil.rmtree(folder)
 # As well: the profiles are smooth, and 12 of them fit the one wanted about as closely as 60 do.
 #
 # ```python
-# folder = tempfile.mkdtemp(prefix="ema_lab_07_")
+# folder = scratch_dir("ema_lab_07_")
 # _, (sparse, tracked_03), _ = train(
 #     lambda m: PostHocEMA(m, sigma_rels=(0.05, 0.10), snapshot_every=500, folder=folder),
 #     lambda m: ModelEMA(m, decay=schedules.power(sigma_rel=0.03)),
 # )
 # evaluate.load_state_dict(sparse.synthesize(0.03))
 # print(f"tracked {test_loss(tracked_03.ema):.5f}, synthesized from 12 snapshots {test_loss(evaluate):.5f}")
-# shutil.rmtree(folder)
-# ```
+# # ```
 # </details>
 #
 # The three cells below run the solutions (folded in JupyterLab: click to expand).
@@ -472,11 +468,10 @@ print(f"raw {default['raw'][-1]:.4f}, default ModelEMA {default[0][-1]:.4f}")
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
 # Solution 3
-folder = tempfile.mkdtemp(prefix="ema_lab_07_")
+folder = scratch_dir("ema_lab_07_")
 _, (sparse, tracked_03), _ = train(
     lambda m: PostHocEMA(m, sigma_rels=(0.05, 0.10), snapshot_every=500, folder=folder),
     lambda m: ModelEMA(m, decay=schedules.power(sigma_rel=0.03)),
 )
 evaluate.load_state_dict(sparse.synthesize(0.03))
 print(f"tracked {test_loss(tracked_03.ema):.5f}, synthesized from 12 snapshots {test_loss(evaluate):.5f}")
-shutil.rmtree(folder)

@@ -245,7 +245,7 @@ def test_scratch_dir_is_removed_however_its_process_ends(tmp_path: Path, end: st
     """Notebook 06 relies on it: a kernel that exits, restarts or is killed leaves no folder behind."""
     code = (
         "import sys, time\n"
-        "from ema_lab.lessons.distributed import scratch_dir\n"
+        "from ema_lab.lessons import scratch_dir\n"
         "folder = scratch_dir('ema_lab_test_')\n"
         "(folder / 'train_ema.py').write_text('')\n"
         "print(folder, flush=True)\n"

@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from ..bench.models import build
 from ..ema import ModelEMA
 from ..sharded import ShardedModelEMA
 
-__all__ = ["skip_reason", "loopback_interface", "scratch_dir", "ddp_model_ema", "launch", "reference", "main"]
+__all__ = ["skip_reason", "loopback_interface", "ddp_model_ema", "launch", "reference", "main"]
 
 #: (import path, name) of every torch API the runs need; checked before anything is spawned.
 REQUIRED_APIS = (
@@ -114,31 +113,6 @@ def loopback_interface() -> str | None:
     except (OSError, AttributeError):
         return None
     return next((n for n in names if n.startswith("lo")), None)
-
-
-_WATCHERS: list[subprocess.Popen] = []  # kept, so that no watcher is ever reaped as garbage meanwhile
-
-
-def scratch_dir(prefix: str) -> Path:
-    """A new temporary folder, removed when this process ends however it ends: exit, restart, even killed.
-
-    A small watcher process removes it: it waits on a pipe whose writing end only this process holds,
-    and the system closes that end when this process ends, whatever ended it.
-    """
-    path = Path(tempfile.mkdtemp(prefix=prefix))
-    read_end, write_end = os.pipe()  # write_end stays open, never inherited, until this process ends
-    code = (
-        "import os, shutil, sys; os.read(int(sys.argv[1]), 1); shutil.rmtree(sys.argv[2], ignore_errors=True)"
-    )
-    watcher = subprocess.Popen(
-        [sys.executable, "-c", code, str(read_end), str(path)],
-        pass_fds=(read_end,),
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,  # a Ctrl-C in a terminal reaches this process, not the watcher
-    )
-    os.close(read_end)
-    _WATCHERS.append(watcher)
-    return path
 
 
 def shard_model(model: nn.Module, mesh: object) -> nn.Module:
