@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from .flat import empty_flat, group, into_one_buffer, tiles_in_order, whole_storage
 from .gates import foreach_lerp_supported
 from .pairs import Pairs, Slot, collect_pairs
-from .step import Counters, StepOptions, Watch
+from .step import Counters, StepOptions, Watch, generation
 from .updates import validate_pairs
 
 __all__ = ["FlatStep", "CAT_RUN_NUMEL"]
@@ -224,13 +224,13 @@ class FlatStep:
 
     def use_counts(self) -> list[int]:
         """How many tensors (views included) hold each flat storage now; [] if torch cannot say."""
-        return [] if _USE_COUNT is None else [_USE_COUNT(s._cdata) for s in self.storages]
+        return _use_counts(self.storages)
 
     def intact(self, model: nn.Module) -> bool:
         """Per-slot check of the checked reads, O(1) per flat buffer (the exact check if a count moved)."""
         if not self.watch.current(model):
             return False
-        if _USE_COUNT is None or self.use_counts() != self.counts:
+        if _USE_COUNT is None or _use_counts(self.storages) != self.counts:
             if not self.exact.current(model):
                 return False
             self.counts = self.use_counts()  # a view made or dropped elsewhere: the new intact state
@@ -280,10 +280,11 @@ class Twin:
     def __init__(self, step: FlatStep, module: nn.Module) -> None:
         pairs = collect_pairs(module, module)  # the same keys in the same order as the first EMA's
         ema = pairs.ema
-        self.step, self.targets = step, []
+        self.step, self.targets, self.storages = step, [], []
         with torch.no_grad():
             for g, places in zip(step.groups, step.places):
                 buffer = empty_flat(g.ema.numel(), g.ema.dtype, g.ema.device)
+                self.storages.append(buffer.untyped_storage())
                 for i, start in places:
                     view = buffer[start : start + ema[i].numel()].view(ema[i].shape)
                     view.copy_(ema[i])
@@ -293,13 +294,31 @@ class Twin:
                     [buffer[t.storage_offset() - base :][: t.numel()].view(t.shape) for t in g.targets]
                 )
         self.watch = Watch(module, pairs.ema_slots[: len(ema)])
+        self.counts = _use_counts(self.storages)
 
     def intact(self, step: FlatStep, module: nn.Module) -> bool:
-        """True while ``step`` is the one this twin was laid out for and its tensors have not moved."""
-        return step is self.step and self.watch.current(module)
+        """True while ``step`` is the one this twin was laid out for and its tensors have not moved: O(1) per
+        buffer by reference counts, as the step's own buffers (the exact per-slot check if a count moved)."""
+        if step is not self.step:
+            return False
+        if (
+            self.counts
+            and self.watch.generation == generation()
+            and _use_counts(self.storages) == self.counts
+        ):
+            return True
+        if not self.watch.current(module):
+            return False
+        self.counts = _use_counts(self.storages)  # a view made or dropped elsewhere: the new intact state
+        return True
 
     def lerp(self, weight: float) -> None:
         """``e += weight * (m - e)`` over the twin, from what the step read for its own update."""
         with torch.no_grad():
             for g, targets in zip(self.step.groups, self.targets):
                 g.lerp(weight, targets)
+
+
+def _use_counts(storages: list) -> list[int]:
+    """How many tensors (views included) hold each storage now; [] if torch cannot say."""
+    return [] if _USE_COUNT is None else [_USE_COUNT(s._cdata) for s in storages]

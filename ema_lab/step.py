@@ -88,6 +88,11 @@ def _count_registrations(table: str) -> Callable[[nn.Module, str, object], None]
     return hook
 
 
+def generation() -> int:
+    """How many module entries were registered or replaced anywhere since the hooks were installed."""
+    return _generation
+
+
 def install_hooks() -> None:
     """Register torch's global parameter/buffer/module registration hooks, once per process."""
     if _hooks:
