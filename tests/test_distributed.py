@@ -30,6 +30,7 @@ from ema_lab import ModelEMA, ShardedModelEMA
 from ema_lab.bench.counting import count_ops
 from ema_lab.bench.models import build
 from ema_lab.lessons import distributed as dist_demo
+from ema_lab.schedules import power, warmup
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = dist_demo.skip_reason()
@@ -315,10 +316,16 @@ def _step(model: nn.Module, seed: int) -> None:
     opt.step()
 
 
-def test_sharded_ema_matches_model_ema_with_buffers(mesh: object) -> None:
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"decay": 0.9, "tau": 2}, {"decay": warmup(0.9, after=1)}, {"decay": power(gamma=2.0), "every": 2}],
+    ids=["ramp", "warmup", "power every 2"],
+)
+def test_sharded_ema_matches_model_ema_with_buffers(mesh: object, kwargs: dict) -> None:
+    """The one constructor: the same decay, schedule and every=k as ModelEMA's, on the local shards."""
     plain, sharded = build("tiny_cnn"), dist_demo.shard_model(build("tiny_cnn"), mesh)
-    ref, ema = ModelEMA(plain, decay=0.9, tau=2), ShardedModelEMA(sharded, decay=0.9, tau=2)
-    for i in range(3):
+    ref, ema = ModelEMA(plain, **kwargs), ShardedModelEMA(sharded, **kwargs)
+    for i in range(4):
         _step(plain, i)
         _step(sharded, i)
         ref.update(plain)
@@ -328,8 +335,8 @@ def test_sharded_ema_matches_model_ema_with_buffers(mesh: object) -> None:
     assert full.keys() == expected.keys()
     for k, v in expected.items():  # BatchNorm running stats averaged, num_batches_tracked copied
         torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)
-    assert full["1.bn.num_batches_tracked"].item() == 3
-    assert ema.updates == 3 and ema.rebuilds == 1
+    assert full["1.bn.num_batches_tracked"].item() == 4
+    assert ema.updates == 4 and ema.rebuilds == 1
 
 
 def test_sharded_ema_update_is_one_foreach_call(mesh: object) -> None:
@@ -362,3 +369,9 @@ def test_sharded_ema_checks_its_arguments() -> None:
         ShardedModelEMA(nn.Linear(2, 2), decay=1.5)
     with pytest.raises(ValueError, match="unknown strategy"):
         ShardedModelEMA(nn.Linear(2, 2), strategy="fast")
+    with pytest.raises(
+        ValueError, match="^strategy 'flat' moves the EMA into new buffers; a sharded EMA keeps"
+    ):
+        ShardedModelEMA(nn.Linear(2, 2), strategy="flat")
+    with pytest.raises(ValueError, match="^cuda_graph=True records one device's update"):
+        ShardedModelEMA(nn.Linear(2, 2), cuda_graph=True)
