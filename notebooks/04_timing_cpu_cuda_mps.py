@@ -149,7 +149,7 @@ plt.show()
 # half, shaded) describe them without being pulled by outliers.
 
 # %% [markdown]
-# If the first points sit above the rest (the printed ranges, the orange running median), the times
+# If a stretch of points sits above the rest (the printed ranges, the orange running median), the times
 # **drift**: a trend slows a whole stretch (while another program runs), and a version timed in it looks
 # slower than it is. So the rest of this lesson alternates versions.
 

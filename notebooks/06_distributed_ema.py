@@ -217,7 +217,7 @@ if __name__ == "__main__":
 # port where they find each other; `--standalone` picks a free local one. torchrun passes it to
 # `init_process_group` as `MASTER_ADDR` and `MASTER_PORT`, with `RANK` (this rank's number) and
 # `WORLD_SIZE` (the number of ranks). The helper below runs it and prints what rank 0 printed. Each run
-# starts fresh Python processes: expect 10-20 seconds on 2 cores.
+# starts fresh Python processes: expect up to 20 seconds on 2 cores.
 
 
 # %%
@@ -225,7 +225,7 @@ def torchrun(nproc: int, *args: str) -> str:
     """Run train_ema.py in ``nproc`` processes over gloo; return rank 0's output, raise if a rank failed."""
     if skip_reason():
         return skip_reason()
-    print(f"starting {nproc} ranks (10-20 s) ...", flush=True)
+    print(f"starting {nproc} ranks (up to 20 s) ...", flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd.append(f"--log-dir={workdir / 'logs'}")  # torchrun's own logs, else a new temporary folder per run
     env = dict(os.environ)
@@ -248,7 +248,7 @@ print(torchrun(2, "memory_2.json"))
 # ## 4. Uneven shards
 #
 # FSDP2 gives each rank `ceil(rows / world size)` rows until the rows run out, as in the picture of
-# section 2. On four ranks (10-20 s again):
+# section 2. On four ranks (up to 20 s again):
 
 # %% tags=["nbval-ignore-output"]
 print(torchrun(4, "memory_4.json"))

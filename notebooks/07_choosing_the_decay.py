@@ -248,13 +248,13 @@ plt.show()
 # %% [markdown]
 # The constant keeps 5 % on the initial weights. The ramp gives that 5 % to the steps it took while
 # ramping (the bump near step 500), and the same shares as the constant after them. The warm-up's window
-# is still short at 3000 steps; the power function spreads its shares over the run, most at the end.
+# is still short at 3000 steps; the power function spreads its shares over the later half of the run, most at the end.
 
 # %% [markdown]
 # ## 3. The schedules in ema_lab
 #
-# `ema_lab.schedules` packages these schedules, each matching its peer's code (`constant` and `harmonic`
-# too). `ModelEMA` takes one as its decay; a number still means the ramp:
+# `ema_lab.schedules` packages these schedules (`constant` and `harmonic` too), each checked against its
+# peer's own code ([docs/schedules.md](../docs/schedules.md)). `ModelEMA` takes one as its decay; a number still means the ramp:
 
 # %%
 from ema_lab import ModelEMA, schedules
@@ -450,7 +450,7 @@ print(
 # )
 # evaluate.load_state_dict(sparse.synthesize(0.03))
 # print(f"tracked {test_loss(tracked_03.ema):.5f}, synthesized from 12 snapshots {test_loss(evaluate):.5f}")
-# # ```
+# ```
 # </details>
 #
 # The three cells below run the solutions (folded in JupyterLab: click to expand).
