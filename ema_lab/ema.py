@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from .flat_step import FlatStep, Twin
 from .graph_step import GraphStep
 from .pairs import Pairs, collect_pairs, module_entries
-from .posthoc import list_snapshots, save_snapshot, synthesize
+from .posthoc import list_snapshots, load_snapshot, save_snapshot, synthesize
 from .schedules import decay_over, power
 from .step import CAT_MAX_NUMEL, Step, StepOptions
 from .updates import PREPARERS, ListStep, check_decay
@@ -295,14 +295,13 @@ class PostHocEMA(ModelEMA):
 
     def _resume(self, step: int) -> None:
         """Load both EMAs from their snapshots of update ``step``."""
-        saved = {s.gamma: s.path for s in list_snapshots(self.folder) if s.step == step}
+        saved = {s.gamma: s for s in list_snapshots(self.folder) if s.step == step}
         for ema, schedule in ((self.ema, self.schedule), (self.ema2, self.second)):
             if schedule.gamma not in saved:
                 raise ValueError(
                     f"no snapshot of update {step} with gamma {schedule.gamma!r} in {self.folder}"
                 )
-            data = torch.load(str(saved[schedule.gamma]), map_location="cpu", weights_only=True)
-            ema.load_state_dict(data["tensors"])
+            ema.load_state_dict(load_snapshot(saved[schedule.gamma]))
 
     def update(self, model: nn.Module) -> None:
         """Move both EMAs one step towards ``model``; every ``snapshot_every`` updates, save both."""

@@ -220,11 +220,7 @@ class FlatStep:
         self.watch = Watch(model, checked + pairs.model_slots[len(ema) :])
         self.exact = Watch(model, pairs.ema_slots + pairs.model_slots)  # when a reference count moved
         self.storages = [s for g in self.groups for s in g.storages]
-        self.counts = self.use_counts()
-
-    def use_counts(self) -> list[int]:
-        """How many tensors (views included) hold each flat storage now; [] if torch cannot say."""
-        return _use_counts(self.storages)
+        self.counts = _use_counts(self.storages)
 
     def intact(self, model: nn.Module) -> bool:
         """Per-slot check of the checked reads, O(1) per flat buffer (the exact check if a count moved)."""
@@ -233,7 +229,7 @@ class FlatStep:
         if _USE_COUNT is None or _use_counts(self.storages) != self.counts:
             if not self.exact.current(model):
                 return False
-            self.counts = self.use_counts()  # a view made or dropped elsewhere: the new intact state
+            self.counts = _use_counts(self.storages)  # a view made or dropped elsewhere: the new intact state
         return True
 
     def read(self) -> bool:

@@ -34,6 +34,7 @@ __all__ = [
     "solve_weights",
     "save_snapshot",
     "list_snapshots",
+    "load_snapshot",
     "synthesize",
 ]
 
@@ -170,6 +171,15 @@ def list_snapshots(folder: str | os.PathLike) -> list[Snapshot]:
     return sorted(found, key=lambda s: (s.step, s.gamma))
 
 
+def load_snapshot(snapshot: Snapshot) -> dict[str, Tensor]:
+    """The tensors of one snapshot, memory-mapped from its file (checked to hold its step and gamma)."""
+    # str: torch 2.1 memory-maps a file given by name only
+    data = torch.load(str(snapshot.path), map_location="cpu", weights_only=True, mmap=True)
+    if (data["step"], data["gamma"]) != (snapshot.step, snapshot.gamma):
+        raise ValueError(f"{snapshot.path.name} holds step {data['step']}, gamma {data['gamma']}")
+    return data["tensors"]
+
+
 def synthesize(
     folder: str | os.PathLike,
     sigma_rel: float | None = None,
@@ -203,11 +213,7 @@ def synthesize(
     )
     out: dict[str, Tensor] = {}
     for snapshot, w in zip(used, weights.tolist()):
-        # str: torch 2.1 memory-maps a file given by name only
-        data = torch.load(str(snapshot.path), map_location="cpu", weights_only=True, mmap=True)
-        if (data["step"], data["gamma"]) != (snapshot.step, snapshot.gamma):
-            raise ValueError(f"{snapshot.path.name} holds step {data['step']}, gamma {data['gamma']}")
-        tensors = data["tensors"]
+        tensors = load_snapshot(snapshot)
         if out and tensors.keys() != out.keys():
             raise ValueError(f"{snapshot.path.name} has other entries than {used[0].path.name}")
         for k, v in tensors.items():
@@ -217,5 +223,5 @@ def synthesize(
                 out[k].add_(v, alpha=w)
             else:
                 out[k] = v.to(dtype) * w
-        del data, tensors  # unmaps the file before the next one is read
+        del tensors  # unmaps the file before the next one is read
     return out
