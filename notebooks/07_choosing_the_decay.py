@@ -17,7 +17,7 @@
 #
 # - With noisy SGD steps, an EMA of suitable length scores better on new data than the weights do.
 # - Its window is about `1 / (1 - d)` steps; a warm-up keeps it from remembering the initial weights.
-# - Post-hoc EMA: train once, keep snapshots, choose the length afterwards on validation data.
+# - [Post-hoc EMA](../docs/glossary.md#post-hoc-ema): train once, keep snapshots, choose the length afterwards on validation data.
 
 # %% [markdown]
 # A small network learns a curve from noisy samples, with plain SGD at a large step size. Here is the
@@ -170,7 +170,7 @@ print(f"learning rate annealed to zero: final raw {annealed['raw'][-1]:.4f}, fin
 # %% [markdown]
 # With `d = 0.999` the initial weights keep `0.999^n`: 99 % after 10 steps, 5 % after 3000. A warm-up
 # starts with a small decay and raises it; timm and diffusers use this one when asked
-# (`use_warmup=True`, `use_ema_warmup=True`). Karras et al.'s power function (section 4) has an exponent
+# (`use_warmup=True`, `use_ema_warmup=True`). Karras et al.'s [power function](../docs/glossary.md#power-function) (section 4) has an exponent
 # `gamma` that sets its length: with `gamma = 6.94` the standard deviation of its shares is a tenth of the
 # run so far (`sigma_rel = 0.10`). Ten steps, with a constant decay and the warm-up, both capped at 0.999:
 

@@ -27,8 +27,9 @@ def shares(decays: list[float]) -> list[float]:
 def start_bias(n: int = 10) -> None:
     """07: after 10 updates a constant d = 0.999 still reads the initial weights; a warm-up has let go.
 
-    The warm-up is timm's and diffusers' default, ``1 - (1 + (n - 1) / gamma) ** -power`` with gamma = 1,
-    power = 2/3 (ema_lab.schedules.warmup), which copies the model at n = 1.
+    The warm-up is the one timm and diffusers use when asked (``use_warmup``, ``use_ema_warmup``),
+    ``1 - (1 + (n - 1) / gamma) ** -power`` with their defaults gamma = 1, power = 2/3
+    (ema_lab.schedules.warmup), which copies the model at n = 1.
     """
     rows = [
         ("constant d = 0.999", [0.999] * n, "#c0504d"),
