@@ -326,8 +326,8 @@ plt.show()
 # Only the steps after 2700 remain: a shorter EMA than either snapshot. For a wanted profile `p`, choose
 # the weights `w` that bring `sum_i w_i p_i` closest to `p` in least squares: setting the derivative of the
 # squared error to zero gives the normal equations `G w = b`, where `G_ij` is the integral of `p_i p_j` (the
-# Gram matrix) and `b_i` that of `p_i p`, in closed form for power profiles (Algorithm 3). Two EMAs, saved
-# every 100 steps:
+# Gram matrix) and `b_i` that of `p_i p`, in closed form for power profiles (their Algorithm 3). Two EMAs saved every
+# 100 steps, fitted to lengths neither tracked:
 
 
 # %%
