@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import timeit
 
 import pytest
 import torch
@@ -27,8 +28,6 @@ from ema_lab.bench.costmodel import (
     sweep_plan,
 )
 from ema_lab.bench.environment import available_memory_bytes, device_cache_bytes, last_level_cache_bytes
-import timeit
-
 from ema_lab.bench.timing import quantiles, synchronize, synchronized_clock, time_candidates
 
 
