@@ -99,9 +99,8 @@ print("not present:", ", ".join(d for d, ok in present.items() if not ok) or "no
 # %% [markdown]
 # On a CPU the two differ only by noise: a call returns when its work is done (section 5 shows a GPU).
 #
-# Any line that needs a value on the host waits for the GPU as `synchronize` does: `x.item()`,
-# `print(x)`, `x.cpu()`, `float(x)`, `if x > 0:`. Such a hidden
-# wait is a **sync point**. On CUDA, `torch.cuda.set_sync_debug_mode("warn")` warns at each one.
+# Any line that needs a value on the host waits for the GPU: `x.item()`, `print(x)`, `x.cpu()`,
+# `float(x)`, `if x > 0:`. Such a hidden wait is a **sync point**. On CUDA, `torch.cuda.set_sync_debug_mode("warn")` warns at each one.
 #
 # ![x.item() waits until the queued kernels are done](figures/04_sync_points.svg)
 
@@ -152,8 +151,8 @@ plt.show()
 
 # %% [markdown]
 # If a stretch of points sits above the rest (the printed ranges, the orange running median), the times
-# **drift**: a trend slows a whole stretch (while another program runs), and a version timed in it looks
-# slower than it is. So the rest of this lesson alternates versions.
+# **drift**: a trend slows a whole stretch, and a version timed in it looks slower than it is. So the
+# rest of this lesson alternates versions.
 
 # %% [markdown]
 # ## 3. Compare two versions: alternate them
@@ -204,10 +203,9 @@ for name, r in packaged.items():
     print(f"{name:<19} {1e3 * r.median_s:6.2f} ms, IQR {1e3 * r.iqr_s:5.2f}, {base / r.median_s:5.1f}x")
 
 # %% [markdown]
-# Both run one `_foreach_lerp_`; the after-code also walks both `state_dict()`s on every call to rebuild
-# its lists (notebook 01 times that walk), while `ModelEMA` keeps them. The after-code's time differs
-# from the first cell's and from notebook 01's: same code, another moment (the drift of section 2).
-# Compare ratios within one run, not times across runs.
+# Both run one `_foreach_lerp_`; the after-code also rebuilds its lists from two `state_dict()` walks
+# on every call (notebook 01 times them), `ModelEMA` keeps them. The after-code's time differs from the
+# first cell's: same code, another moment (section 2's drift). Compare ratios within one run.
 
 # %% [markdown]
 # ## 4. Threads: which ops can use a second core?
@@ -241,15 +239,14 @@ for op in stmts:
 
 # %% [markdown]
 # A gain counts when it is much further from 1x than 1 thread against itself. Tiny tensors have nothing
-# to split. The large `lerp_` gains if the second core is free; on 2 cores shared with other work the
-# second thread waits for a core, and 2 threads can be slower.
+# to split. The large `lerp_` gains if the second core is free; if other work holds it, 2 threads can
+# be slower.
 
 # %% [markdown]
 # ## 5. On a GPU: what an H200 measured
 #
-# An NVIDIA H200 (torch 2.11, one host thread) ran the sync cell above, with ema_lab's default `ModelEMA`
-# update in place of the after-code. [A results file](../docs/results/h200-update-costs-2026-12-04.md)
-# keeps its medians and the other H200 figures of this section:
+# An NVIDIA H200 (torch 2.11, one host thread) ran the sync cell above on ema_lab's default `ModelEMA`
+# update; [a results file](../docs/results/h200-update-costs-2026-12-04.md) keeps its medians:
 
 # %%
 import json
@@ -267,13 +264,10 @@ for work, ms in h200_costs["sync"]["ms"].items():
     print(f"cuda, {work}: without sync {ms['without_sync']:.3f} ms, with sync {ms['with_sync']:.3f} ms")
 
 # %% [markdown]
-# Sync matters 13x for the `lerp_`: the host queues one kernel in 0.008 ms, and the GPU needs until
-# 0.107 ms to move 384 MiB (read two buffers, write one). It hardly matters for the update: the host
-# spends about 0.29 ms on it, and the GPU's part is so small that it has almost caught up when the call
-# returns. Such an update is **host-bound**: the CPU, not the GPU, sets its time.
-#
-# The same H200 counted the CUDA kernels of one update with `torch.profiler`. Name them by the op that
-# launched each:
+# Sync matters 13x for the `lerp_`: the host queues one kernel in 0.008 ms, the GPU needs until
+# 0.107 ms to move 384 MiB. It hardly matters for the update: the host works on it for about 0.29 ms,
+# and the GPU's small part is nearly done when the call returns. The update is **host-bound**: the CPU
+# sets its time. The H200 also counted each update's CUDA kernels (`torch.profiler`); name them by op:
 
 
 # %%
@@ -302,24 +296,13 @@ for model, tensors in (("yolo", 594), ("tiny_tensors", 2000)):
         print(f"  {strategy:<8} {total:>4} =", " + ".join(f"{n} {op}" for op, n in ops.items()))
 
 # %% [markdown]
-# `ModelEMA`'s strategy `loop` launches a kernel per arithmetic op: `mul_`, `mul` and `add_` for each
-# tensor. `foreach` is one `_foreach_lerp_`, which CUDA splits into launches of at most 64 tensors in
-# that build (10 for 594). `auto`, the default, is notebook 05's flat buffer: one `cat` gathers the
-# small tensors (under 2,048 elements: 470 of yolo's, all of tiny_tensors'), copying at most 128 per
-# launch, and one `lerp_` moves them; one `_foreach_lerp_` moves yolo's 124 large ones. Each strategy also
-# copies BatchNorm's integer counters with one `cat`. (In the version of ema_lab you have, the small
-# tensors' `lerp_` runs inside the `_foreach_lerp_`: notebook 05, section 5.)
+# `loop` launches `mul_`, `mul` and `add_` per tensor. `foreach` is one `_foreach_lerp_`, at most 64
+# tensors a launch in that build. The default, `auto` (notebook 05), gathers the small tensors (under
+# 2,048 elements) with one `cat`, at most 128 a launch, and moves them with one `lerp_`; one
+# `_foreach_lerp_` moves the large ones. Each copies BatchNorm's integer counters with one `cat`.
 #
-# <details><summary>Will a newer torch pack more tensors into one launch?</summary>
-#
-# In torch 2.13's `aten/src/ATen/native/cuda/MultiTensorApply.cuh` the limit is fixed at compile time:
-# builds against CUDA 13 or newer (not ROCm) pass 448 tensors per launch for two lists, others 64. The
-# H200's torch 2.11+cu130 packed 64: count on your build.
-# </details>
-
-# %% [markdown]
-# So the default launches few kernels. Is it fast? On the same H200, ultralytics' own `ModelEMA`
-# (version 8.4.190: one `_foreach_lerp_` over tensor lists it keeps and never checks):
+# Few kernels: is the default fast? ultralytics' own `ModelEMA` (8.4.190: one `_foreach_lerp_` over lists
+# it keeps and never checks), on the same H200:
 
 # %%
 for model in ("yolo_like", "yolo26n", "tiny_tensors"):
@@ -330,11 +313,10 @@ for model in ("yolo_like", "yolo26n", "tiny_tensors"):
     )
 
 # %% [markdown]
-# More kernels, less time: ultralytics' class was faster on all five models of the results file. The
-# default's extra time is host work on every update, not launches: it checks that the model's tensors
-# still live where its buffers expect them, gathers the small ones and copies the counters. ultralytics'
-# class skips the check, so after `model.half()` or `.to()` it silently keeps averaging the old tensors
-# (notebook 05, section 3, shows why). On a GPU, count the launches *and* time the host.
+# More kernels, less time, on all five models of the results file. The default's extra time is host
+# work, not launches: it checks that the model's tensors have not moved, gathers the small ones, copies
+# the counters. Without the check, ultralytics' class keeps averaging the old tensors after
+# `model.half()` (notebook 05, section 3). On a GPU, time the host, not only the launches.
 
 # %% [markdown]
 # ## 6. Compare machines by their speed-ups
@@ -431,31 +413,29 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
     print(f"measured on tiny_tensors: {speedup(rec, 'foreach', device)[1]:.0f}x")
 
 # %% [markdown]
-# On the H200 an op of the loop costs *more* than on the CPU: each is a kernel launch, queued from
-# Python through the CUDA driver. A tensor inside `_foreach_lerp_` costs *less*: 64 share one launch,
-# while a CPU runs one `lerp_` per tensor inside it. Three ops per tensor times the ratio of the two
-# prices roughly predicts the speed-up. To add your machine, run `python3 dev.py bench`.
+# On the H200 an op of the loop costs *more* than on the CPU: each is a kernel launch through the CUDA
+# driver. A tensor inside `_foreach_lerp_` costs *less*: 64 share one launch, where a CPU runs one
+# `lerp_` per tensor. Three ops per tensor times the ratio of the prices roughly predicts the speed-up.
+# To add your machine, run `python3 dev.py bench`.
 
 # %% [markdown]
 # ## Summary
 #
-# - Warm up first; on a GPU, synchronise before reading the clock, and watch for hidden sync points.
-# - Times spread and drift: report the median and IQR, at a fixed, recorded thread count.
-# - Compare versions in alternating rounds; call a difference real only outside the noise.
-# - On a GPU a small update is host-bound: time the host's work, not only the launches.
-# - Compare machines by speed-ups, with their spreads; the cost model's prices explain them.
+# - Warm up; on a GPU, synchronise before reading the clock, and watch for hidden sync points.
+# - Times spread and drift: report median and IQR at a fixed, recorded thread count.
+# - Compare versions in alternating rounds; a difference counts only outside the noise.
+# - On a GPU a small update is host-bound: time the host, not only the launches.
+# - Compare machines by speed-ups, with their spreads.
 
 # %% [markdown]
 # ## Exercises
 #
-# Try each one before you open its solution. Each solution's code runs as it is when pasted into the
-# empty cell under its exercise, after the notebook ran from the top.
+# Try each one before you open its solution; paste a solution into the empty cell to run it.
 
 # %% [markdown]
-# **Exercise 1.** A fresh `ModelEMA(net)` builds its update on its first `update(net)` call. On
-# `net = models.build("tiny_tensors")`, time ten calls with `time.perf_counter()`, printing `rebuilds`
-# (builds so far) after each, and compare the first with the median of calls 2-10. *Predict* how many
-# times the later calls the first one costs before you run it.
+# **Exercise 1.** Time ten `update(net)` calls of a fresh `ModelEMA(net)` on
+# `net = models.build("tiny_tensors")` with `time.perf_counter()`, printing `rebuilds` (builds so far)
+# after each. *Predict* how the first call compares with the median of the others.
 
 # %%
 # Exercise 1: your code here
@@ -474,17 +454,15 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 # print(f"first call / median of calls 2-10: {ms[0] / statistics.median(ms[1:]):.0f}x")
 # ```
 #
-# `rebuilds` is 1 from the first call on: only that call builds, and it costs many times a later one
-# (the printed ratio). The later calls still jump from one to the next, so compare with their median,
-# not with any single one.
+# Only the first call builds (`rebuilds` is 1 from then on), and it costs many times a later one. The
+# later calls still jump, so compare with their median.
 #
 # </details>
 
 # %% [markdown]
-# **Exercise 2.** Section 4 says ATen splits an element-wise op over threads only above 32,768 elements.
-# For each zoo model (`yolo`, `resnet50`, `gpt2`, `tiny_tensors`), compute from `state_dict()` the share
-# of its float elements that sit in tensors above that size. *Predict* which model has the largest share
-# before you run it.
+# **Exercise 2.** For each zoo model (`yolo`, `resnet50`, `gpt2`, `tiny_tensors`), compute from
+# `state_dict()` the share of float elements in tensors above 32,768 elements (section 4). *Predict*
+# which model has the largest share.
 
 # %%
 # Exercise 2: your code here
@@ -499,17 +477,14 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 #     print(f"{name:<13} {len(large):>3} of {len(sizes):>4} large, holding {sum(large) / sum(sizes):6.1%}")
 # ```
 #
-# gpt2 (48 of 144 tensors hold 99.9 % of its elements), then resnet50 (99.0 %); yolo 62.8 % in 28 of
-# 594 tensors; tiny_tensors none. The models are built the same way everywhere, so these shares are the
-# same on any machine: a second thread can split most of gpt2's and resnet50's elements, none of
-# tiny_tensors' (tensor by tensor).
+# gpt2 (99.9 %), then resnet50 (99.0 %), yolo (62.8 %), tiny_tensors none: the same on any machine.
+# A second thread can split most of gpt2's elements, none of tiny_tensors'.
 #
 # </details>
 
 # %% [markdown]
-# **Exercise 3.** `reference` (section 6) is the CPU reference run. Print `speedup_vs_seed_before` of each
-# row of `reference["results"]` whose `candidate` is `foreach`, with the model's `stats["float_tensors"]`.
-# *Predict* on which model `foreach` gains most over the before-code before you run it.
+# **Exercise 3.** Print `speedup_vs_seed_before` of each row of `reference["results"]` (section 6) whose
+# `candidate` is `foreach`. *Predict* on which model `foreach` gains most.
 
 # %%
 # Exercise 3: your code here
@@ -520,13 +495,11 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 # ```python
 # for row in reference["results"]:
 #     if row["candidate"] == "foreach":
-#         tensors, gain = row["stats"]["float_tensors"], row["speedup_vs_seed_before"]
-#         print(f"{row['model']:<13} {tensors:>5} tensors: {gain:5.1f}x")
+#         print(f"{row['model']:<13} {row['speedup_vs_seed_before']:5.1f}x")
 # ```
 #
-# It reads a committed file (`results/linux-amd-epyc-2c_2026-12-03T093048Z_full_t1_cpu.json`, a 2-core
-# AMD EPYC VM, 1 thread), so it prints the same everywhere: tiny_tensors gains most (7.0x): 2,000 tensors
-# in about 1 MiB, almost all per-op cost, which foreach removes. gpt2 (2.6x) and resnet50 (2.3x) gain
-# least: their time goes into moving bytes, which any update must do.
+# A committed run (2-core AMD EPYC VM, 1 thread), the same everywhere: tiny_tensors gains most (7.0x),
+# its time almost all per-tensor cost; gpt2 (2.6x) and resnet50 (2.3x) least: their time goes into
+# moving bytes, which any update must do.
 #
 # </details>

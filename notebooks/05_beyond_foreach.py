@@ -17,7 +17,7 @@
 #
 # - Put the EMA and the model each in one contiguous buffer, and the whole update is one `lerp_`.
 # - Views go stale when the model moves, so check them; keep the EMA in fp32.
-# - On a GPU the default update is host-bound: flattening the model cuts it to two launches.
+# - On a GPU the default update is host-bound: a flattened model needs two launches.
 
 # %% tags=["nbval-ignore-output"]
 import copy
@@ -92,9 +92,9 @@ print(f"foreach over loop: {first['loop'] / first['foreach']:.1f}x")
 # %% [markdown]
 # ## 2. One buffer, many views
 #
-# The *floor*, the fastest an update can be, is one `lerp_` over all 2.6 million elements at once; for
-# that they must sit in one contiguous buffer. Copy every EMA tensor into one flat buffer, then re-point the tensor at its slice:
-# a *view*, a tensor that reads and writes another tensor's memory.
+# The *floor*, the fastest an update can be, is one `lerp_` over all 2.6 million elements at once: they
+# must sit in one contiguous buffer. Copy every EMA tensor into one flat buffer, then re-point the tensor
+# at its slice: a *view*, a tensor that reads and writes another tensor's memory.
 #
 # ![EMA tensors as views into one flat buffer, and one lerp_ between two buffers](figures/05_flat_views.svg)
 
@@ -192,7 +192,7 @@ print("after model.half():", all_views_of(M, model_flat), "| parameter dtype:", 
 # %% [markdown]
 # ## 4. Keep the EMA in fp32
 #
-# Should the EMA of a bf16 model be bf16 too? A float stores a few significant bits, its *mantissa*
+# Should the EMA of a bf16 model be bf16 too? A float keeps a few significant bits, its *mantissa*
 # ([glossary](../docs/glossary.md#mantissa-bits)):
 # bf16 (bfloat16: 16 bits, float32's range) keeps 7 of them, so near 1.0 its values are 2^-7 apart.
 # That spacing is one *ulp* (unit in the last place). A result closer to 1.0 than half an ulp rounds
@@ -200,7 +200,7 @@ print("after model.half():", all_views_of(M, model_flat), "| parameter dtype:", 
 #
 # ![Near 1.0 a bf16 step of 8e-7 ends nearer 1.0 than the next value, so it rounds back](figures/05_ulp.svg)
 #
-# Run 1,000 updates of a one-element EMA at 1.0 towards a model 0.01 above it:
+# Move a one-element EMA at 1.0 towards 1.01, 1,000 times:
 
 
 # %%
@@ -226,10 +226,9 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
 # ## 5. What ema_lab packages
 #
 # `ema_lab.ModelEMA` packages sections 2-4: it flattens its EMA copy, checks the views before every
-# update (rebuilding when they moved), and when the EMA is fp32 and the model bf16, casts the model's
-# values into an fp32 buffer first. (The EMA starts in the model's dtype: `ema.ema.float()` makes it fp32.)
-# `ema_lab.flatten_model` is our `flatten` for the model. `count_ops`, the op counter of notebook 01,
-# packaged, shows what one update calls:
+# update (rebuilding when they moved), and casts a bf16 model's values into an fp32 buffer when you keep
+# the EMA in fp32 (`ema.ema.float()`: it starts in the model's dtype). `ema_lab.flatten_model` is our
+# `flatten` for the model; `count_ops`, notebook 01's op counter, packaged, shows what an update calls:
 
 # %%
 import ema_lab
@@ -286,9 +285,8 @@ plt.show()
 
 # %% [markdown]
 # Gray: built here; blue: `ema_lab`. The flattened model's `ModelEMA` runs the floor's `lerp_` plus the
-# counters' `copy_` and the check, so it cannot beat the floor: where the two IQR lines overlap, their
-# difference is noise. The default leaves your model alone: it reads the scattered tensors like our
-# foreach, plus the check and the counters, and its `cat` saves per-tensor calls on the small ones.
+# counters' `copy_` and the check, so it cannot beat the floor (where IQR lines overlap, the difference is
+# noise). The default reads the scattered tensors like our foreach, plus the check and the counters.
 
 # %% [markdown]
 # The check, packaged: make the flattened model fp16 and update once. With decay 0 the EMA must equal
@@ -309,10 +307,10 @@ print(
 # other modes: [Beyond foreach: the details](../docs/beyond_foreach_details.md).)
 
 # %% [markdown]
-# ## 6. On a GPU: launches, not bytes
+# ## 6. On a GPU: host time, not bytes
 #
-# On CUDA every op that computes is a kernel launch, queued by the host (notebook 04). An NVIDIA H200
-# run (torch 2.11, 1 host thread) timed and counted one update of the yolo-sized model:
+# On CUDA the host queues a kernel for each op (notebook 04). An NVIDIA H200 run (torch 2.11, 1 host
+# thread) timed and counted the kernels of one update of the yolo-sized model:
 
 # %%
 from ema_lab.bench.results import load, results_dir
@@ -332,17 +330,15 @@ for name, cand in [
     print(f"{name:<25} {ms:7.3f} ms = {ms / floor_ms:5.0f}x the floor, {n:>5} kernels")
 
 # %% [markdown]
-# The default's 8 kernels take about 30x the floor's time, though they move nearly the same bytes.
-# Notebook 04 (section 5) names them: 4 launches of one `cat` for the 470 small tensors, a `lerp_` for
-# those, 2 of one `_foreach_lerp_` for the 124 large ones, a `cat` of BatchNorm's counters. (In the
-# version of ema_lab you have, section 5's count, the small tensors' `lerp_` runs inside the
-# `_foreach_lerp_`.) The time is the host's: before it launches anything, each update checks that the
-# model's tensors are still where its buffers expect them, gathers the small ones and copies the
-# counters. The update is *host-bound*, and fewer launches alone do not make it fast: on the same GPU
-# ultralytics' class, with more kernels and no check, was faster
-# ([docs/results/h200-update-costs-2026-12-04.md](../docs/results/h200-update-costs-2026-12-04.md)).
-# Flattening the model leaves 2 kernels (the `lerp_` and a copy of the counters) and a check whose cost
-# does not grow with the number of tensors: about 4x the floor.
+# The default's 8 kernels (notebook 04, section 5, names them) take about 30x the floor's time, though
+# they move nearly the same bytes. The time is the host's: each update first checks that the model's
+# tensors have not moved, gathers the small ones and copies the counters. ultralytics' class, with more
+# kernels and no check, was faster on the same GPU
+# ([results](../docs/results/h200-update-costs-2026-12-04.md)). Flattening the model leaves 2 kernels
+# and a check whose cost does not grow with the tensor count: about 4x the floor.
+#
+# (That run's ema_lab gave the gathered tensors a `lerp_` of their own; yours moves them inside the
+# `_foreach_lerp_`, as section 5 counted: one kernel fewer.)
 
 # %% [markdown]
 # A *CUDA graph* takes any number of launches down to one: record an update's kernels once
@@ -350,17 +346,15 @@ for name, cand in [
 #
 # ![Eager: the host launches each kernel. A graph: one launch replays them all](figures/05_cuda_graph.svg)
 #
-# A replay reuses the recorded addresses and numbers: the tensors' addresses must be checked before
-# each replay, and the decay must live in a device tensor. On the H200, one `_foreach_lerp_` captured
-# by hand and replayed took 0.023 ms on a yolo-like model, against 0.179 ms for ultralytics' eager update
-# (same results file). `ModelEMA(model, cuda_graph=True)` does both for you; no
-# timing of it is published yet, so time it on your GPU as notebook 04 does before you rely on it.
+# A replay reuses the recorded addresses and numbers, so the addresses must be checked before each
+# replay and the decay must live in a device tensor. `ModelEMA(model, cuda_graph=True)` does both. On the
+# H200 one `_foreach_lerp_`, captured by hand, replayed in 0.023 ms on a yolo-like model (ultralytics'
+# eager update: 0.179 ms); no timing of `cuda_graph=True` is published yet: time it as notebook 04 does.
 #
 # <details><summary>CUDA graph machinery, torch.compile and a tensor decay</summary>
 #
 # How `cuda_graph=True` records, checks and re-records, why `torch.compile` recompiles for a float decay
-# (automatic dynamic shapes, the recompile limit) and why a tensor decay causes no host sync: see
-# [Beyond foreach: the details](../docs/beyond_foreach_details.md).
+# and why a tensor decay causes no host sync: [Beyond foreach: the details](../docs/beyond_foreach_details.md).
 # </details>
 
 # %% [markdown]
@@ -374,14 +368,12 @@ for name, cand in [
 # %% [markdown]
 # ## Exercises
 #
-# Try each one before you open its solution. Each solution's code runs as it is when pasted into the
-# empty cell under its exercise, after the notebook ran from the top.
+# Try each one before you open its solution; paste a solution into the empty cell to run it.
 
 # %% [markdown]
 # **Exercise 1.** `models.build("tiny_tensors")` holds 2,000 float tensors (1,000 of 256 elements, 1,000
-# of 16). Flatten a fresh one and its EMA copy with `float_tensors` and `flatten`, and time `foreach`
-# against one `lerp_` with `timed`. *Predict* before you run it: does one `lerp_` gain more over foreach
-# there than on the yolo-sized model (section 5's `times`)?
+# of 16). Flatten one and its EMA copy with `flatten`, and time `foreach` against one `lerp_` with
+# `timed`. *Predict*: does one `lerp_` gain more over foreach there than on the yolo-sized model?
 
 # %%
 # Exercise 1: your code here
@@ -403,18 +395,15 @@ for name, cand in [
 # print(f"tiny_tensors: {ratio:.0f}x; yolo-sized: {times['foreach'] / times['one lerp_']:.1f}x")
 # ```
 #
-# Far more: the printed tiny_tensors ratio is many times the yolo-sized one. Its 2,000 tensors hold only
-# 272,000 elements, so foreach's time is almost all per-tensor work, which one `lerp_` removes; the
-# yolo-sized model's 2.6 million elements must be moved either way.
+# Far more (the printed ratios): 2,000 tensors of 272,000 elements in all are almost all per-tensor
+# work, which one `lerp_` removes; the yolo-sized model's 2.6 million elements must move either way.
 #
 # </details>
 
 # %% [markdown]
 # **Exercise 2.** Time one training step of `models.build("yolo")`: input `torch.randn(8, 3, 256, 256)`,
-# forward, loss `sum(o.square().mean() for o in net(images))`, backward,
-# `torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9).step()`. Compare it with section 5's `times`
-# of each EMA update. (Quick mode, `EMA_LAB_QUICK=1`, uses 2 images of 64x64.) *Predict* before you run
-# it: what share of a step plus its EMA update does the update take?
+# loss `sum(o.square().mean() for o in net(images))`, backward, an SGD step with momentum. Compare it
+# with section 5's `times`. *Predict*: what share of step plus update does the EMA update take?
 
 # %%
 # Exercise 2: your code here
@@ -444,17 +433,16 @@ for name, cand in [
 #     print(f"  {k:<25} {times[k]:6.2f} ms = {times[k] / (step_ms + times[k]):6.2%} of the step")
 # ```
 #
-# A small share on a CPU at batch 8 of 256x256: the forward and backward passes work on every image,
-# the update touches each weight once, so the step costs tens to hundreds of times the update (the
-# printed shares). The step's work grows with batch and image size and the update's does not: the smaller the
-# step (quick mode's 2 images of 64x64, a GPU), the larger the EMA's share.
+# Small on a CPU at batch 8 of 256x256 (the printed shares): the passes work on every image, the update
+# touches each weight once. The step grows with batch and image size, the update does not: the smaller
+# the step (quick mode: 2 images of 64x64), the larger the EMA's share.
 #
 # </details>
 
 # %% [markdown]
-# **Exercise 3.** Flatten a fresh `models.build("tiny_cnn")` with `ema_lab.flatten_model`, make a
-# `ModelEMA` of it and update it once, then call `ema_lab.unflatten_model` on the model and update again.
-# *Predict* `ema.modes` and `ema.rebuilds` after each update before you run it.
+# **Exercise 3.** Flatten `models.build("tiny_cnn")` with `ema_lab.flatten_model`, update a `ModelEMA`
+# of it, call `ema_lab.unflatten_model` on the model, update again. *Predict* `modes` and `rebuilds`
+# after each update.
 
 # %%
 # Exercise 3: your code here
@@ -473,8 +461,7 @@ for name, cand in [
 # print("unflattened:", cnn_ema.modes, "| builds:", cnn_ema.rebuilds)
 # ```
 #
-# It prints `['fused']` with 1 build, then `['cat+foreach']` with 2: after `unflatten_model` each model
-# tensor has its own memory again, the check fails, and the next update rebuilds into the default's
-# `cat+foreach`, as for any model that is not flattened.
+# `['fused']` with 1 build, then `['cat+foreach']` with 2: unflattened, each tensor has its own memory
+# again, the check fails, and the update rebuilds as for any model that is not flattened.
 #
 # </details>
