@@ -100,7 +100,8 @@ print("not present:", ", ".join(d for d, ok in present.items() if not ok) or "no
 # On a CPU the two differ only by noise: a call returns when its work is done (section 5 shows a GPU).
 #
 # Any line that needs a value on the host waits for the GPU: `x.item()`, `print(x)`, `x.cpu()`,
-# `float(x)`, `if x > 0:`. Such a hidden wait is a **sync point**. On CUDA, `torch.cuda.set_sync_debug_mode("warn")` warns at each one.
+# `float(x)`, `if x > 0:`. Such a hidden wait is a **sync point**. On CUDA,
+# `torch.cuda.set_sync_debug_mode("warn")` warns at each one.
 #
 # ![x.item() waits until the queued kernels are done](figures/04_sync_points.svg)
 
@@ -313,10 +314,10 @@ for model in ("yolo_like", "yolo26n", "tiny_tensors"):
     )
 
 # %% [markdown]
-# More kernels, less time, on all five models of the results file. The default's extra time is host
-# work, not launches: it checks that the model's tensors have not moved, gathers the small ones, copies
-# the counters. Without the check, ultralytics' class keeps averaging the old tensors after
-# `model.half()` (notebook 05, section 3). On a GPU, time the host, not only the launches.
+# More kernels, less time: ultralytics' class was faster on all five models of the results file. The
+# default's extra time is host work, not launches: it checks that the model's tensors have not moved,
+# gathers the small ones, copies the counters. Without the check, ultralytics' class keeps averaging the
+# old tensors after `model.half()` (notebook 05, section 3). On a GPU, time the host, not only launches.
 
 # %% [markdown]
 # ## 6. Compare machines by their speed-ups
@@ -395,9 +396,9 @@ for rec in (earlier, reference):
 
 # %% [markdown]
 # On 12-03 every time was longer and the quartiles wider: most likely the VM shared its host with more
-# work that day, and the short `foreach` calls lost more than the loop. Interleaving protects a ratio from drift
-# within a run, not between runs: compare runs with their spreads, and keep one reference (the 12-03
-# run, as in notebook 01; 8.3x was a 3-round quick run).
+# work that day, and the short `foreach` calls lost more than the loop. Interleaving protects a ratio
+# from drift within a run, not between runs: compare runs with their spreads, and keep one reference
+# (the 12-03 run, as in notebook 01; 8.3x was a 3-round quick run).
 
 # %% [markdown]
 # The H200's speed-ups are several times the CPUs'. The cost model (notebook 01) explains why: the

@@ -141,8 +141,8 @@ cat_ms = timed({"foreach": ema_foreach, "flat EMA + cat": ema_cat_lerp})
 print(f"flat EMA + cat / foreach: {cat_ms['flat EMA + cat'] / cat_ms['foreach']:.2f}x")
 
 # %% [markdown]
-# The gather costs more than it saves: `cat` copies all 2.6 million model elements on
-# every update. So flatten the model too: the update becomes one `lerp_` over two buffers, and it must equal foreach to
+# The gather costs more than it saves: `cat` copies all 2.6 million model elements on every update. So
+# flatten the model too: the update becomes one `lerp_` over two buffers, and it must equal foreach to
 # the bit:
 
 
@@ -309,7 +309,7 @@ print(
 # %% [markdown]
 # ## 6. On a GPU: host time, not bytes
 #
-# On CUDA the host queues a kernel for each op (notebook 04). An NVIDIA H200 run (torch 2.11, 1 host
+# On CUDA the host queues kernels for each op (notebook 04). An NVIDIA H200 run (torch 2.11, 1 host
 # thread) timed and counted the kernels of one update of the yolo-sized model:
 
 # %%
@@ -338,7 +338,7 @@ for name, cand in [
 # and a check whose cost does not grow with the tensor count: about 4x the floor.
 #
 # (That run's ema_lab gave the gathered tensors a `lerp_` of their own; yours moves them inside the
-# `_foreach_lerp_`, as section 5 counted: one kernel fewer.)
+# `_foreach_lerp_`, as section 5 counted.)
 
 # %% [markdown]
 # A *CUDA graph* takes any number of launches down to one: record an update's kernels once
