@@ -40,8 +40,8 @@ for call in range(1, 6):  # the PR's after-code (notebook 01), timed by hand
     print(f"call {call}: {1e3 * (time.perf_counter() - t0):6.2f} ms")
 
 # %% [markdown]
-# Five calls of the PR's after-code (one `_foreach_lerp_`, notebook 01), five different times. `seed`
-# holds the PR's code as first written: `seed_before`, `seed_after`. Which one is *the* time? This lesson builds a timer that can answer, one step at a time.
+# Five calls of the PR's after-code (one `_foreach_lerp_`, notebook 01), five different times. Which one
+# is *the* time? This lesson builds a timer that can answer, one step at a time.
 
 # %% [markdown]
 # ## 1. A clock of your own: warm up, then synchronise
@@ -99,15 +99,17 @@ print("not present:", ", ".join(d for d, ok in present.items() if not ok) or "no
 # %% [markdown]
 # On a CPU the two differ only by noise: a call returns when its work is done (section 5 shows a GPU).
 #
-# Any line that needs a value on the host waits for the GPU as `synchronize` does: `x.item()`,
-# `print(x)`, `x.cpu()`, `float(x)`, `if x > 0:`. Such a hidden
-# wait is a **sync point**. On CUDA, `torch.cuda.set_sync_debug_mode("warn")` warns at each one.
+# Any line that needs a value on the host waits for the GPU: `x.item()`, `print(x)`, `x.cpu()`,
+# `float(x)`, `if x > 0:`. Such a hidden wait is a **sync point**. On CUDA,
+# `torch.cuda.set_sync_debug_mode("warn")` warns at each one.
 #
 # ![x.item() waits until the queued kernels are done](figures/04_sync_points.svg)
 
 # %% [markdown]
 # `torch.utils.benchmark.Timer` is this clock, packaged by PyTorch: `timeit(n)` first runs a short
-# warm-up (n/100 calls, at least 2), then n calls, and synchronises before each reading of the clock.
+# warm-up (n/100 calls, at least 2), then n calls. Before each reading of the clock it synchronises
+# CUDA, but MPS only since pytorch PR #157131 (July 2025) made it wait for any accelerator. The timer of
+# section 3, `time_candidates`, synchronises the device it times itself, MPS included, on every torch.
 
 # %% [markdown]
 # ## 2. One measurement is not enough
@@ -150,8 +152,8 @@ plt.show()
 
 # %% [markdown]
 # If a stretch of points sits above the rest (the printed ranges, the orange running median), the times
-# **drift**: a trend slows a whole stretch (while another program runs), and a version timed in it looks
-# slower than it is. So the rest of this lesson alternates versions.
+# **drift**: a trend slows a whole stretch, and a version timed in it looks slower than it is. So the
+# rest of this lesson alternates versions.
 
 # %% [markdown]
 # ## 3. Compare two versions: alternate them
@@ -194,19 +196,17 @@ packaged = time_candidates(
         "PR before": lambda: seed.seed_before(e, m, d),
         "PR after": lambda: seed.seed_after(e, m, d),
         'ModelEMA "foreach"': lambda: cached.update(model),
-        "two state_dict() walks": lambda: (e.state_dict(), m.state_dict()),
     },
     rounds=9,
 )
 base = packaged["PR before"].median_s
 for name, r in packaged.items():
-    print(f"{name:<23} {1e3 * r.median_s:6.2f} ms, IQR {1e3 * r.iqr_s:5.2f}, {base / r.median_s:5.1f}x")
+    print(f"{name:<19} {1e3 * r.median_s:6.2f} ms, IQR {1e3 * r.iqr_s:5.2f}, {base / r.median_s:5.1f}x")
 
 # %% [markdown]
-# Both the after-code and `ModelEMA "foreach"` run one `_foreach_lerp_`. The after-code also walks both
-# `state_dict()`s every call to rebuild its lists, most of its time (last line); `ModelEMA` keeps them.
-# Its time differs from the first cell's and from notebook 01's: same code, another moment (the drift
-# of section 2). Compare ratios within one run, not times across runs.
+# Both run one `_foreach_lerp_`; the after-code also rebuilds its lists from two `state_dict()` walks
+# on every call (notebook 01 times them), `ModelEMA` keeps them. The after-code's time differs from the
+# first cell's: same code, another moment (section 2's drift). Compare ratios within one run.
 
 # %% [markdown]
 # ## 4. Threads: which ops can use a second core?
@@ -240,56 +240,84 @@ for op in stmts:
 
 # %% [markdown]
 # A gain counts when it is much further from 1x than 1 thread against itself. Tiny tensors have nothing
-# to split. The large `lerp_` gains if the second core is free; on 2 cores shared with other work the
-# second thread waits for a core, and 2 threads can be slower.
+# to split. The large `lerp_` gains if the second core is free; if other work holds it, 2 threads can
+# be slower.
 
 # %% [markdown]
 # ## 5. On a GPU: what an H200 measured
 #
-# An NVIDIA H200 run saved its sync cell in `results/` (it timed ema_lab's default `ModelEMA` update in
-# place of the after-code), and the CUDA kernels of each update, counted with `torch.profiler`:
+# An NVIDIA H200 (torch 2.11, one host thread) ran the sync cell above on ema_lab's default `ModelEMA`
+# update; [a results file](../docs/results/h200-update-costs-2026-12-04.md) keeps its medians:
 
 # %%
 import json
+from collections import Counter
+from pathlib import Path
 
+import ema_lab
 from ema_lab.bench.results import bench_files, load, results_dir
 
+h200_costs = json.loads(
+    (Path(ema_lab.__file__).parents[1] / "docs" / "results" / "h200-update-costs-2026-12-04.json").read_text()
+)
+print(h200_costs["machine"]["gpu"], "| torch", h200_costs["machine"]["torch"])
+for work, ms in h200_costs["sync"]["ms"].items():
+    print(f"cuda, {work}: without sync {ms['without_sync']:.3f} ms, with sync {ms['with_sync']:.3f} ms")
+
+# %% [markdown]
+# Sync matters 13x for the `lerp_`: the host queues one kernel in 0.008 ms, the GPU needs until
+# 0.107 ms to move 384 MiB. It hardly matters for the update: the host works on it for about 0.29 ms,
+# and the GPU's small part is nearly done when the call returns. The update is **host-bound**: the CPU
+# sets its time. The H200 also counted each update's CUDA kernels (`torch.profiler`); name them by op:
+
+
+# %%
+def kernel_op(name: str) -> str:
+    """The op behind a CUDA kernel's name, as torch.profiler reports it."""
+    ops = {
+        "MulFunctor": "mul",
+        "CUDAFunctor_add": "add_",
+        "LerpFunctor": "_foreach_lerp_",
+        "lerp_scalar": "lerp_",
+        "OpaqueType<4u>": "cat of floats",
+        "OpaqueType<8u>": "cat of int64 counters",
+    }
+    return next((op for key, op in ops.items() if key in name), name)
+
+
 h200 = results_dir() / "gpu-linux-intel-xeon-16c-nvidia-h200"
-print("NVIDIA H200, torch", json.loads((h200 / "summary.json").read_text())["torch"])
-saved_nb = json.loads((h200 / "notebooks" / "04_timing_cpu_cuda_mps.ipynb").read_text())
-for cell in saved_nb["cells"]:  # the sync cell, as the H200 ran it
-    text = "".join("".join(out.get("text", "")) for out in cell.get("outputs", []))
-    if "cuda, " in text:
-        print(
-            "\n".join(line.split(" (medians")[0] for line in text.splitlines() if line.startswith("cuda, "))
-        )
-        break
 launches = json.loads((h200 / "kernel-launches.json").read_text())
-print("CUDA kernels per ModelEMA update, by strategy:")
-for name in ("yolo", "tiny_tensors"):
+for model, tensors in (("yolo", 594), ("tiny_tensors", 2000)):
+    print(f"{model} ({tensors} float tensors), kernels per ModelEMA update:")
+    for strategy in ("loop", "foreach", "auto"):
+        ops = Counter()
+        for name, n in launches[model][strategy]["kernels"].items():
+            ops[kernel_op(name)] += n
+        total = launches[model][strategy]["total"]
+        print(f"  {strategy:<8} {total:>4} =", " + ".join(f"{n} {op}" for op, n in ops.items()))
+
+# %% [markdown]
+# `loop` launches `mul_`, `mul` and `add_` per tensor. `foreach` is one `_foreach_lerp_`, at most 64
+# tensors a launch in that build. The default, `auto` (notebook 05), gathers the small tensors (under
+# 2,048 elements) with one `cat`, at most 128 a launch, and moves them with one `lerp_`; one
+# `_foreach_lerp_` moves the large ones. Each copies BatchNorm's integer counters with one `cat`.
+#
+# Few kernels: is the default fast? ultralytics' own `ModelEMA` (8.4.190: one `_foreach_lerp_` over lists
+# it keeps and never checks), on the same H200:
+
+# %%
+for model in ("yolo_like", "yolo26n", "tiny_tensors"):
+    ms, kernels = h200_costs["ms_per_update"][model], h200_costs["kernels_per_update"][model]
     print(
-        f"  {name:<13}", ", ".join(f"{k} {launches[name][k]['total']}" for k in ("loop", "foreach", "auto"))
+        f"{model:<13} ultralytics {ms['ultralytics']:.3f} ms, {kernels['ultralytics']:>2} kernels;"
+        f" ema_lab default {ms['default']:.3f} ms, {kernels['default']:>2} kernels"
     )
 
 # %% [markdown]
-# Sync matters 13x for the `lerp_`: the host queues one kernel in 0.008 ms, and the GPU then moves
-# 384 MiB (reads two buffers, writes one) in 0.107 ms. It hardly matters for the update: the host
-# spends about 0.29 ms in Python queueing 8 kernels whose work is tiny, so the GPU has almost caught up
-# when the call returns. Such an
-# update is **host-bound**: the CPU, not the GPU, sets its time.
-
-# %% [markdown]
-# `ModelEMA`'s strategy `loop` launches a kernel per arithmetic op (3 per tensor), `foreach` one
-# `_foreach_lerp_`, `auto` (the default) the flat buffer of notebook 05. Each also copies BatchNorm's
-# integer counters in one `cat` kernel: 1783 is notebook 01's 1782 plus that `cat`. One
-# `_foreach_lerp_` carried at most 64 tensors per launch in that build: 10 launches for yolo's 594.
-#
-# <details><summary>Will a newer torch pack more tensors into one launch?</summary>
-#
-# In torch 2.13's `aten/src/ATen/native/cuda/MultiTensorApply.cuh` the limit is fixed at compile time:
-# builds against CUDA 13 or newer (not ROCm) pass 448 tensors per launch for two lists, others 64. The
-# H200's torch 2.11+cu130 packed 64: count on your build.
-# </details>
+# More kernels, less time: ultralytics' class was faster on all five models of the results file. The
+# default's extra time is host work, not launches: it checks that the model's tensors have not moved,
+# gathers the small ones, copies the counters. Without the check, ultralytics' class keeps averaging the
+# old tensors after `model.half()` (notebook 05, section 3). On a GPU, time the host, not only launches.
 
 # %% [markdown]
 # ## 6. Compare machines by their speed-ups
@@ -367,10 +395,10 @@ for rec in (earlier, reference):
     print(rec["created"][:10], " | ".join(cells), f"| {speedup(rec, 'foreach', 'cpu')[1]:.1f}x")
 
 # %% [markdown]
-# On 12-03 every time was longer and the quartiles wider: the VM shared its host with more work that
-# day, and the short `foreach` calls lost more than the loop. Interleaving protects a ratio from drift
-# within a run, not between runs: compare runs with their spreads, and keep one reference (the 12-03
-# run, as in notebook 01; 8.3x was a 3-round quick run).
+# On 12-03 every time was longer and the quartiles wider: most likely the VM shared its host with more
+# work that day, and the short `foreach` calls lost more than the loop. Interleaving protects a ratio
+# from drift within a run, not between runs: compare runs with their spreads, and keep one reference
+# (the 12-03 run, as in notebook 01; 8.3x was a 3-round quick run).
 
 # %% [markdown]
 # The H200's speed-ups are several times the CPUs'. The cost model (notebook 01) explains why: the
@@ -386,33 +414,35 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
     print(f"measured on tiny_tensors: {speedup(rec, 'foreach', device)[1]:.0f}x")
 
 # %% [markdown]
-# On the H200 an op of the loop costs *more* than on the CPU: each is a kernel launch, queued from
-# Python through the CUDA driver. A tensor inside `_foreach_lerp_` costs *less*: 64 share one launch,
-# while a CPU runs one `lerp_` per tensor inside it. Three ops per tensor times the ratio of the two
-# prices roughly predicts the speed-up. To add your machine, run `python3 dev.py bench`.
+# On the H200 an op of the loop costs *more* than on the CPU: each is a kernel launch through the CUDA
+# driver. A tensor inside `_foreach_lerp_` costs *less*: 64 share one launch, where a CPU runs one
+# `lerp_` per tensor. Three ops per tensor times the ratio of the prices roughly predicts the speed-up.
+# To add your machine, run `python3 dev.py bench`.
 
 # %% [markdown]
 # ## Summary
 #
-# - Warm up first; on a GPU, synchronise before reading the clock, and watch for hidden sync points.
-# - Times spread and drift: report the median and IQR, at a fixed, recorded thread count.
-# - Compare versions in alternating rounds; call a difference real only outside the noise.
-# - Compare machines by speed-ups, with their spreads; the cost model's prices explain them.
+# - Warm up; on a GPU, synchronise before reading the clock, and watch for hidden sync points.
+# - Times spread and drift: report median and IQR at a fixed, recorded thread count.
+# - Compare versions in alternating rounds; a difference counts only outside the noise.
+# - On a GPU a small update is host-bound: time the host, not only the launches.
+# - Compare machines by speed-ups, with their spreads.
 
 # %% [markdown]
 # ## Exercises
 #
-# Try each one before you open its solution.
-#
-# 1. A fresh `ModelEMA(net)` builds its update on its first `update(net)` call. Predict how much more
-#    the first call costs on `net = models.build("tiny_tensors")`, then time ten calls with
-#    `time.perf_counter()`, printing `rebuilds` (builds so far) after each, and compare the first with
-#    the median of calls 2-10.
-#
+# Try each one before you open its solution; paste a solution into the empty cell to run it.
+
+# %% [markdown]
+# **Exercise 1.** Time ten `update(net)` calls of a fresh `ModelEMA(net)` on
+# `net = models.build("tiny_tensors")` with `time.perf_counter()`, printing `rebuilds` (builds so far)
+# after each. *Predict* how the first call compares with the median of the others.
+
+# %%
+# Exercise 1: your code here
+
+# %% [markdown]
 # <details><summary>Solution 1</summary>
-#
-# The first call builds (rebuilds becomes 1) and costs many times the later ones; single later calls
-# still jump with noise, so compare with their median.
 #
 # ```python
 # net = models.build("tiny_tensors")
@@ -424,14 +454,22 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 #     print(f"call {call}: {ms[-1]:7.2f} ms, rebuilds {fresh.rebuilds}")
 # print(f"first call / median of calls 2-10: {ms[0] / statistics.median(ms[1:]):.0f}x")
 # ```
+#
+# Only the first call builds (`rebuilds` is 1 from then on), and it costs many times a later one. The
+# later calls still jump, so compare with their median.
+#
 # </details>
-#
-# 2. Predict which zoo model (`yolo`, `resnet50`, `gpt2`, `tiny_tensors`) holds the largest share of its
-#    float elements in tensors over 32,768 elements (section 4), then compute it from `state_dict()`.
-#
+
+# %% [markdown]
+# **Exercise 2.** For each zoo model (`yolo`, `resnet50`, `gpt2`, `tiny_tensors`), compute from
+# `state_dict()` the share of float elements in tensors above 32,768 elements (section 4). *Predict*
+# which model has the largest share.
+
+# %%
+# Exercise 2: your code here
+
+# %% [markdown]
 # <details><summary>Solution 2</summary>
-#
-# gpt2 (99.9 %), then resnet50 (99.0 %); yolo 62.8 % in 28 tensors; tiny_tensors none.
 #
 # ```python
 # for name in ("yolo", "resnet50", "gpt2", "tiny_tensors"):
@@ -439,47 +477,30 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 #     large = [n for n in sizes if n > 32_768]
 #     print(f"{name:<13} {len(large):>3} of {len(sizes):>4} large, holding {sum(large) / sum(sizes):6.1%}")
 # ```
+#
+# gpt2 (99.9 %), then resnet50 (99.0 %), yolo (62.8 %), tiny_tensors none: the same on any machine.
+# A second thread can split most of gpt2's elements, none of tiny_tensors'.
+#
 # </details>
-#
-# 3. Predict on which model `foreach` gains most over the before-code in the CPU reference run, then
-#    print `speedup_vs_seed_before` of each `reference["results"]` row whose `candidate` is `foreach`.
-#
+
+# %% [markdown]
+# **Exercise 3.** Print `speedup_vs_seed_before` of each row of `reference["results"]` (section 6) whose
+# `candidate` is `foreach`. *Predict* on which model `foreach` gains most.
+
+# %%
+# Exercise 3: your code here
+
+# %% [markdown]
 # <details><summary>Solution 3</summary>
-#
-# tiny_tensors: 2,000 tensors in 1 MiB, almost all per-op cost. gpt2 and resnet50 gain least: their
-# time goes into moving bytes, which any update must do.
 #
 # ```python
 # for row in reference["results"]:
 #     if row["candidate"] == "foreach":
-#         print(f"{row['model']:<13} {row['stats']['float_tensors']:>5} tensors: {row['speedup_vs_seed_before']:5.1f}x")
+#         print(f"{row['model']:<13} {row['speedup_vs_seed_before']:5.1f}x")
 # ```
-# </details>
 #
-# The three cells below run the solutions (folded in JupyterLab: click to expand).
-
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
-# Solution 1
-net = models.build("tiny_tensors")
-fresh, ms = ModelEMA(net), []
-for call in range(1, 11):
-    t0 = time.perf_counter()
-    fresh.update(net)
-    ms.append(1e3 * (time.perf_counter() - t0))
-    print(f"call {call}: {ms[-1]:7.2f} ms, rebuilds {fresh.rebuilds}")
-print(f"first call / median of calls 2-10: {ms[0] / statistics.median(ms[1:]):.0f}x")
-
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
-# Solution 2
-for name in ("yolo", "resnet50", "gpt2", "tiny_tensors"):
-    sizes = [v.numel() for v in models.build(name).state_dict().values() if v.is_floating_point()]
-    large = [n for n in sizes if n > 32_768]
-    print(f"{name:<13} {len(large):>3} of {len(sizes):>4} large, holding {sum(large) / sum(sizes):6.1%}")
-
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
-# Solution 3
-for row in reference["results"]:
-    if row["candidate"] == "foreach":
-        print(
-            f"{row['model']:<13} {row['stats']['float_tensors']:>5} tensors: {row['speedup_vs_seed_before']:5.1f}x"
-        )
+# A committed run (2-core AMD EPYC VM, 1 thread), the same everywhere: tiny_tensors gains most (7.0x),
+# its time almost all per-tensor cost; gpt2 (2.6x) and resnet50 (2.3x) least: their time goes into
+# moving bytes, which any update must do.
+#
+# </details>

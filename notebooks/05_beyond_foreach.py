@@ -17,13 +17,12 @@
 #
 # - Put the EMA and the model each in one contiguous buffer, and the whole update is one `lerp_`.
 # - Views go stale when the model moves, so check them; keep the EMA in fp32.
-# - On a GPU the default update is host-bound: flattening the model cuts it to two launches.
+# - On a GPU the default update is host-bound: a flattened model needs two launches.
 
 # %% tags=["nbval-ignore-output"]
 import copy
 
 import torch
-from torch.utils.benchmark import Timer
 
 from ema_lab.bench import models
 from ema_lab.bench.environment import quick_mode
@@ -68,8 +67,7 @@ def ema_foreach() -> None:  # the PR's after-code: one call for all tensors
 
 
 # %% [markdown]
-# Time both with notebook 04's `time_candidates` (turns, medians, IQR), and the two `state_dict()` walks
-# that the PR's code adds to each:
+# Time both with notebook 04's `time_candidates` (turns, medians, IQR):
 
 # %% tags=["nbval-ignore-output"]
 from ema_lab.bench.timing import time_candidates
@@ -83,28 +81,20 @@ def timed(fns: dict[str, object], rounds: int = 5 if QUICK else 15) -> dict[str,
     return {name: r.median_s * 1e3 for name, r in results.items()}
 
 
-first = timed(
-    {
-        "loop": ema_loop,
-        "foreach": ema_foreach,
-        "two state_dict() walks": lambda: (ema.state_dict(), model.state_dict()),
-    }
-)
-walks = first["two state_dict() walks"]
-print(f"foreach over loop: {first['loop'] / first['foreach']:.1f}x;", end=" ")
-print(f"with the walks in both, as in the PR: {(first['loop'] + walks) / (first['foreach'] + walks):.1f}x")
+first = timed({"loop": ema_loop, "foreach": ema_foreach})
+print(f"foreach over loop: {first['loop'] / first['foreach']:.1f}x")
 
 # %% [markdown]
-# The PR's code walks both `state_dict()`s on every call, before and after alike, diluting its gain;
-# here the lists are built once.
-# Yet on a CPU `_foreach_lerp_` still runs one `lerp_` per tensor inside.
+# Here the lists are built once; the PR's code rebuilds them from two `state_dict()` walks on every
+# call, which dilutes its gain (notebook 01 measures by how much). Yet on a CPU `_foreach_lerp_` still
+# runs one `lerp_` per tensor inside.
 
 # %% [markdown]
 # ## 2. One buffer, many views
 #
-# The *floor*, the fastest an update can be, is one `lerp_` over all 2.6 million elements at once; for
-# that they must sit in one contiguous buffer. Copy every EMA tensor into one flat buffer, then re-point the tensor at its slice:
-# a *view*, a tensor that reads and writes another tensor's memory.
+# The *floor*, the fastest an update can be, is one `lerp_` over all 2.6 million elements at once: they
+# must sit in one contiguous buffer. Copy every EMA tensor into one flat buffer, then re-point the tensor
+# at its slice: a *view*, a tensor that reads and writes another tensor's memory.
 #
 # ![EMA tensors as views into one flat buffer, and one lerp_ between two buffers](figures/05_flat_views.svg)
 
@@ -151,8 +141,8 @@ cat_ms = timed({"foreach": ema_foreach, "flat EMA + cat": ema_cat_lerp})
 print(f"flat EMA + cat / foreach: {cat_ms['flat EMA + cat'] / cat_ms['foreach']:.2f}x")
 
 # %% [markdown]
-# The gather costs more than it saves: `cat` copies all 2.6 million model elements on
-# every update. So flatten the model too: the update becomes one `lerp_` over two buffers, and it must equal foreach to
+# The gather costs more than it saves: `cat` copies all 2.6 million model elements on every update. So
+# flatten the model too: the update becomes one `lerp_` over two buffers, and it must equal foreach to
 # the bit:
 
 
@@ -202,7 +192,7 @@ print("after model.half():", all_views_of(M, model_flat), "| parameter dtype:", 
 # %% [markdown]
 # ## 4. Keep the EMA in fp32
 #
-# Should the EMA of a bf16 model be bf16 too? A float stores a few significant bits, its *mantissa*
+# Should the EMA of a bf16 model be bf16 too? A float keeps a few significant bits, its *mantissa*
 # ([glossary](../docs/glossary.md#mantissa-bits)):
 # bf16 (bfloat16: 16 bits, float32's range) keeps 7 of them, so near 1.0 its values are 2^-7 apart.
 # That spacing is one *ulp* (unit in the last place). A result closer to 1.0 than half an ulp rounds
@@ -210,7 +200,7 @@ print("after model.half():", all_views_of(M, model_flat), "| parameter dtype:", 
 #
 # ![Near 1.0 a bf16 step of 8e-7 ends nearer 1.0 than the next value, so it rounds back](figures/05_ulp.svg)
 #
-# Run 1,000 updates of a one-element EMA at 1.0 towards a model 0.01 above it:
+# Move a one-element EMA at 1.0 towards 1.01, 1,000 times:
 
 
 # %%
@@ -236,9 +226,9 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
 # ## 5. What ema_lab packages
 #
 # `ema_lab.ModelEMA` packages sections 2-4: it flattens its EMA copy, checks the views before every
-# update (rebuilding when they moved), and casts a bf16 model into an fp32 buffer first.
-# `ema_lab.flatten_model` is our `flatten` for the model. `count_ops`, the op counter of notebook 01,
-# packaged, shows what one update calls:
+# update (rebuilding when they moved), and casts a bf16 model's values into an fp32 buffer when you keep
+# the EMA in fp32 (`ema.ema.float()`: it starts in the model's dtype). `ema_lab.flatten_model` is our
+# `flatten` for the model; `count_ops`, notebook 01's op counter, packaged, shows what an update calls:
 
 # %%
 import ema_lab
@@ -295,9 +285,8 @@ plt.show()
 
 # %% [markdown]
 # Gray: built here; blue: `ema_lab`. The flattened model's `ModelEMA` runs the floor's `lerp_` plus the
-# counters' `copy_` and the check, so it cannot beat the floor: where the two IQR lines overlap, their
-# difference is noise. The default leaves your model alone: it reads the scattered tensors like our
-# foreach, plus the check and the counters, and its `cat` saves per-tensor calls on the small ones.
+# counters' `copy_` and the check, so it cannot beat the floor (where IQR lines overlap, the difference is
+# noise). The default reads the scattered tensors like our foreach, plus the check and the counters.
 
 # %% [markdown]
 # The check, packaged: make the flattened model fp16 and update once. With decay 0 the EMA must equal
@@ -318,10 +307,10 @@ print(
 # other modes: [Beyond foreach: the details](../docs/beyond_foreach_details.md).)
 
 # %% [markdown]
-# ## 6. On a GPU: launches, not bytes
+# ## 6. On a GPU: host time, not bytes
 #
-# On CUDA every op that computes is a kernel launch, queued by the host (notebook 04). An NVIDIA H200
-# run (torch 2.11, 1 host thread) timed and counted one update of the yolo-sized model:
+# On CUDA the host queues kernels for each op (notebook 04). An NVIDIA H200 run (torch 2.11, 1 host
+# thread) timed and counted the kernels of one update of the yolo-sized model:
 
 # %%
 from ema_lab.bench.results import load, results_dir
@@ -341,9 +330,15 @@ for name, cand in [
     print(f"{name:<25} {ms:7.3f} ms = {ms / floor_ms:5.0f}x the floor, {n:>5} kernels")
 
 # %% [markdown]
-# The default's 8 kernels take about 30x the floor's time, though they move nearly the same bytes.
-# That time is the host's, queueing launches from Python: the update is *host-bound* (notebook 04's
-# sync test shows it). Flattening the model leaves 2 kernels, about 4x the floor. Count launches.
+# The default's 8 kernels (notebook 04, section 5, names them) take about 30x the floor's time, though
+# they move nearly the same bytes. The time is the host's: each update first checks that the model's
+# tensors have not moved, gathers the small ones and copies the counters. ultralytics' class, with more
+# kernels and no check, was faster on the same GPU
+# ([results](../docs/results/h200-update-costs-2026-12-04.md)). Flattening the model leaves 2 kernels
+# and a check whose cost does not grow with the tensor count: about 4x the floor.
+#
+# (That run's ema_lab gave the gathered tensors a `lerp_` of their own; yours moves them inside the
+# `_foreach_lerp_`, as section 5 counted.)
 
 # %% [markdown]
 # A *CUDA graph* takes any number of launches down to one: record an update's kernels once
@@ -351,15 +346,15 @@ for name, cand in [
 #
 # ![Eager: the host launches each kernel. A graph: one launch replays them all](figures/05_cuda_graph.svg)
 #
-# A replay reuses the recorded addresses and numbers: the tensors' addresses must be checked before
-# each replay, and the decay must live in a device tensor. `ModelEMA(model, cuda_graph=True)` does both. It has
-# never run on a GPU, so no time exists for it: measure it as notebook 04 does before relying on it.
+# A replay reuses the recorded addresses and numbers, so the addresses must be checked before each
+# replay and the decay must live in a device tensor. `ModelEMA(model, cuda_graph=True)` does both. On the
+# H200 one `_foreach_lerp_`, captured by hand, replayed in 0.023 ms on a yolo-like model (ultralytics'
+# eager update: 0.179 ms); no timing of `cuda_graph=True` is published yet: time it as notebook 04 does.
 #
 # <details><summary>CUDA graph machinery, torch.compile and a tensor decay</summary>
 #
 # How `cuda_graph=True` records, checks and re-records, why `torch.compile` recompiles for a float decay
-# (automatic dynamic shapes, the recompile limit) and why a tensor decay causes no host sync: see
-# [Beyond foreach: the details](../docs/beyond_foreach_details.md).
+# and why a tensor decay causes no host sync: [Beyond foreach: the details](../docs/beyond_foreach_details.md).
 # </details>
 
 # %% [markdown]
@@ -373,15 +368,18 @@ for name, cand in [
 # %% [markdown]
 # ## Exercises
 #
-# Try each one before you open its solution.
-#
-# 1. `models.build("tiny_tensors")` holds 2,000 float tensors (1,000 of 256 elements, 1,000 of 16).
-#    Predict: does one `lerp_` gain more over foreach there than on the yolo-sized model? Measure with
-#    `float_tensors`, `flatten` and `timed`.
-#
+# Try each one before you open its solution; paste a solution into the empty cell to run it.
+
+# %% [markdown]
+# **Exercise 1.** `models.build("tiny_tensors")` holds 2,000 float tensors (1,000 of 256 elements, 1,000
+# of 16). Flatten one and its EMA copy with `flatten`, and time `foreach` against one `lerp_` with
+# `timed`. *Predict*: does one `lerp_` gain more over foreach there than on the yolo-sized model?
+
+# %%
+# Exercise 1: your code here
+
+# %% [markdown]
 # <details><summary>Solution 1</summary>
-#
-# Far more: 2,000 tiny tensors are almost all per-tensor overhead, which one `lerp_` removes.
 #
 # ```python
 # tiny, tiny_ema = models.build("tiny_tensors"), models.build("tiny_tensors").requires_grad_(False)
@@ -396,19 +394,26 @@ for name, cand in [
 # ratio = tiny_ms["foreach"] / tiny_ms["one lerp_"]
 # print(f"tiny_tensors: {ratio:.0f}x; yolo-sized: {times['foreach'] / times['one lerp_']:.1f}x")
 # ```
+#
+# Far more (the printed ratios): 2,000 tensors of 272,000 elements in all are almost all per-tensor
+# work, which one `lerp_` removes; the yolo-sized model's 2.6 million elements must move either way.
+#
 # </details>
-#
-# 2. Predict the share of a training step that an EMA update takes, then time a step of
-#    `models.build("yolo")`: input `torch.randn(8, 3, 256, 256)`, forward, loss `sum(o.square().mean()
-#    for o in net(images))`, backward, `torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9).step()`.
-#    Compare with section 5's `times`. Quick mode (`EMA_LAB_QUICK=1`, a shorter run) uses 2 images of 64x64.
-#
+
+# %% [markdown]
+# **Exercise 2.** Time one training step of `models.build("yolo")`: input `torch.randn(8, 3, 256, 256)`,
+# loss `sum(o.square().mean() for o in net(images))`, backward, an SGD step with momentum. Compare it
+# with section 5's `times`. *Predict*: what share of step plus update does the EMA update take?
+
+# %%
+# Exercise 2: your code here
+
+# %% [markdown]
 # <details><summary>Solution 2</summary>
 #
-# The printed shares answer it. The step's work grows with batch and image size, the update's does not:
-# the smaller the step, the larger the EMA's share.
-#
 # ```python
+# from torch.utils.benchmark import Timer
+#
 # batch, size = (2, 64) if QUICK else (8, 256)
 # net = models.build("yolo").train()
 # opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
@@ -427,15 +432,23 @@ for name, cand in [
 # for k in ("loop", "foreach", "ModelEMA", "flatten_model + ModelEMA"):
 #     print(f"  {k:<25} {times[k]:6.2f} ms = {times[k] / (step_ms + times[k]):6.2%} of the step")
 # ```
+#
+# Small on a CPU at batch 8 of 256x256 (the printed shares): the passes work on every image, the update
+# touches each weight once. The step grows with batch and image size, the update does not: the smaller
+# the step (quick mode: 2 images of 64x64), the larger the EMA's share.
+#
 # </details>
-#
-# 3. Flatten a fresh `models.build("tiny_cnn")` with `ema_lab.flatten_model`, update a `ModelEMA` of it,
-#    then call `ema_lab.unflatten_model` on the model. Predict `ema.modes` after the next update; run it.
-#
+
+# %% [markdown]
+# **Exercise 3.** Flatten `models.build("tiny_cnn")` with `ema_lab.flatten_model`, update a `ModelEMA`
+# of it, call `ema_lab.unflatten_model` on the model, update again. *Predict* `modes` and `rebuilds`
+# after each update.
+
+# %%
+# Exercise 3: your code here
+
+# %% [markdown]
 # <details><summary>Solution 3</summary>
-#
-# `fused` before; after `unflatten_model` each tensor has its own memory again, so the next update
-# rebuilds and runs the default's `cat+foreach`, as for any model that is not flattened.
 #
 # ```python
 # cnn = models.build("tiny_cnn")
@@ -447,51 +460,8 @@ for name, cand in [
 # cnn_ema.update(cnn)
 # print("unflattened:", cnn_ema.modes, "| builds:", cnn_ema.rebuilds)
 # ```
-# </details>
 #
-# The three cells below run the solutions (folded in JupyterLab: click to expand).
-
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
-# Solution 1
-tiny, tiny_ema = models.build("tiny_tensors"), models.build("tiny_tensors").requires_grad_(False)
-tE, tM = float_tensors(tiny_ema), float_tensors(tiny)
-tE_flat, tM_flat = flatten(tE), flatten(tM)
-tiny_ms = timed(
-    {
-        "foreach": torch.no_grad()(lambda: torch._foreach_lerp_(tE, tM, 1 - D)),
-        "one lerp_": torch.no_grad()(lambda: tE_flat.lerp_(tM_flat, 1 - D)),
-    }
-)
-ratio = tiny_ms["foreach"] / tiny_ms["one lerp_"]
-print(f"tiny_tensors: {ratio:.0f}x; yolo-sized: {times['foreach'] / times['one lerp_']:.1f}x")
-
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
-# Solution 2
-batch, size = (2, 64) if QUICK else (8, 256)
-net = models.build("yolo").train()
-opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-images = torch.randn(batch, 3, size, size)
-
-
-def train_step() -> None:
-    opt.zero_grad()
-    sum(o.square().mean() for o in net(images)).backward()
-    opt.step()
-
-
-train_step()  # warm-up
-step_ms = Timer("train_step()", globals=globals()).timeit(3).mean * 1e3
-print(f"training step, batch {batch} at {size}x{size}: {step_ms:.0f} ms")
-for k in ("loop", "foreach", "ModelEMA", "flatten_model + ModelEMA"):
-    print(f"  {k:<25} {times[k]:6.2f} ms = {times[k] / (step_ms + times[k]):6.2%} of the step")
-
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
-# Solution 3
-cnn = models.build("tiny_cnn")
-ema_lab.flatten_model(cnn)
-cnn_ema = ema_lab.ModelEMA(cnn)
-cnn_ema.update(cnn)
-print("flattened:  ", cnn_ema.modes, "| builds:", cnn_ema.rebuilds)
-ema_lab.unflatten_model(cnn)
-cnn_ema.update(cnn)
-print("unflattened:", cnn_ema.modes, "| builds:", cnn_ema.rebuilds)
+# `['fused']` with 1 build, then `['cat+foreach']` with 2: unflattened, each tensor has its own memory
+# again, the check fails, and the update rebuilds as for any model that is not flattened.
+#
+# </details>

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import timeit
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from ema_lab.bench.costmodel import (
     sweep_plan,
 )
 from ema_lab.bench.environment import available_memory_bytes, device_cache_bytes, last_level_cache_bytes
-from ema_lab.bench.timing import quantiles, synchronize, time_candidates
+from ema_lab.bench.timing import quantiles, synchronize, synchronized_clock, time_candidates
 
 
 def test_quantiles_inclusive():
@@ -55,6 +56,19 @@ def test_time_candidates_rejects_bad_input():
     with pytest.raises(ValueError, match="rounds and threads"):
         time_candidates({"a": lambda: None}, rounds=0)
     synchronize("cpu")  # a no-op that must not raise
+
+
+def test_every_clock_reading_waits_for_mps_whatever_torch_timer_does(monkeypatch):
+    # torch's Timer synchronizes MPS only since pytorch PR #157131 (July 2025); ours must on every version.
+    # No MPS here: torch.mps.synchronize is replaced by a recorder, the candidate runs on the CPU.
+    events: list[str] = []
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: events.append("sync"))
+    time_candidates({"a": lambda: events.append("call")}, device="mps", rounds=3, warmup=1, target_s=1e-9)
+    log = "".join("s" if e == "sync" else "c" for e in events)
+    # The warm-up call, then every stretch of timed calls between two syncs: each clock reading waited.
+    assert log.startswith("cs") and log.endswith("s")
+    assert len([run for run in log[1:].split("s") if run]) >= 1 + 3  # the sizing call, then each round
+    assert synchronized_clock("cpu") is timeit.default_timer  # nothing to wait for on a CPU
 
 
 def test_fit_recovers_overhead_and_bandwidth():

@@ -1,7 +1,9 @@
 """Device-aware timing of several candidates, interleaved in one process, reported as median and IQR.
 
-Built on ``torch.utils.benchmark.Timer``: it fixes the intra-op thread count while it measures and,
-in torch 2.13, synchronizes the accelerator (CUDA, MPS) before reading the clock, so queued
+Built on ``torch.utils.benchmark.Timer``, which fixes the intra-op thread count while it measures.
+Its clock synchronizes CUDA before each reading, but MPS only since pytorch PR #157131 (July 2025,
+``torch.accelerator.synchronize()``), while ema_lab supports torch 2.1: so the Timer here reads a
+clock of this module's that synchronizes the device being timed, on every torch version, and queued
 kernels are paid for by the candidate that launched them. On top of it this module adds what a
 comparison needs: a warm-up per candidate, a per-candidate inner repeat count (``number``) sized
 so one measurement is long enough to read, and *rounds* that visit every candidate in turn (in
@@ -14,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import statistics
 import time
+import timeit
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +46,18 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
     elif device == "mps":
         torch.mps.synchronize()
+
+
+def synchronized_clock(device: str) -> Callable[[], float]:
+    """A clock for ``Timer(timer=...)`` that waits for ``device``'s queued work before each reading."""
+    if device == "cpu":
+        return timeit.default_timer
+
+    def clock() -> float:
+        synchronize(device)
+        return timeit.default_timer()
+
+    return clock
 
 
 def quantiles(values: list[float]) -> tuple[float, float, float]:
@@ -108,8 +123,9 @@ def time_candidates(
     torch.set_num_threads(threads)  # warm-up and sizing at the measured thread count too
     try:
         numbers = {k: _calls_per_measurement(fn, device, target_s, warmup) for k, fn in candidates.items()}
+        clock = synchronized_clock(device)
         timers = {
-            k: Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads, label=k)
+            k: Timer(stmt="fn()", globals={"fn": fn}, timer=clock, num_threads=threads, label=k)
             for k, fn in candidates.items()
         }
         names = list(candidates)
