@@ -408,21 +408,27 @@ for m in ("yolo", "tiny_tensors"):
 
 # %% tags=["nbval-ignore-output"]
 cpu_run, h200 = ref["2-core AMD EPYC VM, Dec 3"], ref["NVIDIA H200"]
-loop_us = [price_ms * 1e3] + [r["cost_model"][d]["fits"]["loop"]["overhead_per_op_us"] for r, d in ((cpu_run, "cpu"), (h200, "cuda"))]
-tensor_us = [per_tensor_ms * 1e3] + [r["cost_model"][d]["fits"]["foreach"]["overhead_per_op_us"] for r, d in ((cpu_run, "cpu"), (h200, "cuda"))]
-ms = {  # your run above, then the saved runs' yolo rows ("foreach": ModelEMA's _foreach_lerp_, lists kept)
-    key: [pr[name].median_s * 1e3] + [yolo_row(r, candidate).median_s * 1e3 for r in (cpu_run, h200)]
-    for key, name, candidate in [("before", "before", "seed_before"), ("after", "after", "seed_after"),
-                                 ("kept", "after, lists kept", "foreach"), ("floor", "one flat lerp_", "floor")]
-}  # fmt: skip
+runs = [(cpu_run, "cpu"), (h200, "cuda")]
+
+
+def fit(name):  # a price the bench fitted in a saved run: us per op (loop) or per tensor (foreach)
+    return [run["cost_model"][device]["fits"][name]["overhead_per_op_us"] for run, device in runs]
+
+
+def yolo_ms(yours, candidate):  # your time above, then the saved runs' ("foreach": ModelEMA's, lists kept)
+    return [pr[yours].median_s * 1e3] + [yolo_row(run, candidate).median_s * 1e3 for run, _ in runs]
+
+
+loop_us, tensor_us = [price_ms * 1e3] + fit("loop"), [per_tensor_ms * 1e3] + fit("foreach")
+before, after = yolo_ms("before", "seed_before"), yolo_ms("after", "seed_after")
 table = {
     "one op in a Python loop (us)": loop_us,
     "one tensor inside _foreach_lerp_ (us)": tensor_us,
-    f"one flat lerp_ of {numbers / 1e6:.1f}M numbers (ms)": ms["floor"],
-    "after-code (ms)": ms["after"],
-    "  its _foreach_lerp_ alone, lists kept (ms)": ms["kept"],
+    f"one flat lerp_ of {numbers / 1e6:.1f}M numbers (ms)": yolo_ms("one flat lerp_", "floor"),
+    "after-code (ms)": after,
+    "  its _foreach_lerp_ alone, lists kept (ms)": yolo_ms("after, lists kept", "foreach"),
     "speed-up the two prices predict (3 x row 1 / row 2)": [3 * a / b for a, b in zip(loop_us, tensor_us)],
-    "speed-up measured (before / after)": [b / a for b, a in zip(ms["before"], ms["after"])],
+    "speed-up measured (before / after)": [b / a for b, a in zip(before, after)],
 }
 print(f"your CPU: {env['cpu']}; the reference run's: {cpu_run['environment']['cpu']}, 2 cores\n")
 print(f"{'':<52}{'your CPU':>10}{'2-core CPU':>12}{'H200':>8}")
@@ -430,8 +436,8 @@ for label, values in table.items():
     print(f"{label:<52}" + "".join(f"{v:>{w}.{3 if v < 1 else 2}f}" for v, w in zip(values, (10, 12, 8))))
 
 # %% [markdown]
-# Read each column down, not across: two CPUs of the same name differ even in the floor (a virtual
-# machine shares its host with others, and lands on another host from run to run).
+# Read each column down, not across: each is another machine, and even one VM kind differs from run to
+# run (the two saved CPU runs above).
 #
 # A loop's op costs a few times a tensor inside `_foreach_lerp_` on a CPU, about 20 times on the H200,
 # where each op is a kernel launch. The before-code pays the first price three times per tensor, the
