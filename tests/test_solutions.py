@@ -103,17 +103,22 @@ def test_no_code_cell_shows_a_solution(path: Path) -> None:
     assert not filled, f"{path.stem}: exercise cells with committed outputs: {filled}"
 
 
-def _exercise_notebook(solution: str) -> nbformat.NotebookNode:
-    """A committed notebook: a lesson cell, one exercise whose solution is ``solution``, a cell after it."""
+def _exercise_notebook() -> nbformat.NotebookNode:
+    """A committed notebook: a lesson cell; exercise 1, whose solution makes ``x`` 6 and prints, then a cell
+    that prints ``x * 7`` (committed: 42); exercise 2, whose solution raises."""
     md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
-    lesson_cell, exercise, after = code("x = 5"), code("# Exercise 1: your code here"), code("print(x * 7)")
+    after = code("print(x * 7)")
     after.outputs = [nbformat.v4.new_output("stream", name="stdout", text="42\n")]
+    solution = "<details><summary>Solution {}</summary>\n\n```python\n{}\n```\n\nIt prints {}.\n\n</details>"
     cells = [
-        lesson_cell,
+        code("x = 5"),
         md("**Exercise 1.** Make `x` 6. *Predict* what the next cell prints."),
-        exercise,
-        md(f"<details><summary>Solution 1</summary>\n\n```python\n{solution}\n```\n\n42.\n\n</details>"),
+        code("# Exercise 1: your code here"),
+        md(solution.format(1, "x = 3\nprint('anything: not compared')\nx *= 2", "42")),
         after,
+        md("**Exercise 2.** Divide by zero. *Predict* the error."),
+        code("# Exercise 2: your code here"),
+        md(solution.format(2, "x = 1 / 0", "a ZeroDivisionError")),
     ]
     nb = nbformat.v4.new_notebook(cells=cells)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -123,20 +128,17 @@ def _exercise_notebook(solution: str) -> nbformat.NotebookNode:
 
 
 def test_nbvals_run_runs_every_solution_in_its_exercise_cell(tmp_path: Path) -> None:
-    """End to end with the real conftest: a solution that raises fails; the next cell sees what one did."""
+    """End to end with the real conftest: the next cell sees what a solution did; one that raises fails."""
     shutil.copy(NOTEBOOKS / "conftest.py", tmp_path / "conftest.py")
-    solutions = {"works": "x = 3\nprint('anything: not compared')\nx *= 2", "raises": "x = 1 / 0"}
-    for name, solution in solutions.items():
-        nbformat.write(_exercise_notebook(solution), tmp_path / f"{name}.ipynb")
+    nbformat.write(_exercise_notebook(), tmp_path / "lesson.ipynb")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--color=no", "--nbval",
-         "--nbval-current-env", "-o", "addopts=", "works.ipynb", "raises.ipynb"],
+         "--nbval-current-env", "-o", "addopts=", "lesson.ipynb"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out
-    assert "works.ipynb ..." in out and "ZeroDivisionError" in out, out
-    assert "FAILED raises.ipynb::Cell 1 - " in out and "works.ipynb::" not in out.split("FAILURES")[-1], out
+    assert "lesson.ipynb ...F" in out and "1 failed, 3 passed" in out, out  # cells 0-2 pass, cell 3 fails
+    assert "FAILED lesson.ipynb::Cell 3 - " in out and "ZeroDivisionError" in out, out
 
 
 def test_the_format_check_finds_what_it_should() -> None:
