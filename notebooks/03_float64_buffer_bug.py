@@ -128,8 +128,8 @@ print("forward hooks left:", sum(len(m._forward_hooks) for m in broken.modules()
 print("still in training mode:", broken.training)
 
 # %% [markdown]
-# Eight keys: two on each of the four modules. Four hooks: two (its counting rule and a parameter
-# counter) on each module thop has a rule for, `conv` and `bn`.
+# Eight keys, two on each module; four hooks, two (its rule and a parameter counter) on each module
+# with a rule, `conv` and `bn`.
 #
 # ## 2. A shared activation carries the leak into models built later
 #
@@ -182,12 +182,12 @@ plt.show()
 # %% [markdown]
 # Nobody profiled the middle two models, yet each carries 228 stray entries: two for each of its 114
 # `Conv` modules, whose `act` is the shared `SiLU`; even the one built *before* the profile. Profiled in
-# place, yolo adds two on every module without a rule: each `Conv`, its other blocks and containers.
+# place, yolo adds two on each module without a rule: each `Conv`, other blocks, containers.
 #
 # ## 3. A cast EMA copy makes `_foreach_lerp_` fail halfway
 #
 # The EMA starts as `deepcopy(model)`. ultralytics' [validator](../docs/glossary.md#validator) (the code
-# that scores the model on held-out data during training) then [casts](../docs/glossary.md#cast) it with
+# that scores the model during training) then [casts](../docs/glossary.md#cast) it with
 # `.float()`: every floating tensor becomes float32, thop's buffers included. The training model keeps
 # them in float64. One training step moves the model away from its EMA:
 
@@ -403,6 +403,8 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 # The `ultralytics-thop` fork removes the buffers from every module from 2.0.21, adds `try/finally` in
 # 2.0.22 and keeps plain numbers from 2.1 (its release notes; it installs the same `thop` import, so
 # never install both). A later ultralytics PR dropped the deep copy once it required the fixed fork.
+# Or count without thop: torch's `FlopCounterMode` stores nothing on the model
+# ([compared](../docs/flop_counters.md)).
 # </details>
 #
 # <details><summary>Why a leaked model cannot move to an Apple GPU</summary>
