@@ -168,8 +168,9 @@ ax.grid(alpha=0.3)
 plt.show()
 
 # %% [markdown]
-# The raw model's loss jumps from epoch to epoch: at a large step size SGD bounces around the minimum.
-# The EMA averages the bounces away: its loss falls with hardly a bump and ends well below.
+# At a large step size SGD bounces around the minimum: the raw loss jumps from epoch to epoch, the
+# EMA's hardly does. When an EMA beats the weights it averages, and how long its window should be, is
+# notebook 07's subject.
 #
 # `ema_lab.ModelEMA` is this class, packaged, with the same ramp and defaults. Trained with it in place
 # of `HandEMA`, the run gives the same EMA:
@@ -189,9 +190,9 @@ print("same ramp:", all(packaged.decay(n) == ramp(n, 0.99, 50) for n in range(0,
 # ## 3. Three ways to apply one step
 #
 # ema_lab has the step three ways: `loop_update` (the arithmetic before ultralytics PR #25315, one
-# tensor at a time), `foreach_update` (one `torch._foreach_lerp_`, the after-code) and `gated_update`
-# (the after-code with the PR's checks and a fallback). Take the float tensors of a model shaped like the
-# yolo26n detector:
+# tensor at a time), `foreach_update` (the after-code's one `torch._foreach_lerp_`) and `gated_update`
+# (the same call behind the PR's gate, section 4, plus a fallback of ema_lab's own). Take the float
+# tensors of a model shaped like the yolo26n detector:
 
 # %%
 from ema_lab import foreach_update, gated_update, loop_update
@@ -252,9 +253,9 @@ for version in ["1.13", "2.0", "2.3", "2.4", "2.13"]:
     print(f"{version:<7}" + "".join(f"{r:>9}" for r in row))
 
 # %% [markdown]
-# Ascend NPUs (`npu`) are excluded by a later version of the gate. `gated_update` is the gate plus a
-# fallback: where the dtypes of a pair differ, the PR's call raises, and `gated_update` updates that
-# pair with `mul_` and `add_`. Your torch, on a CPU:
+# Ascend NPUs (`npu`) are excluded by a later version of the gate. `gated_update` applies the gate,
+# then adds a fallback the PR does not have: where the dtypes of a pair differ, the PR's call raises,
+# and `gated_update` updates that pair alone with `mul_` and `add_`. Your torch, on a CPU:
 
 # %%
 print(f"torch {torch.__version__}, cpu:", "foreach" if foreach_lerp_supported(None, "cpu") else "loop")
@@ -343,15 +344,14 @@ print(
 #
 # Try each one before you open its solution.
 #
-# 1. Predict: with `tau=5` instead of 50, in which epochs is the EMA's loss worse than the raw model's,
-#    and why? Then run `train(HandEMA, tau=5)` and compare its two lists of losses.
-#
+# **Exercise 1.** Train with `tau=5` instead of 50: `train(HandEMA, tau=5)`. *Predict* in which epochs
+# the EMA's test loss is worse than the raw model's, and why; then compare its two lists of losses.
+
+# %%
+# Exercise 1: your code here
+
+# %% [markdown]
 # <details><summary>Solution 1</summary>
-#
-# With `tau=5` the decay is near 0.99 within a few updates. Then the weights of epoch 1, far from the
-# minimum, keep the share `d(21) d(22) ... d(n)`, about `0.99^(n - 20)`, of the EMA at step `n`: above
-# 10 % for over 200 steps. The EMA drags them along while the model improves. With `tau=50` the decay
-# is still small at step 21, and that share falls below 10 % within a few steps.
 #
 # ```python
 # def early_share_below(tau, limit=0.1):  # the step at which epoch 1's weights hold under 10 % of the EMA
@@ -369,16 +369,26 @@ print(
 #     print(f"tau = {tau:>2}: EMA worse than raw in epochs {worse}")
 #     print(f"          epoch 1's weights hold over 10 % of the EMA until step {n} (epoch {math.ceil(n / 20)})")
 # ```
+#
+# With `tau=5` the EMA is worse than the raw model for many more of the first epochs than with
+# `tau=50` (the exact epochs depend on your torch's random numbers). With `tau=5` the decay is near 0.99
+# within a few updates, so epoch 1's weights, far from the minimum, keep over 10 % of the EMA until step
+# 241 (epoch 13): the EMA drags them along while the model improves. With `tau=50` the decay is still
+# small after epoch 1, and their share falls below 10 % at step 23, in epoch 2.
+#
 # </details>
-#
-# 2. Section 5 converted the model with `model.double()`. Predict: after `model.bfloat16()` instead,
-#    does `CachedListEMA` follow the model? Does `ModelEMA`? Check: copy `gap_after_conversion` with
-#    `model.bfloat16()` in place of `model.double()`, and run it on both as section 5 did.
-#
+
+# %% [markdown]
+# **Exercise 2.** Section 5 converted the model with `model.double()`. *Predict*: after
+# `model.bfloat16()` instead, does `CachedListEMA` follow the model? Does `ModelEMA`? Check: copy
+# `gap_after_conversion` with `model.bfloat16()` in place of `model.double()`, and run it on both as
+# section 5 did.
+
+# %%
+# Exercise 2: your code here
+
+# %% [markdown]
 # <details><summary>Solution 2</summary>
-#
-# Any conversion to another dtype gives the parameters new memory: the cached lists freeze again (a gap
-# near 1), while `ModelEMA` notices, rebuilds its lists and follows (a gap near 0).
 #
 # ```python
 # def gap_after_bfloat16(ema, model):
@@ -397,75 +407,37 @@ print(
 # model = models.build("tiny_cnn")
 # print(f"ModelEMA:      gap {gap_after_bfloat16(ModelEMA(model, decay=0.5, tau=1e-9), model):.3f}")
 # ```
+#
+# A gap near 1 for `CachedListEMA` and near 0 for `ModelEMA`: any conversion to another dtype gives
+# the parameters new memory, so the cached lists freeze again, while `ModelEMA` notices, rebuilds its
+# lists and follows.
+#
 # </details>
-#
-# 3. Predict: on yolo's float tensors (`model_t` of section 3), with one model tensor made float64
-#    (`mixed = list(model_t); mixed[5] = mixed[5].double()`), how many ops does `gated_update` dispatch,
-#    and what does `foreach_update` do? Then try both, counting with `count_ops`.
-#
+
+# %% [markdown]
+# **Exercise 3.** Make one of yolo's model tensors float64: `mixed = list(model_t); mixed[5] =
+# mixed[5].double()` (`model_t` of section 3). *Predict* how many ops `gated_update` dispatches on it,
+# and what `foreach_update` does; then try both, counting with `count_ops`.
+
+# %%
+# Exercise 3: your code here
+
+# %% [markdown]
 # <details><summary>Solution 3</summary>
-#
-# `gated_update`: one `_foreach_lerp_` for the 593 matching pairs, then `mul_` and `add_` for the mixed
-# one: 3 ops. `foreach_update` checks every pair first and refuses with a `ValueError`, updating nothing.
 #
 # ```python
 # mixed = list(model_t)
 # mixed[5] = mixed[5].double()
 # ema_t = [t.clone() for t in model_t]
-# print(f"torch {torch.__version__}, gated_update:", dict(count_ops(gated_update, ema_t, mixed, 0.9)))
+# print("gated_update:", dict(count_ops(gated_update, ema_t, mixed, 0.9)))
 # try:
 #     foreach_update(ema_t, mixed, 0.9)
 # except ValueError as e:
 #     print("foreach_update: ValueError:", e)
 # ```
-# </details>
 #
-# The three cells below run the solutions (folded in JupyterLab: click to expand).
-
-
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "nbval-ignore-output"]
-# Solution 1
-def early_share_below(tau, limit=0.1):  # the step at which epoch 1's weights hold under 10 % of the EMA
-    share, n = 1.0, 20
-    while share > limit:
-        n += 1
-        share *= ramp(n, 0.99, tau)
-    return n
-
-
-for tau in (5, 50):
-    raw_t, avg_t, _ = train(HandEMA, tau=tau)
-    worse = [e for e, r, a in zip(epochs, raw_t, avg_t) if a > r]
-    n = early_share_below(tau)
-    print(f"tau = {tau:>2}: EMA worse than raw in epochs {worse}")
-    print(f"          epoch 1's weights hold over 10 % of the EMA until step {n} (epoch {math.ceil(n / 20)})")
-
-
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
-# Solution 2
-def gap_after_bfloat16(ema, model):
-    ema.update(model)
-    model.bfloat16()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
-    for _ in range(20):
-        ema.update(model)
-    return max((e.double() - p).abs().max().item() for e, p in zip(ema.ema.parameters(), model.parameters()))
-
-
-model = models.build("tiny_cnn")
-print(f"CachedListEMA: gap {gap_after_bfloat16(CachedListEMA(model, 0.5), model):.3f}")
-model = models.build("tiny_cnn")
-print(f"ModelEMA:      gap {gap_after_bfloat16(ModelEMA(model, decay=0.5, tau=1e-9), model):.3f}")
-
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
-# Solution 3
-mixed = list(model_t)
-mixed[5] = mixed[5].double()
-ema_t = [t.clone() for t in model_t]
-print(f"torch {torch.__version__}, gated_update:", dict(count_ops(gated_update, ema_t, mixed, 0.9)))
-try:
-    foreach_update(ema_t, mixed, 0.9)
-except ValueError as e:
-    print("foreach_update: ValueError:", e)
+# `gated_update` dispatches 3 ops: one `_foreach_lerp_` for the 593 matching pairs, then `mul_` and
+# `add_` for the mixed one. `foreach_update` checks every pair first and raises a `ValueError` naming
+# entry 5 and both dtypes, before it updates anything.
+#
+# </details>

@@ -128,6 +128,9 @@ print("forward hooks left:", sum(len(m._forward_hooks) for m in broken.modules()
 print("still in training mode:", broken.training)
 
 # %% [markdown]
+# Eight keys, two on each module; four hooks, two (its rule and a parameter counter) on each module
+# with a rule, `conv` and `bn`.
+#
 # ## 2. A shared activation carries the leak into models built later
 #
 # `Conv.default_act` now carries thop's buffers, and every `Conv` holds it. So a model built *after*
@@ -143,6 +146,8 @@ print(len(later.state_dict()), "entries, of which thop's:", leaked_keys(later))
 # with a shared `SiLU`. Profile one zoo `Conv` in place, build two more networks, profile one of them:
 
 # %%
+from collections import Counter
+
 from ema_lab.bench import models
 
 clean = models.build("yolo")  # built before the leak
@@ -156,6 +161,8 @@ for label, m in (("built before, now", clean), ("built after", fresh), ("profile
 for label, (entries, stray) in sizes.items():
     print(f"yolo {label:<19}: {entries} entries, {stray} of them thop's")
 print("Conv modules in yolo:", sum(type(m).__name__ == "Conv" for m in fresh.modules()))
+owners = Counter(type(profiled.get_submodule(k.rpartition(".")[0])).__name__ for k in leaked_keys(profiled))
+print("profiled in place, thop's keys by module type:", dict(owners.most_common()))
 del models.Conv.default_act.total_ops, models.Conv.default_act.total_params  # clean the shared SiLU
 
 # %%
@@ -173,14 +180,14 @@ ax.set_ylim(0, (own[0] + max(stray)) * 1.15)
 plt.show()
 
 # %% [markdown]
-# Nobody profiled the middle two models, yet each carries 228 stray float64 entries: two for each of
-# its 114 `Conv` modules. Even the model built *before* the profile changed, since it holds the same
-# `SiLU`.
+# Nobody profiled the middle two models, yet each carries 228 stray entries: two for each of its 114
+# `Conv` modules, whose `act` is the shared `SiLU`; even the one built *before* the profile. Profiled in
+# place, yolo adds two on each module without a rule: each `Conv`, other blocks, containers.
 #
 # ## 3. A cast EMA copy makes `_foreach_lerp_` fail halfway
 #
 # The EMA starts as `deepcopy(model)`. ultralytics' [validator](../docs/glossary.md#validator) (the code
-# that scores the model on held-out data during training) then [casts](../docs/glossary.md#cast) it with
+# that scores the model during training) then [casts](../docs/glossary.md#cast) it with
 # `.float()`: every floating tensor becomes float32, thop's buffers included. The training model keeps
 # them in float64. One training step moves the model away from its EMA:
 
@@ -394,23 +401,16 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 # <details><summary>Upstream, thop was fixed too</summary>
 #
 # The `ultralytics-thop` fork removes the buffers from every module from 2.0.21, adds `try/finally` in
-# 2.0.22, and keeps plain Python numbers instead of buffers from 2.1 (from its release notes, not run
-# here: it installs the same `thop` import as `thop`, so never install both).
-# A later ultralytics PR dropped the deep copy once it required the fixed fork.
-# </details>
-#
-# <details><summary>A second opinion on the count: torch's FlopCounterMode</summary>
-#
-# `torch.utils.flop_counter.FlopCounterMode` counts FLOPs (one MAC is two) at the dispatcher and stores
-# nothing on the model, so it cannot leak. It agrees with thop on convolutions and linear layers and
-# differs elsewhere (BatchNorm, attention, fused kernels), as `docs/flop_counters.md` shows.
+# 2.0.22 and keeps plain numbers from 2.1 (its release notes; it installs the same `thop` import, so
+# never install both). A later ultralytics PR dropped the deep copy once it required the fixed fork.
+# Or count without thop: torch's `FlopCounterMode` stores nothing on the model
+# ([compared](../docs/flop_counters.md)).
 # </details>
 #
 # <details><summary>Why a leaked model cannot move to an Apple GPU</summary>
 #
-# Apple's MPS backend has no float64, so thop's buffers cannot move there, and `model.to("mps")`
-# converts tensor by tensor, leaving a half-moved model when it fails.
-# `ema_lab.lessons.profiling.check_movable(model, "mps")` looks first and names the float64 entries.
+# MPS has no float64, and `model.to("mps")` converts tensor by tensor: it fails half-moved.
+# `ema_lab.lessons.profiling.check_movable(model, "mps")` looks first.
 # </details>
 
 # %% [markdown]
@@ -429,15 +429,16 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 #
 # Try each one before you open its solution.
 #
-# 1. Predict: profiled in place, does `resnet = models.build("resnet50")` keep more or fewer of thop's keys
-#    than the YOLO-sized net of section 2, and why? Check with `thop.profile(resnet, (torch.randn(1, 3,
-#    64, 64),), verbose=False)`, `leaked_keys(resnet)` and `"total_ops" in m._buffers`.
-#
+# **Exercise 1.** Profile `resnet = models.build("resnet50")` in place: `thop.profile(resnet,
+# (torch.randn(1, 3, 64, 64),), verbose=False)`. *Predict*: does it keep more or fewer of thop's keys
+# than the YOLO-sized net of section 2, and why? Check with `leaked_keys(resnet)` and, for each module
+# `m`, `"total_ops" in m._buffers`.
+
+# %%
+# Exercise 1: your code here
+
+# %% [markdown]
 # <details><summary>Solution 1</summary>
-#
-# Fewer. ResNet-50 is built from `Conv2d`, `BatchNorm2d` and `ReLU`, which have thop rules, so only its
-# custom bottleneck blocks and `Flatten` keep buffers. The YOLO-sized net adds its custom
-# blocks and, under every one of its `Conv` modules, the shared `SiLU`, which has no rule.
 #
 # ```python
 # resnet = models.build("resnet50")
@@ -446,31 +447,44 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 # print(f"resnet50: {len(leaked_keys(resnet))} of thop's keys, kept by {kept}")
 # print(f"yolo profiled in place (section 2): {sizes['profiled in place'][1]}")
 # ```
+#
+# Fewer: 34 against 572, kept by `Flatten` and the custom `ResNetBottleneck` only: ResNet-50's
+# `Conv2d`, `BatchNorm2d` and `ReLU` have thop rules. The YOLO-sized net has more custom blocks, and
+# under each `Conv` the shared `SiLU`, which has no rule.
+#
 # </details>
-#
-# 2. With ultralytics' `d = 0.9999`, predict how much weight the fallback of section 3 gives the model
-#    per step on a mismatched tensor, and the averaging window that follows. Then compute both.
-#
+
+# %% [markdown]
+# **Exercise 2.** With ultralytics' `d = 0.9999`, *predict* the weight the fallback of section 3 gives
+# the model per step on a mismatched tensor, and the averaging window that follows. Then compute both.
+
+# %%
+# Exercise 2: your code here
+
+# %% [markdown]
 # <details><summary>Solution 2</summary>
-#
-# The tensor is moved twice, so it keeps `d²` of the old EMA: weight `1 − d²`, about twice `1 − d`, and
-# half the window.
 #
 # ```python
 # d = 0.9999
 # print(f"weight per step: {1 - d:.6f} -> {1 - d * d:.6f}")
 # print(f"averaging window: {1 / (1 - d):,.0f} steps -> {1 / (1 - d * d):,.0f} steps")
 # ```
+#
+# The weight goes from 0.000100 to 0.000200 and the window from 10,000 to 5,000 steps: the tensor is
+# moved twice, so it keeps `d²` of the old EMA, a weight `1 − d²`, about twice `1 − d`.
+#
 # </details>
-#
-# 3. `nn.Sequential(nn.Conv2d(3, 4, 3), Boom())` in training mode, where `Boom`'s forward raises
-#    `ValueError`. Predict what `thop.profile` and `profile_flops` leave on it (keys, forward hooks,
-#    training mode), then check each on a fresh one, as in section 1.
-#
+
+# %% [markdown]
+# **Exercise 3.** Take `nn.Sequential(nn.Conv2d(3, 4, 3), Boom())` in training mode, where `Boom` is a
+# module whose forward raises `ValueError`. *Predict* what `thop.profile` and `profile_flops` each leave
+# on it (thop's keys, forward hooks, training mode), then check each on a fresh one, as in section 1.
+
+# %%
+# Exercise 3: your code here
+
+# %% [markdown]
 # <details><summary>Solution 3</summary>
-#
-# In place, thop leaves its buffers, its hooks and eval mode; `profile_flops` works on a copy and
-# leaves nothing.
 #
 # ```python
 # from contextlib import suppress
@@ -491,41 +505,9 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 #     hooks = sum(len(m._forward_hooks) for m in victim.modules())
 #     print(f"{name}: keys {len(leaked_keys(victim))}, hooks {hooks}, training {victim.training}")
 # ```
-# </details>
 #
-# The three cells below run the solutions (folded in JupyterLab: click to expand).
-
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
-# Solution 1
-resnet = models.build("resnet50")
-thop.profile(resnet, (torch.randn(1, 3, 64, 64),), verbose=False)
-kept = sorted({type(m).__name__ for m in resnet.modules() if "total_ops" in m._buffers})
-print(f"resnet50: {len(leaked_keys(resnet))} of thop's keys, kept by {kept}")
-print(f"yolo profiled in place (section 2): {sizes['profiled in place'][1]}")
-
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
-# Solution 2
-d = 0.9999
-print(f"weight per step: {1 - d:.6f} -> {1 - d * d:.6f}")
-print(f"averaging window: {1 / (1 - d):,.0f} steps -> {1 / (1 - d * d):,.0f} steps")
-
-
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution"]
-# Solution 3
-from contextlib import suppress
-
-
-class Boom(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise ValueError("boom")
-
-
-for name, profiler in (
-    ("thop.profile", lambda m, x: thop.profile(m, (x,), verbose=False)),
-    ("profile_flops", profile_flops),
-):
-    victim = nn.Sequential(nn.Conv2d(3, 4, 3), Boom()).train()
-    with suppress(ValueError):  # Boom raises: look at what is left behind
-        profiler(victim, torch.randn(1, 3, 8, 8))
-    hooks = sum(len(m._forward_hooks) for m in victim.modules())
-    print(f"{name}: keys {len(leaked_keys(victim))}, hooks {hooks}, training {victim.training}")
+# `thop.profile` leaves 6 keys (two on each of the three modules), 4 hooks (two on each module with a
+# rule: `Sequential` and `Conv2d`) and eval mode; `profile_flops` works on a copy and leaves 0 keys,
+# 0 hooks and training mode.
+#
+# </details>
