@@ -28,10 +28,7 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 # Lessons still in the old format (a "# Solution N" code cell); their helpers convert them.
 OLD_FORMAT = {
-    "04_timing_cpu_cuda_mps": "in conversion (helper nb0405)",
-    "05_beyond_foreach": "in conversion (helper nb0405)",
     "06_distributed_ema": "in conversion (helper ddp)",
-    "07_choosing_the_decay": "in conversion (helper nb07)",
 }
 
 
