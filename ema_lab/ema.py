@@ -18,6 +18,7 @@ from .pairs import Pairs, collect_pairs, module_entries
 from .posthoc import list_snapshots, load_snapshot, save_snapshot, synthesize
 from .schedules import decay_over, power
 from .step import CAT_MAX_NUMEL, Step, StepOptions
+from .sync import sync_buffers, warn_unsynced
 from .updates import PREPARERS, ListStep, check_decay
 
 __all__ = ["ModelEMA", "PostHocEMA", "BaseEMA", "STRATEGIES", "unwrap_model"]
@@ -183,6 +184,7 @@ class BaseEMA:
         """
         if not self.enabled:
             return
+        warn_unsynced(self, model)  # once: buffers that DDP/FSDP2 ranks compute apart need sync_buffers()
         if decay is not None:
             decay = check_decay(decay, self._step_type.tensor_decay)
         n = self.updates + 1
@@ -197,6 +199,11 @@ class BaseEMA:
             step = self._rebuild(model)
         step.apply(decay)
         self.updates = n
+
+    def sync_buffers(self, src: int = 0, group: object = None) -> None:
+        """Give every rank rank ``src``'s EMA float buffers: a collective, call it on every rank before
+        evaluating or saving (DDP and FSDP2 ranks' BatchNorm statistics differ; :mod:`ema_lab.sync`)."""
+        sync_buffers(self, src, group)
 
     def __getstate__(self) -> dict:
         # The cached step holds weak references and module dicts: dropped, the next update() rebuilds it.

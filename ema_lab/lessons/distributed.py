@@ -30,7 +30,16 @@ from ..bench.models import build
 from ..ema import ModelEMA
 from ..sharded import ShardedModelEMA
 
-__all__ = ["skip_reason", "loopback_interface", "ddp_model_ema", "launch", "reference", "main"]
+__all__ = [
+    "skip_reason",
+    "loopback_interface",
+    "ddp_model_ema",
+    "launch",
+    "reference",
+    "batchnorm_model",
+    "buffers_run",
+    "main",
+]
 
 #: (import path, name) of every torch API the runs need; checked before anything is spawned.
 REQUIRED_APIS = (
@@ -291,6 +300,71 @@ def rank_run(rank: int, world: int, cfg: Config) -> dict[str, object]:
         "modelema_refused": refused,
         "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME"),
     }
+
+
+# --- BatchNorm: buffers each rank updates from its own batch ----------------------------------------------
+
+
+def batchnorm_model(seed: int = 0) -> nn.Module:
+    """A small MLP with a BatchNorm: the same initial weights in every process."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.SiLU(), nn.Linear(16, 3))
+
+
+def _train_batchnorm(
+    model: nn.Module, ema: ModelEMA | ShardedModelEMA, rank: int, world: int, steps: int
+) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)  # the same global batch everywhere; each rank takes its part
+        x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 3, generator=g)
+        opt.zero_grad(set_to_none=True)
+        part = slice(4 * rank, 4 * (rank + 1))
+        nn.functional.mse_loss(model(x[part]), y[part]).backward()
+        opt.step()
+        ema.update(model)
+
+
+def buffers_run(rank: int, world: int, steps: int = 5) -> dict[str, object]:
+    """DDP + ``ModelEMA``, then FSDP2 + ``ShardedModelEMA``, of :func:`batchnorm_model`: each EMA's full
+    state before and after ``sync_buffers()``, and the collectives that call issued."""
+    import warnings
+
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.nn.parallel import DistributedDataParallel
+
+    out: dict[str, object] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = DistributedDataParallel(batchnorm_model())
+        ema = ModelEMA(ddp, decay=0.9, tau=2)
+        _train_batchnorm(ddp, ema, rank, world, steps)
+    out["ddp_warnings"] = [str(w.message) for w in caught]
+    out["ddp_before"] = _snapshot(ema.ema.state_dict())
+    with CommDebugMode() as comm:
+        ema.sync_buffers()
+    out["ddp_sync_collectives"] = comm.get_total_counts()
+    out["ddp_after"] = _snapshot(ema.ema.state_dict())
+    if torch.__version__ >= FSDP2_CPU_MIN:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = batchnorm_model()
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (model[0], model[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        sharded = ShardedModelEMA(model, decay=0.9, tau=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _train_batchnorm(model, sharded, rank, world, steps)
+        out["fsdp_warnings"] = [str(w.message) for w in caught]
+        out["fsdp_before"] = _snapshot(sharded.full_state_dict(cpu_offload=False))  # every rank gets it all
+        with CommDebugMode() as comm:
+            sharded.sync_buffers()
+        out["fsdp_sync_collectives"] = comm.get_total_counts()
+        out["fsdp_after"] = _snapshot(sharded.full_state_dict(cpu_offload=False))
+    return out
 
 
 def reference(
