@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +39,7 @@ __all__ = [
     "reference",
     "batchnorm_model",
     "buffers_run",
+    "torchrun",
     "main",
 ]
 
@@ -131,6 +133,25 @@ def shard_model(model: nn.Module, mesh: object) -> nn.Module:
     for block in getattr(getattr(model, "blocks", None), "layers", []):
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def torchrun(nproc: int, script: Path, *args: str) -> str:
+    """Run ``script`` (in its folder) on ``nproc`` gloo ranks with ``torchrun --standalone``; rank 0's output.
+
+    torchrun's logs go to ``logs/`` beside the script (else a new temporary folder per run), and gloo is kept
+    on the loopback interface. Raises ``RuntimeError`` with the end of the ranks' errors when one fails.
+    """
+    script = Path(script)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += [f"--log-dir={script.parent / 'logs'}", script.name, *args]
+    env = dict(os.environ)
+    lo = loopback_interface()
+    if lo is not None:  # gloo binds the interface its hostname resolves to unless told otherwise
+        env["GLOO_SOCKET_IFNAME"] = lo
+    proc = subprocess.run(cmd, cwd=script.parent, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return proc.stdout
 
 
 # --- running ranks ---------------------------------------------------------------------------------------
