@@ -83,6 +83,7 @@ class BaseEMA:
     ``sharded``."""
 
     sharded = False  # ShardedModelEMA: the EMA stays in DTensor shards, so its step must update in place
+    ranks_checked = False  # set by the first update() or sync_buffers() (ema_lab.sync)
 
     def __init__(
         self,
@@ -184,7 +185,8 @@ class BaseEMA:
         """
         if not self.enabled:
             return
-        warn_unsynced(self, model)  # once: buffers that DDP/FSDP2 ranks compute apart need sync_buffers()
+        if not self.ranks_checked:  # once: buffers that DDP/FSDP2 ranks compute apart need sync_buffers()
+            warn_unsynced(self, model)
         if decay is not None:
             decay = check_decay(decay, self._step_type.tensor_decay)
         n = self.updates + 1

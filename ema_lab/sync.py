@@ -15,15 +15,11 @@ update that averages such buffers warns once, naming it.
 from __future__ import annotations
 
 import warnings
-import weakref
 
 import torch
 from torch import Tensor, nn
 
 __all__ = ["sync_buffers", "rank_local_tensors", "warn_unsynced"]
-
-# EMAs already told (or already synced): the warning is shown once per EMA, and checked once.
-_checked: weakref.WeakSet = weakref.WeakSet()
 
 
 def _world_size(group: object = None) -> int:
@@ -42,13 +38,17 @@ def rank_local_tensors(ema: object) -> list[Tensor]:
 
 
 def sync_buffers(ema: object, src: int = 0, group: object = None) -> None:
-    """Overwrite every rank's EMA float buffers with rank ``src``'s; a collective: call it on every rank.
+    """Overwrite every rank's EMA float buffers with rank ``src``'s (a rank of ``group``, by default the
+    whole world); a collective: call it on every rank of ``group``.
 
-    One ``broadcast`` per (dtype, device) of the buffers, coalesced into one flat tensor; nothing (and no
-    collective) outside torch.distributed or on one rank.
+    One ``broadcast`` per (dtype, device) of the buffers, coalesced into one flat tensor, on the buffers'
+    device (CUDA for nccl); nothing, and no collective, outside torch.distributed or on one rank.
     """
-    _checked.add(ema)  # its user syncs: no warning
-    if _world_size(group) == 1:
+    world = _world_size(group)
+    if not (isinstance(src, int) and 0 <= src < world):
+        raise ValueError(f"src must be a rank of the group, 0 to {world - 1}, got {src!r}")
+    ema.ranks_checked = True  # its user syncs: no warning
+    if world == 1:
         return
     import torch.distributed as dist
 
@@ -58,16 +58,15 @@ def sync_buffers(ema: object, src: int = 0, group: object = None) -> None:
     with torch.no_grad():
         for buffers in groups.values():
             flat = torch.cat([b.reshape(-1) for b in buffers])
-            dist.broadcast(flat, src, group)
+            dist.broadcast(flat, src if group is None else dist.get_global_rank(group, src), group)
             for b, piece in zip(buffers, flat.split([b.numel() for b in buffers])):
                 b.copy_(piece.view_as(b))  # in place: the EMA's cached step keeps its tensors
 
 
 def warn_unsynced(ema: object, model: nn.Module) -> None:
-    """Warn once per EMA when it averages buffers that the ranks of a DDP or FSDP2 run compute apart."""
-    if ema in _checked:
-        return
-    _checked.add(ema)
+    """Warn when ``ema`` averages buffers that the ranks of a DDP or FSDP2 run compute apart; once per EMA:
+    ``update()`` calls it until ``ema.ranks_checked``."""
+    ema.ranks_checked = True
     distributed = isinstance(model, nn.parallel.DistributedDataParallel) or getattr(ema, "sharded", False)
     if distributed and _world_size() > 1 and rank_local_tensors(ema):
         warnings.warn(

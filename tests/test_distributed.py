@@ -239,6 +239,8 @@ def test_sync_buffers_outside_a_process_group_changes_nothing_and_silences_the_w
         warnings.simplefilter("error")  # one process: nothing to warn about
         ema.update(model)
         ModelEMA(model).update(model)
+    with pytest.raises(ValueError, match=r"^src must be a rank of the group, 0 to 0, got 1$"):
+        ema.sync_buffers(src=1)
 
 
 # --- the command line, failures, skips -------------------------------------------------------------------
