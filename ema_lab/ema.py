@@ -235,6 +235,8 @@ class ModelEMA(BaseEMA):
     With "flat" (the default "auto" picks it for ordinary tensors) the EMA module's float tensors (and its
     integer counters) are views of one buffer per group: ``torch.save(ema.ema.state_dict())`` stores each
     buffer once, but saving a *subset* of the entries stores the whole buffer; clone the subset first.
+    Under DDP each rank's BatchNorm statistics differ: call ``ema.sync_buffers()`` on every rank before
+    evaluating or saving (:mod:`ema_lab.sync`).
     ``cat_max_numel``: model tensors under this many elements are gathered by ``torch.cat``.
     ``cuda_graph=True`` (EMA on one CUDA device, "auto" or "flat"): the update is recorded once in a CUDA
     graph and replayed: two launches (the weight, the replay) instead of one per kernel

@@ -5,7 +5,9 @@ the zoo's tiny transformer on its slice of a global batch, with DDP and ``ModelE
 (``fully_shard``) and ``ShardedModelEMA``. The parent trains the same model in one process, in
 float64, on the whole batch (the same averaged gradient) and compares; it prints ``result: OK`` and
 exits 0 when both EMAs match. :func:`launch` + :func:`rank_run` give each rank's results to check;
-notebook 06 shows the same training-plus-EMA code in its own cells.
+:func:`buffers_run` trains a model with a BatchNorm, whose EMA buffers differ by rank until
+``sync_buffers()``. Notebook 06 shows the same training-plus-EMA code in its own script, run by
+:func:`torchrun`.
 """
 
 from __future__ import annotations
