@@ -17,7 +17,7 @@
 #
 # - An EMA update is elementwise, so it needs no communication between processes.
 # - With DDP, `ModelEMA` works unchanged; with FSDP2, `ShardedModelEMA` keeps only each process's shard.
-# - BatchNorm's running statistics differ by process: call `ema.sync_buffers()` before evaluating or saving.
+# - BatchNorm's statistics differ by process: every process calls `ema.sync_buffers()` before evaluating.
 
 # %% tags=["nbval-ignore-output"]
 import json
@@ -86,7 +86,8 @@ print("shards of the update == update of the whole:", torch.equal(torch.cat(shar
 # Buffers are another matter. BatchNorm keeps `running_mean` and `running_var`, updated in every
 # training forward from the batch it sees, and each rank sees its own part of the batch. DDP (by
 # default) copies rank 0's buffers to the others at the start of each forward, then each rank's
-# BatchNorm moves them again; FSDP2 never copies them. The EMA averages what its rank holds, so its buffers differ by rank.
+# BatchNorm moves them again; FSDP2 never copies them. The EMA averages what its rank holds, so its
+# buffers differ by rank.
 
 # %% [markdown]
 # ## 3. The training script
@@ -322,8 +323,9 @@ plt.show()
 #
 # Before an evaluation or a checkpoint, every rank calls `ema.sync_buffers()`; then rank 0 alone may
 # evaluate or save. `update()` warns once where the buffers will differ, naming the call. The sync is not
-# inside `update()`: a collective there would cost a message on every step, for what is read once an
-# evaluation, and would hang a run that keeps its EMA on rank 0 only.
+# inside `update()`: a collective there would cost a message on every step (1 to 6 ms on a CPU over gloo
+# in the [reference run](../docs/results/sync-costs-2026-12-05.md), a 2-core Xeon), for what is read once
+# an evaluation, and would break a run that keeps its EMA on rank 0 only: the other ranks never call it.
 
 # %% [markdown]
 # `torch.distributed.checkpoint` (DCP) saves and loads sharded state, each rank writing its own part:
@@ -345,7 +347,7 @@ plt.show()
 #
 # - The EMA update is elementwise: each rank averages the rows it owns, bit-identical to the whole.
 # - DDP: `ModelEMA` as is; FSDP2: `ShardedModelEMA` keeps the local shards. No collective in `update()`.
-# - Buffers such as BatchNorm's differ by rank: `ema.sync_buffers()` on every rank before evaluating or saving.
+# - BatchNorm's buffers differ by rank: `ema.sync_buffers()` on every rank before evaluating or saving.
 # - FSDP2 splits rows like `torch.chunk`, so a rank can hold an empty shard.
 
 # %% [markdown]
@@ -355,9 +357,9 @@ plt.show()
 
 # %% [markdown]
 # **Exercise 1.** Without running the script, work out the EMA bytes each of 3 ranks holds under
-# FSDP2: split the first dimension of each entry of `make_model()` like `torch.chunk`, keep the
-# BatchNorm's buffers whole on every rank, and count 4 bytes a float (8 for the integer counter).
-# *Predict* which rank holds the most.
+# FSDP2: split the first dimension of each entry of the script's `make_model()` like `torch.chunk`,
+# keep the BatchNorm's buffers whole on every rank, and count 4 bytes a float (8 for the integer
+# counter). *Predict* which rank holds the most.
 
 # %%
 # Exercise 1: your code here
@@ -393,8 +395,8 @@ plt.show()
 # %% [markdown]
 # **Exercise 2.** Section 1 gave both shards the same decay. A rank that resumed from an older
 # checkpoint counts fewer updates, so its ramp gives it a smaller decay. Update rank 0's rows with
-# `d = 0.9` and rank 1's with `0.8`. *Predict* whether `torch.cat` of the shards still equals some
-# EMA of the whole tensor.
+# `d = 0.9` and rank 1's with `0.8`. *Predict* whether `torch.cat` of the shards equals the whole
+# tensor's update with either decay.
 
 # %%
 # Exercise 2: your code here
