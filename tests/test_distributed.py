@@ -208,6 +208,7 @@ def _check_sync(ranks: list[dict], kind: str) -> None:
         assert state.keys() == before[0].keys()
         assert all(torch.equal(state[k], before[0][k]) for k in state)
     assert [r[f"{kind}_sync_collectives"] for r in ranks] == [1] * len(ranks)  # one dtype: one broadcast
+    assert [r[f"{kind}_rebuilds"] for r in ranks] == [1] * len(ranks)  # the sync copies in place
     for r in ranks:  # the first update warned, once in 5 updates, naming the fix
         assert (
             len(r[f"{kind}_warnings"]) == 1

@@ -368,6 +368,8 @@ def buffers_run(rank: int, world: int, steps: int = 5) -> dict[str, object]:
         ema.sync_buffers()
     out["ddp_sync_collectives"] = comm.get_total_counts()
     out["ddp_after"] = _snapshot(ema.ema.state_dict())
+    ema.update(ddp)  # after the in-place sync, the cached step still holds the EMA's tensors
+    out["ddp_rebuilds"] = ema.rebuilds
     if torch.__version__ >= FSDP2_CPU_MIN:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -387,6 +389,8 @@ def buffers_run(rank: int, world: int, steps: int = 5) -> dict[str, object]:
             sharded.sync_buffers()
         out["fsdp_sync_collectives"] = comm.get_total_counts()
         out["fsdp_after"] = _snapshot(sharded.full_state_dict(cpu_offload=False))
+        sharded.update(model)
+        out["fsdp_rebuilds"] = sharded.rebuilds
     return out
 
 
