@@ -31,9 +31,10 @@ def _world_size(group: object = None) -> int:
 
 def rank_local_tensors(ema: object) -> list[Tensor]:
     """The EMA's float tensors that ranks compute apart: its buffers and, in a ``ShardedModelEMA`` (it holds
-    buffers as parameters), every tensor that is not a DTensor shard."""
-    module = ema.ema
-    tensors = [*module.parameters(), *module.buffers()] if ema.sharded else list(module.buffers())
+    buffers as parameters), every tensor that is not a DTensor shard; of every EMA it keeps (``.emas``)."""
+    tensors = []
+    for module in getattr(ema, "emas", None) or [ema.ema]:
+        tensors += [*module.parameters(), *module.buffers()] if ema.sharded else list(module.buffers())
     return [t for t in tensors if t.is_floating_point() and not hasattr(t, "placements")]
 
 
