@@ -18,6 +18,7 @@ from .pairs import Pairs, collect_pairs, module_entries
 from .posthoc import list_snapshots, load_snapshot, save_snapshot, synthesize
 from .schedules import decay_over, power
 from .step import CAT_MAX_NUMEL, Step, StepOptions
+from .sync import sync_buffers, warn_unsynced
 from .updates import PREPARERS, ListStep, check_decay
 
 __all__ = ["ModelEMA", "PostHocEMA", "BaseEMA", "STRATEGIES", "unwrap_model"]
@@ -82,6 +83,7 @@ class BaseEMA:
     ``sharded``."""
 
     sharded = False  # ShardedModelEMA: the EMA stays in DTensor shards, so its step must update in place
+    ranks_checked = False  # set by the first update() or sync_buffers() (ema_lab.sync)
 
     def __init__(
         self,
@@ -183,6 +185,8 @@ class BaseEMA:
         """
         if not self.enabled:
             return
+        if not self.ranks_checked:  # once: buffers that DDP/FSDP2 ranks compute apart need sync_buffers()
+            warn_unsynced(self, model)
         if decay is not None:
             decay = check_decay(decay, self._step_type.tensor_decay)
         n = self.updates + 1
@@ -197,6 +201,11 @@ class BaseEMA:
             step = self._rebuild(model)
         step.apply(decay)
         self.updates = n
+
+    def sync_buffers(self, src: int = 0, group: object = None) -> None:
+        """Give every rank rank ``src``'s EMA float buffers: a collective, call it on every rank before
+        evaluating or saving (DDP and FSDP2 ranks' BatchNorm statistics differ; :mod:`ema_lab.sync`)."""
+        sync_buffers(self, src, group)
 
     def __getstate__(self) -> dict:
         # The cached step holds weak references and module dicts: dropped, the next update() rebuilds it.
@@ -226,6 +235,8 @@ class ModelEMA(BaseEMA):
     With "flat" (the default "auto" picks it for ordinary tensors) the EMA module's float tensors (and its
     integer counters) are views of one buffer per group: ``torch.save(ema.ema.state_dict())`` stores each
     buffer once, but saving a *subset* of the entries stores the whole buffer; clone the subset first.
+    Under DDP each rank's BatchNorm statistics differ: call ``ema.sync_buffers()`` on every rank before
+    evaluating or saving (:mod:`ema_lab.sync`).
     ``cat_max_numel``: model tensors under this many elements are gathered by ``torch.cat``.
     ``cuda_graph=True`` (EMA on one CUDA device, "auto" or "flat"): the update is recorded once in a CUDA
     graph and replayed: two launches (the weight, the replay) instead of one per kernel

@@ -62,7 +62,8 @@ class ShardedModelEMA(BaseEMA):
 
     Same constructor, schedules, counters and step lifecycle as ``ModelEMA`` (``.updates``, ``.enabled``,
     ``.update(model, decay=None)``). Call :meth:`update` after ``optimizer.step()``, when FSDP has
-    resharded the parameters; plain (replicated) tensors such as buffers are averaged whole. Only the
+    resharded the parameters; plain (replicated) tensors such as buffers are averaged whole, each rank's
+    own: call ``sync_buffers()`` on every rank before evaluating or saving (:mod:`ema_lab.sync`). Only the
     strategies that update in place run: "auto" runs "gated", as "flat" would move the EMA out of its
     DTensors (which the state-dict and checkpoint calls read).
     """

@@ -17,20 +17,17 @@
 #
 # - An EMA update is elementwise, so it needs no communication between processes.
 # - With DDP, `ModelEMA` works unchanged; with FSDP2, `ShardedModelEMA` keeps only each process's shard.
-# - FSDP2 cuts rows like `torch.chunk`: processes can hold unequal shards, or none.
+# - BatchNorm's statistics differ by process: every process calls `ema.sync_buffers()` before evaluating.
 
 # %% tags=["nbval-ignore-output"]
 import json
-import os
 import platform
-import subprocess
-import sys
 
 import matplotlib.pyplot as plt
 import torch
 
 from ema_lab.lessons import scratch_dir
-from ema_lab.lessons.distributed import loopback_interface, skip_reason
+from ema_lab.lessons.distributed import skip_reason, torchrun
 
 torch.set_num_threads(1)
 print(
@@ -72,8 +69,8 @@ print("shards of the update == update of the whole:", torch.equal(torch.cat(shar
 # with the sum of everyone's tensors).
 #
 # - **DDP** (`DistributedDataParallel`) keeps the full model on every rank and all-reduces the
-#   gradients in backward. Every rank takes the same step, so `ModelEMA(ddp_model)` gives the same full
-#   EMA on every rank, with no collective. It may live on rank 0 only.
+#   gradients in backward. Every rank takes the same step, so the EMA of the *parameters* is the same on
+#   every rank, with no collective.
 # - **FSDP2** (`fully_shard`) keeps a row-slice (*shard*) of every parameter on each rank, as a DTensor:
 #   a tensor from `torch.distributed.tensor` that knows it is one shard of a larger tensor. Full weights
 #   exist only briefly, inside forward and backward. `ModelEMA` cannot deep-copy such a model and says
@@ -86,20 +83,31 @@ print("shards of the update == update of the whole:", torch.equal(torch.cat(shar
 # updates them with one `_foreach_lerp_`, with no message to the other ranks.
 
 # %% [markdown]
+# Buffers are another matter. BatchNorm keeps `running_mean` and `running_var`, updated in every
+# training forward from the batch it sees, and each rank sees its own part of the batch. DDP (by
+# default) copies rank 0's buffers to the others at the start of each forward, then each rank's
+# BatchNorm moves them again; FSDP2 never copies them. The EMA averages what its rank holds, so its
+# buffers differ by rank.
+
+# %% [markdown]
 # ## 3. The training script
 #
-# One script trains a small MLP with DDP and `ModelEMA`, then with FSDP2 and `ShardedModelEMA`.
-# `CommDebugMode` counts the collectives inside `ema.update()`. Rank 0 then trains the same model alone,
-# in float64, on the whole batch, and checks both EMAs against it (a mismatch stops the script). It
-# runs on the CPU over *gloo*, PyTorch's CPU communication backend (GPUs use `nccl`). `%%writefile`
-# saves the cell to a temporary folder:
+# One script trains a small MLP with a BatchNorm, with DDP and `ModelEMA`, then with FSDP2 and
+# `ShardedModelEMA`. `CommDebugMode` counts the collectives inside `ema.update()`. Rank 0 then trains
+# the same model alone, in float64, with each rank's part of the batch through BatchNorm on its own,
+# and checks the EMA of the parameters against it. It runs on the CPU over *gloo*, PyTorch's CPU
+# communication backend (GPUs use `nccl`).
+
+# %% [markdown]
+# `%%writefile` saves the cell as a file, here in a temporary folder that is deleted when this
+# notebook's kernel stops:
 
 # %%
-workdir = scratch_dir("ema_lab_06_")  # removed when the kernel stops, however it stops
+workdir = scratch_dir("ema_lab_06_")
 
 # %% tags=["nbval-ignore-output"]
 # %%writefile {workdir}/train_ema.py
-"""Train one model with DDP + ModelEMA, then with FSDP2 + ShardedModelEMA; rank 0 checks both."""
+"""DDP + ModelEMA, then FSDP2 + ShardedModelEMA, of an MLP with a BatchNorm; rank 0 checks both."""
 
 import json
 import os
@@ -116,34 +124,41 @@ from torch.nn.parallel import DistributedDataParallel
 from ema_lab import ModelEMA, ShardedModelEMA
 
 STEPS, BATCH_PER_RANK, LR, DECAY, TAU = 6, 4, 0.1, 0.9, 2  # a short ramp: the EMA moves visibly
+BUFFERS = ("1.running_mean", "1.running_var", "1.num_batches_tracked")  # the BatchNorm's
 
 
 def make_model(dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The same initial weights in every process; first dimensions 64, 5 and 3."""
+    """The same initial weights in every process; first dimensions 64, 64 (BatchNorm), 5 and 3."""
     torch.manual_seed(0)
-    layers = [nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 5), nn.SiLU(), nn.Linear(5, 3)]
+    layers = [nn.Linear(16, 64), nn.BatchNorm1d(64), nn.SiLU(), nn.Linear(64, 5), nn.SiLU(), nn.Linear(5, 3)]
     return nn.Sequential(*layers).to(dtype)
 
 
-def train(model: nn.Module, ema, part: slice, world: int, dtype=torch.float32) -> int:
-    """SGD on this rank's part of each global batch, the EMA updated after every step.
-
-    Returns how many collectives the EMA updates issued (CommDebugMode counts them).
-    """
+def train(model: nn.Module, ema, parts: list[slice], world: int, dtype=torch.float32) -> int:
+    """SGD on ``parts`` of each global batch, the EMA updated after every step; the collectives it issued."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     collectives = 0
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)  # the same global batch in every process
         n = BATCH_PER_RANK * world
-        x, y = torch.randn(n, 16, generator=g), torch.randn(n, 3, generator=g)
+        x, y = torch.randn(n, 16, generator=g).to(dtype), torch.randn(n, 3, generator=g).to(dtype)
         opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x[part].to(dtype)), y[part].to(dtype))
+        # BatchNorm normalises each part with that part's statistics, as each rank does with its own.
+        loss = sum(nn.functional.mse_loss(model(x[p]), y[p]) for p in parts) / len(parts)
         loss.backward()  # DDP all-reduces, FSDP2 reduce-scatters: gradients averaged over ranks
         opt.step()
         with CommDebugMode() as comm:
             ema.update(model)  # local: no rank waits for another
         collectives += comm.get_total_counts()
     return collectives
+
+
+def synced(ema, state) -> tuple[dict, int]:
+    """The EMA's state before ema.sync_buffers(), its state after, and the collectives of that call."""
+    before = {k: v.clone() for k, v in state().items()}
+    with CommDebugMode() as comm:
+        ema.sync_buffers()  # every rank calls it: rank 0's buffers everywhere
+    return before, state(), comm.get_total_counts()
 
 
 def main() -> None:
@@ -155,7 +170,8 @@ def main() -> None:
     # DDP: every rank holds the whole model; ModelEMA unwraps .module and keeps a full copy.
     ddp = DistributedDataParallel(make_model())
     ddp_ema = ModelEMA(ddp, decay=DECAY, tau=TAU)
-    ddp_comms = train(ddp, ddp_ema, part, world)
+    ddp_comms = train(ddp, ddp_ema, [part], world)
+    ddp_before, ddp_after, ddp_sync = synced(ddp_ema, ddp_ema.ema.state_dict)
 
     # FSDP2: each rank holds a dim-0 shard of every parameter (a DTensor); the EMA keeps only those.
     mesh = init_device_mesh("cpu", (world,))
@@ -169,41 +185,57 @@ def main() -> None:
     except TypeError as e:
         refused = f"{type(e).__name__}: {str(e).split(':')[0]}"
     fsdp_ema = ShardedModelEMA(model, decay=DECAY, tau=TAU)
-    fsdp_comms = train(model, fsdp_ema, part, world)
-    full = fsdp_ema.full_state_dict(cpu_offload=True)  # a collective: every rank calls it, rank 0 gets it
+    fsdp_comms = train(model, fsdp_ema, [part], world)
+    # full_state_dict gathers the shards, a collective; cpu_offload=False: every rank gets the whole EMA.
+    fsdp_before, fsdp_after, fsdp_sync = synced(fsdp_ema, lambda: fsdp_ema.full_state_dict(cpu_offload=False))
 
     mine = {
         "shard shapes": {k: list(t.shape) for k, t in fsdp_ema.local_tensors().items()},
         "FSDP2 EMA bytes": fsdp_ema.local_bytes(),
         "DDP EMA bytes": sum(t.numel() * t.element_size() for t in ddp_ema.ema.state_dict().values()),
         "collectives in update()": ddp_comms + fsdp_comms,
-        "DDP EMA": ddp_ema.ema.state_dict(),
+        "collectives in the two sync_buffers()": ddp_sync + fsdp_sync,
+        "EMAs": {"DDP": (ddp_before, ddp_after), "FSDP2": (fsdp_before, fsdp_after)},
     }
     ranks = [None] * world
     dist.all_gather_object(ranks, mine)  # gather what each rank holds, to print it on rank 0
     if rank == 0:
-        ref_model = make_model(torch.float64)  # one process, the whole batch, float64
+        ref_model = make_model(torch.float64)  # one process, every rank's part, float64
         ref = ModelEMA(ref_model, decay=DECAY, tau=TAU)
-        train(ref_model, ref, slice(None), world, torch.float64)
-        want = {k: v.float() for k, v in ref.ema.state_dict().items()}
-        for r in ranks:  # DDP: the same EMA on every rank, equal to one process
-            torch.testing.assert_close(r["DDP EMA"], want)
-        torch.testing.assert_close(full, want)  # FSDP2: the gathered shards, equal to one process
-        print(f"world size {world}: DDP and FSDP2 EMAs equal the float64 one-process EMA (assert_close)")
+        parts = [slice(r * BATCH_PER_RANK, (r + 1) * BATCH_PER_RANK) for r in range(world)]
+        train(ref_model, ref, parts, world, torch.float64)
+        params = {k: v.float() for k, v in ref.ema.state_dict().items() if k not in BUFFERS}
+        print(f"world size {world}: EMA of the parameters equals the float64 one-process EMA (assert_close)")
+        print("BatchNorm buffers of the EMA, largest difference between rank 0 and another rank:")
+        for kind in ("DDP", "FSDP2"):
+            before, after = zip(*(r["EMAs"][kind] for r in ranks))
+            for state in after:
+                torch.testing.assert_close({k: state[k] for k in params}, params)
+            apart = max((s[k] - before[0][k]).abs().max().item() for s in before for k in BUFFERS)
+            equal = all(torch.equal(s[k], after[0][k]) for s in after for k in after[0])
+            print(
+                f"  {kind:<5} after update(): {apart:.1e}   after sync_buffers(): every entry equal: {equal}"
+            )
         print(f"ModelEMA(fully_shard model) -> {refused}")
         print("FSDP2 shard rows per rank:")
-        for k in ranks[0]["shard shapes"]:
-            print(f"  {k:<9} {'/'.join(str(r['shard shapes'][k][0]) for r in ranks)} of {want[k].shape[0]}")
-        for key in ("DDP EMA bytes", "FSDP2 EMA bytes", "collectives in update()"):
-            print(f"{key + ' per rank:':<37} {[r[key] for r in ranks]}")
+        for k, shape in ranks[0]["shard shapes"].items():
+            if shape:  # not the BatchNorm's counter, a single number
+                print(f"  {k:<19} {'/'.join(str(r['shard shapes'][k][0]) for r in ranks)}")
+        for key in (
+            "DDP EMA bytes",
+            "FSDP2 EMA bytes",
+            "collectives in update()",
+            "collectives in the two sync_buffers()",
+        ):
+            print(f"{key + ' per rank:':<48} {[r[key] for r in ranks]}")
         summary = {k: [r[k] for r in ranks] for k in ("DDP EMA bytes", "FSDP2 EMA bytes")}
         if len(sys.argv) > 1:  # for the notebook's chart
             with open(sys.argv[1], "w") as f:
                 json.dump(summary, f)
     dist.barrier()  # no rank tears its connections down while rank 0 still checks
     dist.destroy_process_group()
-    # DDP and FSDP2 leave references to the group inside torch, so its gloo threads outlive this call;
-    # running on into Python's shutdown they were seen to abort a rank now and then: end here instead.
+    # End the process here: torch's communication threads can outlive the group and crash a finished
+    # process during Python's normal shutdown.
     sys.stdout.flush()
     os._exit(0)
 
@@ -213,45 +245,29 @@ if __name__ == "__main__":
 
 
 # %% [markdown]
-# `torchrun` starts the ranks. Before they can talk, they need a *rendezvous*: an agreed address and
-# port where they find each other; `--standalone` picks a free local one. torchrun passes it to
-# `init_process_group` as `MASTER_ADDR` and `MASTER_PORT`, with `RANK` (this rank's number) and
-# `WORLD_SIZE` (the number of ranks). The helper below runs it and prints what rank 0 printed. Each run
-# starts fresh Python processes: expect up to 20 seconds on 2 cores.
-
-
-# %%
-def torchrun(nproc: int, *args: str) -> str:
-    """Run train_ema.py in ``nproc`` processes over gloo; return rank 0's output, raise if a rank failed."""
-    if skip_reason():
-        return skip_reason()
-    print(f"starting {nproc} ranks (up to 20 s) ...", flush=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd.append(f"--log-dir={workdir / 'logs'}")  # torchrun's own logs, else a new temporary folder per run
-    env = dict(os.environ)
-    if loopback_interface():  # keep gloo on the loopback network interface (lo)
-        env["GLOO_SOCKET_IFNAME"] = loopback_interface()
-    proc = subprocess.run([*cmd, "train_ema.py", *args], cwd=workdir, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"torchrun exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
-    return proc.stdout
-
+# `torchrun` starts the ranks: `torchrun(2, script)` runs
+# `python -m torch.distributed.run --standalone --nproc-per-node=2 train_ema.py` and returns what rank 0
+# printed. `--standalone` picks a free local address and port where the ranks find each other; torchrun
+# passes it, with each rank's number (`RANK`) and the number of ranks (`WORLD_SIZE`), to
+# `init_process_group`. A run takes several seconds.
 
 # %% tags=["nbval-ignore-output"]
-print(torchrun(2, "memory_2.json"))
+print(skip_reason() or torchrun(2, workdir / "train_ema.py", "memory_2.json"))
 
 # %% [markdown]
-# Both EMAs match the one-process float64 EMA, with zero collectives in `update()`. `ModelEMA` refuses
-# the sharded model with a `TypeError`. The 64 rows split 32/32, the 5 rows 3/2, the 3 rows 2/1.
+# The EMA of the parameters matches the one-process float64 EMA on every rank, with zero collectives in
+# `update()`. The BatchNorm buffers do not: the ranks' EMAs differ until `sync_buffers()` (one
+# collective per EMA) gives every rank rank 0's. The gap is wider under FSDP2, which never copies
+# buffers. `ModelEMA` refuses the sharded model with a `TypeError`.
 
 # %% [markdown]
 # ## 4. Uneven shards
 #
-# FSDP2 gives each rank `ceil(rows / world size)` rows until the rows run out, as in the picture of
-# section 2. On four ranks (up to 20 s again):
+# The 64 rows split 32/32 above, the 5 rows 3/2, the 3 rows 2/1. FSDP2 gives each rank
+# `ceil(rows / world size)` rows until the rows run out, as in the picture of section 2. On four ranks:
 
 # %% tags=["nbval-ignore-output"]
-print(torchrun(4, "memory_4.json"))
+print(skip_reason() or torchrun(4, workdir / "train_ema.py", "memory_4.json"))
 
 # %% [markdown]
 # 5 rows become 2/2/1/0 and 3 rows 1/1/1/0: rank 3 holds an *empty* shard, and its `_foreach_lerp_`
@@ -299,17 +315,25 @@ fig.legend(handles, labels, loc="outside lower center", ncol=2, frameon=False)
 plt.show()
 
 # %% [markdown]
-# DDP keeps a full EMA on every rank; the FSDP2 shards add up to one full EMA, and the ranks with the
-# smaller or empty shards hold less.
+# DDP keeps a full EMA on every rank. Under FSDP2 each rank holds its shards plus a whole copy of the
+# buffers, which are not sharded; the ranks with smaller or empty shards hold less.
 
 # %% [markdown]
-# ## 6. Saving and evaluating a sharded EMA
+# ## 6. Evaluating and saving
 #
+# Before an evaluation or a checkpoint, every rank calls `ema.sync_buffers()`; then rank 0 alone may
+# evaluate or save. `update()` warns once where the buffers will differ, naming the call. The sync is not
+# inside `update()`: a collective there would cost a message on every step (1 to 6 ms on a CPU over gloo
+# in the [reference run](../docs/results/sync-costs-2026-12-05.md), a 2-core Xeon), for what is read once
+# an evaluation, and would break a run that keeps its EMA on rank 0 only: the other ranks never call it.
+
+# %% [markdown]
 # `torch.distributed.checkpoint` (DCP) saves and loads sharded state, each rank writing its own part:
 #
 # ```python
 # import torch.distributed.checkpoint as dcp
 #
+# ema.sync_buffers()  # every rank: the same buffers everywhere
 # dcp.save({"ema": ema.sharded_state_dict()}, checkpoint_id="ckpt/step_1000")  # no gathering
 # full = ema.full_state_dict(cpu_offload=True)  # gathers to rank 0; call it on every rank
 # ema.copy_to(eval_model)  # shard to shard, into an FSDP2 model sharded the same way
@@ -322,54 +346,116 @@ plt.show()
 # ## Summary
 #
 # - The EMA update is elementwise: each rank averages the rows it owns, bit-identical to the whole.
-# - DDP: `ModelEMA` as is, the same EMA on every rank, no collective.
-# - FSDP2: `ShardedModelEMA` keeps the local shards, no collective in `update()`; DCP saves or gathers.
+# - DDP: `ModelEMA` as is; FSDP2: `ShardedModelEMA` keeps the local shards. No collective in `update()`.
+# - BatchNorm's buffers differ by rank: `ema.sync_buffers()` on every rank before evaluating or saving.
 # - FSDP2 splits rows like `torch.chunk`, so a rank can hold an empty shard.
 
 # %% [markdown]
 # ## Exercises
 #
-# 1. Run the script on three ranks. How do the rows split, and which ranks hold the most EMA bytes?
-# 2. In section 1, chunk a tensor of 7 rows into 3 pieces: is the result still bit-identical?
-# 3. Count with `CommDebugMode` the collectives of `ema.update(model)` on a plain model, and of one
-#    `dist.all_reduce` (a one-rank gloo group is enough).
+# Each solution is folded under its exercise: click *Solution* to open it.
 
 # %% [markdown]
-# ## Solutions
+# **Exercise 1.** Without running the script, work out the EMA bytes each of 3 ranks holds under
+# FSDP2: split the first dimension of each entry of the script's `make_model()` like `torch.chunk`,
+# keep the BatchNorm's buffers whole on every rank, and count 4 bytes a float (8 for the integer
+# counter). *Predict* which rank holds the most.
+
+# %%
+# Exercise 1: your code here
+
+# %% [markdown]
+# <details><summary>Solution 1</summary>
 #
-# Each solution cell is collapsed: click it to open.
+# ```python
+# from torch import nn
+#
+# torch.manual_seed(0)
+# layers = [nn.Linear(16, 64), nn.BatchNorm1d(64), nn.SiLU(), nn.Linear(64, 5), nn.SiLU(), nn.Linear(5, 3)]
+# model3 = nn.Sequential(*layers)
+# buffers = dict(model3.named_buffers())
+# per_rank = [0, 0, 0]
+# for name, t in model3.state_dict().items():
+#     size = t.numel() * t.element_size()
+#     if name in buffers:  # not sharded: whole on every rank
+#         shares = [size] * 3
+#     else:  # rows split like torch.chunk, padded with empty shards
+#         rows = [c.shape[0] for c in torch.empty(t.shape[0]).chunk(3)]
+#         shares = [size // t.shape[0] * r for r in rows] + [0] * (3 - len(rows))
+#     per_rank = [b + s for b, s in zip(per_rank, shares)]
+# print(per_rank)
+# ```
+#
+# Ranks 0 and 1 hold the most and the same: 64 rows split 22/22/20, 5 rows 2/2/1, 3 rows 1/1/1, so
+# rank 2 gets fewer rows. The BatchNorm's buffers are not sharded: every rank holds them whole.
+# `torchrun(3, workdir / "train_ema.py")` prints the same bytes.
+#
+# </details>
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
-# 1. 64 rows split 22/22/20, 5 rows 2/2/1, 3 rows 1/1/1; ranks 0 and 1 hold the most bytes.
-print(torchrun(3))
+# %% [markdown]
+# **Exercise 2.** Section 1 gave both shards the same decay. A rank that resumed from an older
+# checkpoint counts fewer updates, so its ramp gives it a smaller decay. Update rank 0's rows with
+# `d = 0.9` and rank 1's with `0.8`. *Predict* whether `torch.cat` of the shards equals the whole
+# tensor's update with either decay.
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# 2. Yes: 3/3/1 rows, and lerp is still elementwise.
-ema7, model7 = torch.randn(7, 3, generator=g), torch.randn(7, 3, generator=g)
-pieces = [p.clone() for p in ema7.chunk(3)]
-torch._foreach_lerp_(pieces, list(model7.chunk(3)), 1 - d)
-print([p.shape[0] for p in pieces], torch.equal(torch.cat(pieces), ema7.clone().lerp_(model7, 1 - d)))
+# %%
+# Exercise 2: your code here
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
-# 3. The EMA update issues none; the all-reduce is one collective.
-import torch.distributed as dist
+# %% [markdown]
+# <details><summary>Solution 2</summary>
+#
+# ```python
+# shards2 = [piece.clone() for piece in ema_w.chunk(2)]
+# for shard, target, decay in zip(shards2, model_w.chunk(2), (0.9, 0.8)):
+#     shard.lerp_(target, 1 - decay)
+# for decay in (0.9, 0.8):
+#     print(decay, torch.equal(torch.cat(shards2), ema_w.clone().lerp_(model_w, 1 - decay)))
+# ```
+#
+# `False` for both: the top rows moved by one decay and the bottom rows by another, so the gathered
+# tensor is no EMA of the whole. The ranks must still agree on the update count (`ema.updates`), for
+# example by loading one checkpoint.
+#
+# </details>
 
-from ema_lab import ModelEMA
+# %% [markdown]
+# **Exercise 3.** Count with `CommDebugMode` (from `torch.distributed.tensor.debug`) the collectives of
+# `ema.update(model)`, of `ema.sync_buffers()` and of one `dist.all_reduce(torch.ones(3))`, for a
+# `ModelEMA` of `nn.BatchNorm1d(4)`. A one-rank group is enough: start it with
+# `dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)` and end it with
+# `dist.destroy_process_group()`. *Predict* the three counts.
 
-if skip_reason():
-    print(skip_reason())
-else:
-    from torch.distributed.tensor.debug import CommDebugMode
+# %%
+# Exercise 3: your code here
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        net = torch.nn.Linear(4, 4)
-        net_ema = ModelEMA(net)
-        with CommDebugMode() as comm:
-            net_ema.update(net)
-        print("ema.update():", comm.get_total_counts(), "collectives")
-        with CommDebugMode() as comm:
-            dist.all_reduce(torch.ones(3))
-        print("dist.all_reduce:", comm.get_total_counts(), "collective")
-    finally:
-        dist.destroy_process_group()
+# %% [markdown]
+# <details><summary>Solution 3</summary>
+#
+# ```python
+# import torch.distributed as dist
+# from torch.distributed.tensor.debug import CommDebugMode
+#
+# from ema_lab import ModelEMA
+#
+# dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+# try:
+#     bn = torch.nn.BatchNorm1d(4)
+#     bn(torch.randn(8, 4))
+#     bn_ema = ModelEMA(bn)
+#     for name, call in [
+#         ("ema.update()", lambda: bn_ema.update(bn)),
+#         ("ema.sync_buffers()", bn_ema.sync_buffers),
+#         ("dist.all_reduce", lambda: dist.all_reduce(torch.ones(3))),
+#     ]:
+#         with CommDebugMode() as comm:
+#             call()
+#         print(f"{name}: collectives {comm.get_total_counts()}")
+# finally:
+#     dist.destroy_process_group()
+# ```
+#
+# 0, 0 and 1. The update reads only this rank's tensors. `sync_buffers()` broadcasts from rank 0, but a
+# group of one has no other rank, so it skips the call; with more ranks it is one collective, as the
+# script showed. An all-reduce is a collective even alone.
+#
+# </details>

@@ -183,6 +183,67 @@ def test_uneven_shards_over_four_ranks_match_a_float64_single_process_ema() -> N
     assert all(r["full"] == {} for r in ranks[1:])
 
 
+# --- BatchNorm: buffers each rank updates from its own batch, and sync_buffers() --------------------------
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
+def buffer_ranks(request: pytest.FixtureRequest) -> list[dict]:
+    """Real gloo ranks training :func:`batchnorm_model` with DDP, then FSDP2 (torch >= 2.9), 5 steps."""
+    if SKIP:
+        pytest.skip(SKIP)
+    return dist_demo.launch(dist_demo.buffers_run, request.param)
+
+
+def _spread(states: list[dict[str, torch.Tensor]], key: str) -> float:
+    """The largest difference of entry ``key`` between rank 0 and any other rank."""
+    return max((s[key].double() - states[0][key].double()).abs().max().item() for s in states)
+
+
+def _check_sync(ranks: list[dict], kind: str) -> None:
+    before, after = [r[f"{kind}_before"] for r in ranks], [r[f"{kind}_after"] for r in ranks]
+    buffers = {"1.running_mean", "1.running_var"}
+    assert all(_spread(before, k) == 0 for k in before[0].keys() - buffers)  # parameters, counters
+    assert all(_spread(before, k) > 1e-3 for k in buffers)  # each rank's own batches: the EMAs differ
+    for state in after:  # every entry equal on every rank, bit for bit: rank 0's
+        assert state.keys() == before[0].keys()
+        assert all(torch.equal(state[k], before[0][k]) for k in state)
+    assert [r[f"{kind}_sync_collectives"] for r in ranks] == [1] * len(ranks)  # one dtype: one broadcast
+    assert [r[f"{kind}_rebuilds"] for r in ranks] == [1] * len(ranks)  # the sync copies in place
+    for r in ranks:  # the first update warned, once in 5 updates, naming the fix
+        assert (
+            len(r[f"{kind}_warnings"]) == 1
+            and "call ema.sync_buffers() on every rank" in r[f"{kind}_warnings"][0]
+        )
+
+
+@needs_distributed
+def test_ddp_batchnorm_ema_differs_by_rank_until_sync_buffers(buffer_ranks: list[dict]) -> None:
+    _check_sync(buffer_ranks, "ddp")
+
+
+@pytest.mark.requires_torch("2.9", "FSDP2 training on CPU over gloo (2.6 and 2.8 fail)")
+@needs_distributed
+def test_fsdp_batchnorm_ema_differs_by_rank_until_sync_buffers(buffer_ranks: list[dict]) -> None:
+    _check_sync(buffer_ranks, "fsdp")
+
+
+def test_sync_buffers_outside_a_process_group_changes_nothing_and_silences_the_warning() -> None:
+    import warnings
+
+    model = dist_demo.batchnorm_model()
+    model(torch.randn(4, 8))
+    ema = ModelEMA(model)
+    before = {k: v.clone() for k, v in ema.ema.state_dict().items()}
+    ema.sync_buffers()
+    assert all(torch.equal(v, before[k]) for k, v in ema.ema.state_dict().items())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one process: nothing to warn about
+        ema.update(model)
+        ModelEMA(model).update(model)
+    with pytest.raises(ValueError, match=r"^src must be a rank of the group, 0 to 0, got 1$"):
+        ema.sync_buffers(src=1)
+
+
 # --- the command line, failures, skips -------------------------------------------------------------------
 
 
@@ -375,3 +436,20 @@ def test_sharded_ema_checks_its_arguments() -> None:
         ShardedModelEMA(nn.Linear(2, 2), strategy="flat")
     with pytest.raises(ValueError, match="^cuda_graph=True records one device's update"):
         ShardedModelEMA(nn.Linear(2, 2), cuda_graph=True)
+
+
+def test_sync_buffers_on_one_rank_issues_no_collective(mesh: object) -> None:
+    """A sharded EMA holds buffers as parameters: those, and no DTensor shard, are what sync broadcasts."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from ema_lab.sync import rank_local_tensors
+
+    model = dist_demo.shard_model(build("tiny_cnn"), mesh)
+    ema = ShardedModelEMA(model)
+    _step(model, 0)
+    ema.update(model)
+    float_buffers = [b for b in build("tiny_cnn").buffers() if b.is_floating_point()]
+    assert len(rank_local_tensors(ema)) == len(float_buffers) > 0
+    with CommDebugMode() as comm:
+        ema.sync_buffers()
+    assert comm.get_total_counts() == 0

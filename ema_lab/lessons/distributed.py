@@ -5,7 +5,9 @@ the zoo's tiny transformer on its slice of a global batch, with DDP and ``ModelE
 (``fully_shard``) and ``ShardedModelEMA``. The parent trains the same model in one process, in
 float64, on the whole batch (the same averaged gradient) and compares; it prints ``result: OK`` and
 exits 0 when both EMAs match. :func:`launch` + :func:`rank_run` give each rank's results to check;
-notebook 06 shows the same training-plus-EMA code in its own cells.
+:func:`buffers_run` trains a model with a BatchNorm, whose EMA buffers differ by rank until
+``sync_buffers()``. Notebook 06 shows the same training-plus-EMA code in its own script, run by
+:func:`torchrun`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import contextlib
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +33,17 @@ from ..bench.models import build
 from ..ema import ModelEMA
 from ..sharded import ShardedModelEMA
 
-__all__ = ["skip_reason", "loopback_interface", "ddp_model_ema", "launch", "reference", "main"]
+__all__ = [
+    "skip_reason",
+    "loopback_interface",
+    "ddp_model_ema",
+    "launch",
+    "reference",
+    "batchnorm_model",
+    "buffers_run",
+    "torchrun",
+    "main",
+]
 
 #: (import path, name) of every torch API the runs need; checked before anything is spawned.
 REQUIRED_APIS = (
@@ -122,6 +135,25 @@ def shard_model(model: nn.Module, mesh: object) -> nn.Module:
     for block in getattr(getattr(model, "blocks", None), "layers", []):
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def torchrun(nproc: int, script: Path, *args: str) -> str:
+    """Run ``script`` (in its folder) on ``nproc`` gloo ranks with ``torchrun --standalone``; rank 0's output.
+
+    torchrun's logs go to ``logs/`` beside the script (else a new temporary folder per run), and gloo is kept
+    on the loopback interface. Raises ``RuntimeError`` with the end of the ranks' errors when one fails.
+    """
+    script = Path(script)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += [f"--log-dir={script.parent / 'logs'}", script.name, *args]
+    env = dict(os.environ)
+    lo = loopback_interface()
+    if lo is not None:  # gloo binds the interface its hostname resolves to unless told otherwise
+        env["GLOO_SOCKET_IFNAME"] = lo
+    proc = subprocess.run(cmd, cwd=script.parent, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return proc.stdout
 
 
 # --- running ranks ---------------------------------------------------------------------------------------
@@ -291,6 +323,75 @@ def rank_run(rank: int, world: int, cfg: Config) -> dict[str, object]:
         "modelema_refused": refused,
         "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME"),
     }
+
+
+# --- BatchNorm: buffers each rank updates from its own batch ----------------------------------------------
+
+
+def batchnorm_model(seed: int = 0) -> nn.Module:
+    """A small MLP with a BatchNorm: the same initial weights in every process."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.SiLU(), nn.Linear(16, 3))
+
+
+def _train_batchnorm(
+    model: nn.Module, ema: ModelEMA | ShardedModelEMA, rank: int, world: int, steps: int
+) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)  # the same global batch everywhere; each rank takes its part
+        x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 3, generator=g)
+        opt.zero_grad(set_to_none=True)
+        part = slice(4 * rank, 4 * (rank + 1))
+        nn.functional.mse_loss(model(x[part]), y[part]).backward()
+        opt.step()
+        ema.update(model)
+
+
+def buffers_run(rank: int, world: int, steps: int = 5) -> dict[str, object]:
+    """DDP + ``ModelEMA``, then FSDP2 + ``ShardedModelEMA``, of :func:`batchnorm_model`: each EMA's full
+    state before and after ``sync_buffers()``, and the collectives that call issued."""
+    import warnings
+
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.nn.parallel import DistributedDataParallel
+
+    out: dict[str, object] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = DistributedDataParallel(batchnorm_model())
+        ema = ModelEMA(ddp, decay=0.9, tau=2)
+        _train_batchnorm(ddp, ema, rank, world, steps)
+    out["ddp_warnings"] = [str(w.message) for w in caught]
+    out["ddp_before"] = _snapshot(ema.ema.state_dict())
+    with CommDebugMode() as comm:
+        ema.sync_buffers()
+    out["ddp_sync_collectives"] = comm.get_total_counts()
+    out["ddp_after"] = _snapshot(ema.ema.state_dict())
+    ema.update(ddp)  # after the in-place sync, the cached step still holds the EMA's tensors
+    out["ddp_rebuilds"] = ema.rebuilds
+    if torch.__version__ >= FSDP2_CPU_MIN:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = batchnorm_model()
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (model[0], model[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        sharded = ShardedModelEMA(model, decay=0.9, tau=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _train_batchnorm(model, sharded, rank, world, steps)
+        out["fsdp_warnings"] = [str(w.message) for w in caught]
+        out["fsdp_before"] = _snapshot(sharded.full_state_dict(cpu_offload=False))  # every rank gets it all
+        with CommDebugMode() as comm:
+            sharded.sync_buffers()
+        out["fsdp_sync_collectives"] = comm.get_total_counts()
+        out["fsdp_after"] = _snapshot(sharded.full_state_dict(cpu_offload=False))
+        sharded.update(model)
+        out["fsdp_rebuilds"] = sharded.rebuilds
+    return out
 
 
 def reference(

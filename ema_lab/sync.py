@@ -1,0 +1,79 @@
+"""Equal EMA buffers on every rank: under DDP and FSDP2 each rank's BatchNorm updates its buffers itself.
+
+DDP (``broadcast_buffers=True``, its default) sends rank 0's buffers to the other ranks at the start of each
+forward; BatchNorm then updates ``running_mean``/``running_var`` from the rank's own batch, and the EMA,
+updated after the step, averages those. FSDP2 never syncs buffers. So the parameters' EMA is the same on
+every rank but the buffers' EMA is not. :func:`sync_buffers` (``ema.sync_buffers()``) broadcasts the EMA's
+float buffers from one rank, one collective per dtype: call it on every rank before evaluating or saving.
+
+Why not inside ``update()``: a collective there would hang (or pair with DDP's own broadcast of the next
+forward) where the EMA lives on rank 0 only, and it would cost a collective on every step for what is read
+once an evaluation; ``update()`` stays local. :func:`warn_unsynced` makes the call hard to forget: the first
+update that averages such buffers warns once, naming it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["sync_buffers", "rank_local_tensors", "warn_unsynced"]
+
+
+def _world_size(group: object = None) -> int:
+    """The size of ``group`` (the default group when None), 1 outside torch.distributed."""
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank_local_tensors(ema: object) -> list[Tensor]:
+    """The EMA's float tensors that ranks compute apart: its buffers and, in a ``ShardedModelEMA`` (it holds
+    buffers as parameters), every tensor that is not a DTensor shard; of every EMA it keeps (``.emas``)."""
+    tensors = []
+    for module in getattr(ema, "emas", None) or [ema.ema]:
+        tensors += [*module.parameters(), *module.buffers()] if ema.sharded else list(module.buffers())
+    return [t for t in tensors if t.is_floating_point() and not hasattr(t, "placements")]
+
+
+def sync_buffers(ema: object, src: int = 0, group: object = None) -> None:
+    """Overwrite every rank's EMA float buffers with rank ``src``'s (a rank of ``group``, by default the
+    whole world); a collective: call it on every rank of ``group``.
+
+    One ``broadcast`` per (dtype, device) of the buffers, coalesced into one flat tensor, on the buffers'
+    device (CUDA for nccl); nothing, and no collective, outside torch.distributed or on one rank.
+    """
+    world = _world_size(group)
+    if not (isinstance(src, int) and 0 <= src < world):
+        raise ValueError(f"src must be a rank of the group, 0 to {world - 1}, got {src!r}")
+    ema.ranks_checked = True  # its user syncs: no warning
+    if world == 1:
+        return
+    import torch.distributed as dist
+
+    groups: dict[tuple, list[Tensor]] = {}
+    for b in rank_local_tensors(ema):
+        groups.setdefault((b.dtype, b.device), []).append(b)
+    with torch.no_grad():
+        for buffers in groups.values():
+            flat = torch.cat([b.reshape(-1) for b in buffers])
+            dist.broadcast(flat, src if group is None else dist.get_global_rank(group, src), group)
+            for b, piece in zip(buffers, flat.split([b.numel() for b in buffers])):
+                b.copy_(piece.view_as(b))  # in place: the EMA's cached step keeps its tensors
+
+
+def warn_unsynced(ema: object, model: nn.Module) -> None:
+    """Warn when ``ema`` averages buffers that the ranks of a DDP or FSDP2 run compute apart; once per EMA:
+    ``update()`` calls it until ``ema.ranks_checked``."""
+    ema.ranks_checked = True
+    distributed = isinstance(model, nn.parallel.DistributedDataParallel) or getattr(ema, "sharded", False)
+    if distributed and _world_size() > 1 and rank_local_tensors(ema):
+        warnings.warn(
+            f"{type(ema).__name__}: each rank updates the model's float buffers (BatchNorm's running "
+            "statistics) from its own batch, so the EMA's buffers differ between ranks; call "
+            "ema.sync_buffers() on every rank before you evaluate or save the EMA (an EMA kept on one "
+            "rank only holds that rank's)",
+            stacklevel=3,
+        )
