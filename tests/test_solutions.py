@@ -26,10 +26,6 @@ nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (th
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
-# Lessons still in the old format (a "# Solution N" code cell); their helpers convert them.
-OLD_FORMAT = {
-    "06_distributed_ema": "in conversion (helper ddp)",
-}
 
 
 def _conftest():
@@ -68,8 +64,6 @@ def exercises(nb: nbformat.NotebookNode) -> list[tuple[int, int, int, str]]:
 
 def lesson(path: Path) -> nbformat.NotebookNode:
     """The committed notebook, skipped while it is still in the old format."""
-    if path.stem in OLD_FORMAT:
-        pytest.skip(f"{path.stem} still has its solutions in code cells ({OLD_FORMAT[path.stem]})")
     return nbformat.read(path, as_version=4)
 
 
