@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from ema_lab import ModelEMA, flat_step, flatten_model
+from ema_lab import ModelEMA, flat_step, flatten_model, unflatten_model
 from ema_lab.bench import models
 from ema_lab.bench.counting import count_ops
 from ema_lab.ema import resolve_strategy
@@ -479,3 +479,252 @@ def test_a_tensor_weight_where_foreach_is_fused_goes_as_views_of_one_filled_buff
     want = per_tensor.ema.state_dict()
     for k, v in dense.ema.state_dict().items():
         assert torch.equal(v, want[k]), k
+
+
+# flatten_model checks everything before it moves anything (issue 45): each case that once broke training
+# silently is refused with one line naming the tensor, the model untouched, or kept and said so.
+
+
+def _layout(model: nn.Module) -> dict[str, tuple]:
+    """Where and how each parameter and buffer lies, and its value: equal before and after is untouched."""
+    out = {}
+    for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers()):
+        if t.layout != torch.strided or t.is_nested or t.device.type == "meta" or isinstance(t, _Wrapper):
+            out[name] = (id(t), t.layout, t.device)
+        else:
+            out[name] = (id(t), t.data_ptr(), t.stride(), t.storage_offset(), t.detach().clone())
+    return out
+
+
+def _assert_untouched(model: nn.Module, before: dict[str, tuple]) -> None:
+    after = _layout(model)
+    assert after.keys() == before.keys()
+    for name, was in before.items():
+        now = after[name]
+        assert now[:-1] == was[:-1], name
+        assert torch.equal(now[-1], was[-1]) if isinstance(was[-1], torch.Tensor) else now == was, name
+
+
+def _flattened(model: nn.Module) -> bool:
+    """Each dtype's tensors of ``model`` tile one storage."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return all(_tiles([t for t in tensors if t.dtype == d]) for d in {t.dtype for t in tensors})
+
+
+def _shared_by_data() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].weight.data = model[0].weight.data  # two Parameters, one memory
+    return model
+
+
+def _buffer_viewing_a_parameter() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].register_buffer("flat_weight", model[1].weight.detach().view(-1))
+    return model
+
+
+@pytest.mark.parametrize(
+    ("build", "names"),
+    [
+        (_shared_by_data, "'0.weight' and '1.weight'"),
+        (_buffer_viewing_a_parameter, "'1.weight' and '1.flat_weight'"),
+    ],
+)
+def test_tensors_sharing_memory_are_refused_with_the_model_untouched(build, names):
+    model = build()
+    before = _layout(model)
+    with pytest.raises(ValueError, match=f"cannot flatten {names}: they share memory"):
+        flatten_model(model)
+    _assert_untouched(model, before)
+    with pytest.raises(ValueError, match="share memory"):
+        unflatten_model(model)  # giving each its own memory would untie them just the same
+    _assert_untouched(model, before)
+
+
+def test_tied_weights_one_parameter_under_two_names_still_flatten_and_train_alike():
+    def tied() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+        model[1].weight = model[0].weight
+        return model
+
+    flat, plain = tied(), tied()
+    (buf,) = flatten_model(flat)
+    assert flat[1].weight is flat[0].weight and buf.numel() == 40  # stored once
+    for model in (flat, plain):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.arange(10)).logsumexp(-1).sum().backward()
+            opt.step()
+    assert torch.equal(flat[0].weight, plain[0].weight)
+
+
+class _DataCachingOptimizer:
+    """An optimizer that, like some hand-written ones, keeps ``p.data`` and writes there."""
+
+    def __init__(self, params) -> None:
+        self.params = [p.data for p in params]
+
+    def step(self) -> None:
+        for p in self.params:
+            p.sub_(1.0)
+
+
+def test_memory_held_outside_the_model_is_refused_until_released():
+    model = models.build("tiny_cnn")
+    opt = _DataCachingOptimizer(model.parameters())
+    before = _layout(model)
+    with pytest.raises(
+        ValueError, match=r"cannot flatten '0\.conv\.weight': 1 tensor\(s\) outside the model"
+    ):
+        flatten_model(model)
+    _assert_untouched(model, before)
+    ema = ModelEMA(model)  # an EMA built before flattening holds the model's memory too
+    ema.update(model)
+    del opt
+    with pytest.raises(ValueError, match="outside the model hold its memory"):
+        flatten_model(model)
+    _assert_untouched(model, before)
+    del ema
+    flatten_model(model)
+    assert _flattened(model)
+
+
+def test_a_view_held_only_by_a_reference_cycle_is_collected_not_refused():
+    model = models.build("tiny_cnn")
+    cycle: list = [model[0].conv.weight.view(-1)]
+    cycle.append(cycle)  # garbage that only the cycle collector frees
+    del cycle
+    flatten_model(model)
+    assert _flattened(model)
+
+
+@pytest.mark.requires_torch("2.1", "torch._C._storage_Use_Count")
+def test_without_the_use_count_binding_memory_held_outside_is_not_checked(monkeypatch):
+    from ema_lab import flat
+
+    monkeypatch.setattr(flat, "_USE_COUNT", None)
+    model = models.build("tiny_cnn")
+    kept = model[0].conv.weight.data
+    flatten_model(model)  # as the docstring says: not checked, so not refused
+    assert kept.data_ptr() != model[0].conv.weight.data_ptr()
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass with no memory of its own, as DTensor is."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
+
+
+def _with_buffer(name: str, make) -> nn.Module:
+    """tiny_cnn with one more buffer, registered last: a half-done move would have moved the rest first."""
+    model = models.build("tiny_cnn")
+    model[6].register_buffer(name, make())
+    return model
+
+
+UNMOVABLE = {
+    "sparse": (lambda: torch.eye(3).to_sparse(), "a torch.sparse_coo tensor has no strided memory"),
+    "sparse_csr": (lambda: torch.eye(3).to_sparse_csr(), "a torch.sparse_csr tensor"),
+    "nested": (lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), "a nested tensor"),
+    "quantized": (
+        lambda: torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8),
+        "a quantized tensor",
+    ),
+    "meta": (lambda: torch.zeros(3, device="meta"), "a meta tensor has no memory"),
+    "expanded": (lambda: torch.zeros(3, 1).expand(3, 4), r"strides \(1, 0\) of shape \(3, 4\) leave gaps"),
+    "strided slice": (lambda: torch.zeros(4, 6)[:, ::2], r"strides \(6, 2\) of shape \(4, 3\) leave gaps"),
+    "wrapper subclass": (lambda: _Wrapper(torch.zeros(3)), "a _Wrapper \\(a tensor subclass\\)"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*quantiz", "ignore:Sparse CSR", "ignore:The PyTorch API of nested")
+@pytest.mark.parametrize("case", list(UNMOVABLE))
+def test_a_tensor_that_cannot_be_a_view_is_refused_before_anything_moves(case):
+    make, reason = UNMOVABLE[case]
+    model = _with_buffer("odd", make)
+    before = _layout(model)
+    with pytest.raises(ValueError, match=f"cannot flatten '6.odd': {reason}.*nothing moved"):
+        flatten_model(model)
+    _assert_untouched(model, before)
+
+
+def test_a_lazy_parameter_is_refused_until_its_first_forward():
+    model = nn.Sequential(nn.Linear(3, 4), nn.LazyLinear(2))
+    before = model[0].weight.data_ptr(), model[0].bias.data_ptr()
+    with pytest.raises(ValueError, match="cannot flatten '1.weight': an uninitialized lazy parameter"):
+        flatten_model(model)
+    assert (model[0].weight.data_ptr(), model[0].bias.data_ptr()) == before
+    model(torch.zeros(1, 3))
+    flatten_model(model)
+    assert _flattened(model)
+
+
+def test_a_failure_while_moving_leaves_the_model_as_it_was(monkeypatch):
+    from ema_lab import flat
+
+    model = models.build("tiny_cnn")  # two groups: float32 and int64 (BatchNorm's counters)
+    before = _layout(model)
+    calls = []
+
+    def out_of_memory_on_the_second(numel, dtype, device="cpu"):
+        calls.append(dtype)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (a stand-in)")
+        return flat.empty_flat(numel, dtype, device)
+
+    monkeypatch.setattr(flat, "empty_flat", out_of_memory_on_the_second)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        flatten_model(model)
+    assert len(calls) == 2
+    _assert_untouched(model, before)
+
+
+def test_a_failure_while_pointing_the_tensors_puts_back_those_already_pointed():
+    from ema_lab.flat import _assign
+
+    a, b, c = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
+    ptrs = [t.data_ptr() for t in (a, b, c)]
+    unusable = torch.zeros(2).to_sparse()  # `.data = ` refuses a sparse tensor for a dense one
+    with pytest.raises(RuntimeError):
+        _assign([(a, torch.full((2,), 5.0)), (b, torch.full((2,), 6.0)), (c, unusable)])
+    assert [t.data_ptr() for t in (a, b, c)] == ptrs
+    assert a.tolist() == [0.0, 0.0] and b.tolist() == [1.0, 1.0]
+
+
+def _channels_last_cnn() -> nn.Module:
+    return models.build("tiny_cnn").to(memory_format=torch.channels_last)
+
+
+def test_channels_last_is_kept_inside_the_buffer_and_trains_bit_for_bit():
+    flat_model, plain = _channels_last_cnn(), _channels_last_cnn()
+    flatten_model(flat_model)
+    convs = [m.weight for m in flat_model.modules() if isinstance(m, nn.Conv2d)]
+    assert all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() for w in convs)
+    assert len({w.untyped_storage().data_ptr() for w in convs}) == 1
+    gen = torch.Generator().manual_seed(1)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (flat_model, plain)]
+    emas = [ModelEMA(flat_model, tau=3), ModelEMA(plain, tau=3, strategy="loop")]
+    for _ in range(3):
+        x, y = torch.randn(4, 3, 16, 16, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+        for model, opt, ema in zip((flat_model, plain), opts, emas):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            ema.update(model)
+    for a, b in zip(flat_model.state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+    # Not one lerp_ (the fused update wants contiguous tensors, as the docstring says), but the same EMA.
+    assert emas[0].modes != ["fused"]
+    for a, b in zip(emas[0].ema.state_dict().values(), emas[1].ema.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    unflatten_model(flat_model)
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    assert len({w.untyped_storage().data_ptr() for w in convs}) == len(convs)
