@@ -180,9 +180,10 @@ def _check_held_outside(named: Sequence[tuple[str, Tensor]], on_storage: dict[in
     if held:
         name, count = held[0]
         raise ValueError(
-            f"cannot flatten {name!r}: {count} tensor(s) outside the model hold its memory (a .data or view "
-            "kept by an optimizer or your code, an EMA or an autograd graph made before) and would keep the "
-            f"old memory: flatten first, then build them ({len(held)} such tensor(s); nothing moved)"
+            f"cannot flatten {name!r}: {count} more tensor(s) hold its memory outside the model and "
+            "would keep the old memory (a .data or view kept by an optimizer or your code, the buffers of "
+            "an earlier flatten_model, an EMA, a live autograd graph): flatten before making them, or drop "
+            f"them ({len(held)} tensor(s) held so; nothing moved)"
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from copy import deepcopy
 
 import pytest
@@ -576,14 +577,14 @@ def test_memory_held_outside_the_model_is_refused_until_released():
     opt = _DataCachingOptimizer(model.parameters())
     before = _layout(model)
     with pytest.raises(
-        ValueError, match=r"cannot flatten '0\.conv\.weight': 1 tensor\(s\) outside the model"
+        ValueError, match=r"cannot flatten '0\.conv\.weight': 1 more tensor\(s\) hold its memory outside"
     ):
         flatten_model(model)
     _assert_untouched(model, before)
     ema = ModelEMA(model)  # an EMA built before flattening holds the model's memory too
     ema.update(model)
     del opt
-    with pytest.raises(ValueError, match="outside the model hold its memory"):
+    with pytest.raises(ValueError, match="hold its memory outside the model"):
         flatten_model(model)
     _assert_untouched(model, before)
     del ema
@@ -728,3 +729,110 @@ def test_channels_last_is_kept_inside_the_buffer_and_trains_bit_for_bit():
     unflatten_model(flat_model)
     assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
     assert len({w.untyped_storage().data_ptr() for w in convs}) == len(convs)
+
+
+def test_a_second_call_moves_nothing_even_with_the_first_buffers_kept():
+    model = models.build("tiny_cnn")
+    first = flatten_model(model)
+    ema = ModelEMA(model)  # its fused step holds the buffers too
+    ema.update(model)
+    before = _layout(model)
+    second = flatten_model(model)
+    _assert_untouched(model, before)
+    assert [b.untyped_storage().data_ptr() for b in second] == [b.untyped_storage().data_ptr() for b in first]
+    assert ema.modes == ["fused"] and ema.rebuilds == 1
+    model[6].bias = nn.Parameter(torch.zeros(10))  # one tensor of its own: that group moves again, if free
+    with pytest.raises(ValueError, match="hold its memory outside the model"):
+        flatten_model(model)
+    del first, second, ema
+    flatten_model(model)
+    assert _flattened(model)
+
+
+def test_zero_size_and_complex_tensors_flatten_and_come_back():
+    model = nn.Module()
+    model.empty = nn.Parameter(torch.zeros(0, 3))
+    model.weight = nn.Parameter(torch.randn(3))
+    model.register_buffer("phase", torch.randn(2, dtype=torch.complex64))
+    model.register_buffer("none_yet", torch.zeros(0))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    buffers = flatten_model(model)
+    assert [(b.dtype, b.numel()) for b in buffers] == [(torch.float32, 3), (torch.complex64, 2)]
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+    ema = ModelEMA(model)
+    ema.update(model)
+    assert ema.modes == ["fused"]  # the complex buffer is copied like a counter, not averaged
+    unflatten_model(model)
+    assert model.weight.untyped_storage().nbytes() == 12
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+
+
+def _parametrized(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    if kind == "parametrize":
+
+        class Symmetric(nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x.triu() + x.triu(1).transpose(-1, -2)
+
+        nn.utils.parametrize.register_parametrization(model[0], "weight", Symmetric())
+    elif kind == "weight_norm (parametrizations)":
+        nn.utils.parametrizations.weight_norm(model[0])
+    else:
+        with warnings.catch_warnings():  # deprecated in favour of the parametrization, still used
+            warnings.simplefilter("ignore")
+            nn.utils.weight_norm(model[0])
+    return model
+
+
+@pytest.mark.parametrize("kind", ["parametrize", "weight_norm (parametrizations)", "weight_norm (hooks)"])
+def test_parametrized_weights_flatten_and_train_bit_for_bit(kind):
+    flat, plain = _parametrized(kind), _parametrized(kind)
+    flatten_model(flat)
+    assert _flattened(flat)
+    gen = torch.Generator().manual_seed(2)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True) for m in (flat, plain)]
+    for _ in range(3):
+        x = torch.randn(5, 6, generator=gen)
+        for model, opt in zip((flat, plain), opts):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+    for (k, a), b in zip(flat.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_flattened_in_the_middle_of_training_trains_bit_for_bit():
+    """Flattened after some steps (momentum state exists); refused between a forward and its backward,
+    whose graph holds views of the weights (Linear saves ``weight.t()``)."""
+    torch.manual_seed(0)
+    flat, plain = models.build("tiny_cnn"), models.build("tiny_cnn")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, foreach=True) for m in (flat, plain)]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x, y = torch.randn(4, 3, 16, 16, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+        for model, opt in zip((flat, plain), opts):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if step == 2 and model is flat:
+                before = _layout(flat)
+                with pytest.raises(ValueError, match="cannot flatten '6.weight'.*autograd graph"):
+                    flatten_model(flat)
+                _assert_untouched(flat, before)
+            loss.backward()
+            opt.step()
+            if step == 2 and model is flat:
+                flatten_model(flat)  # the graph is freed
+    assert _flattened(flat)
+    for (k, a), b in zip(flat.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="skipped: no CUDA device")
+def test_a_model_on_two_devices_gets_one_buffer_per_device():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).cuda())
+    buffers = flatten_model(model)
+    assert sorted(b.device.type for b in buffers) == ["cpu", "cuda"]
+    assert model[0].weight.device.type == "cpu" and model[1].weight.device.type == "cuda"
+    assert _tiles([model[1].weight, model[1].bias])
