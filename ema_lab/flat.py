@@ -1,13 +1,14 @@
 """Flat buffers: many tensors as views of one contiguous buffer, so an update is one ``lerp_`` per buffer.
 
 :func:`flatten_model` is the visible, opt-in call that does it to the training model: every parameter
-and buffer keeps its object, value, shape and ``requires_grad`` (optimizers, hooks and module slots still
-hold it); only its memory moves into one buffer per (device, dtype). ``state_dict()`` then returns views
-of those buffers (``torch.save`` stores each buffer once; clone a subset to save only what it holds).
-An EMA of a flattened model finds every group ``fused``: one ``lerp_`` per group and one ``copy_`` for
-the BatchNorm counters. Flatten before building the optimizer's foreach/fused state; ``.to()``,
-``.half()`` or a new parameter give tensors their own memory again (still correct, no longer fused).
-:func:`unflatten_model` undoes it.
+and buffer keeps its object, value, shape, strides and ``requires_grad`` (optimizers, hooks and module
+slots still hold it); only its memory moves into one buffer per (device, dtype), after checks that
+refuse what a move would silently break (its docstring). ``state_dict()`` then returns views of those
+buffers (``torch.save`` stores each buffer once; clone a subset to save only what it holds).
+An EMA of a flattened model finds every group of contiguous tensors ``fused``: one ``lerp_`` per group
+and one ``copy_`` for the BatchNorm counters. Flatten before building the optimizer and the EMA;
+``.to()``, ``.half()`` or a new parameter give tensors their own memory again (still correct, no
+longer fused). :func:`unflatten_model` undoes it. docs/beyond_foreach_details.md says what it costs.
 """
 
 from __future__ import annotations
@@ -216,7 +217,8 @@ def _flatten(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
     flat_already = [_fills_one_storage([t for _, t in g]) for g in groups]  # a second call moves nothing
     _check_held_outside([item for g, done in zip(groups, flat_already) if not done for item in g], on_storage)
     buffers, moves = [], []
-    with torch.no_grad():  # every copy is made before any tensor is pointed at it (out of memory: no change)
+    # Normal tensors even under torch.inference_mode() (a model of inference tensors cannot be trained).
+    with torch.inference_mode(False), torch.no_grad():
         for g, done in zip(groups, flat_already):
             tensors = [t for _, t in g]
             if done:
@@ -230,7 +232,7 @@ def _flatten(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
                 moves.append((t, view))
                 at += t.numel()
             buffers.append(buf)
-    _assign(moves)
+        _assign(moves)  # only once every copy is made: out of memory above leaves the model as it was
     return buffers
 
 
@@ -239,7 +241,7 @@ def _unflatten(named: Sequence[tuple[str, Tensor]]) -> None:
     movable = [(name, t) for name, t in named if _refusal(t) is None]  # the others have their own memory
     on_storage = _by_storage(movable)
     moves = []
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():  # normal tensors, as in _flatten
         for _, t in movable:
             if (
                 len(on_storage[_storage_key(t)]) > 1
@@ -248,7 +250,7 @@ def _unflatten(named: Sequence[tuple[str, Tensor]]) -> None:
                 new = torch.empty_like(t)  # a dense tensor's strides (channels_last) are kept
                 new.copy_(t)
                 moves.append((t, new))
-    _assign(moves)
+        _assign(moves)
 
 
 def _named(tensors: Sequence[Tensor]) -> list[tuple[str, Tensor]]:
@@ -288,7 +290,8 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
     check needs ``torch._C._storage_Use_Count``; on a torch without it (CPU-only builds before mid-2025)
     it is skipped. A (device, dtype) group that already fills one buffer (a second call) is not moved.
     The fused EMA update (one ``lerp_`` per group) needs contiguous tensors: a group holding a
-    channels_last or transposed tensor is updated correctly, but not in one ``lerp_``.
+    channels_last or transposed tensor is updated correctly, but not in one ``lerp_``. The buffers are
+    normal tensors even under ``torch.inference_mode()`` (inference tensors become normal ones).
     """
     return _flatten(_model_tensors(model))
 

@@ -518,6 +518,12 @@ def _shared_by_data() -> nn.Module:
     return model
 
 
+def _buffer_viewing_a_parameter_as_ints() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[0].register_buffer("bits", model[0].bias.detach()[2:].view(torch.int32))  # bytes 8-16 of 0.bias
+    return model
+
+
 def _buffer_viewing_a_parameter() -> nn.Module:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model[1].register_buffer("flat_weight", model[1].weight.detach().view(-1))
@@ -529,6 +535,7 @@ def _buffer_viewing_a_parameter() -> nn.Module:
     [
         (_shared_by_data, "'0.weight' and '1.weight'"),
         (_buffer_viewing_a_parameter, "'1.weight' and '1.flat_weight'"),
+        (_buffer_viewing_a_parameter_as_ints, "'0.bias' and '0.bits'"),
     ],
 )
 def test_tensors_sharing_memory_are_refused_with_the_model_untouched(build, names):
@@ -836,3 +843,20 @@ def test_a_model_on_two_devices_gets_one_buffer_per_device():
     assert sorted(b.device.type for b in buffers) == ["cpu", "cuda"]
     assert model[0].weight.device.type == "cpu" and model[1].weight.device.type == "cuda"
     assert _tiles([model[1].weight, model[1].bias])
+
+
+def test_flattened_under_inference_mode_the_model_still_trains():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    with torch.inference_mode():
+        flatten_model(model)
+    assert _flattened(model) and not any(p.is_inference() for p in model.parameters())
+    x = torch.randn(2, 3, requires_grad=True)
+    model(x).sum().backward()  # an inference tensor here: "Inference tensors cannot be saved for backward"
+    assert x.grad is not None and model[0].weight.grad is not None
+
+
+def test_unflatten_leaves_tensors_that_own_their_memory_where_they_are():
+    model = models.build("tiny_cnn")
+    before = _layout(model)
+    unflatten_model(model)
+    _assert_untouched(model, before)
