@@ -224,7 +224,11 @@ def _flatten(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
             if done:
                 buffers.append(whole_storage(tensors[0]))
                 continue
-            buf = empty_flat(sum(t.numel() for t in tensors), tensors[0].dtype, tensors[0].device)
+            numel, dtype, device = sum(t.numel() for t in tensors), tensors[0].dtype, tensors[0].device
+            if any(t.is_pinned() for t in tensors):  # page-locked host memory (fast copies to a GPU) stays so
+                buf = torch.empty(numel, dtype=dtype, pin_memory=True)
+            else:
+                buf = empty_flat(numel, dtype, device)
             at = buf.storage_offset()
             for t in tensors:
                 view = buf.as_strided(t.shape, t.stride(), at)  # dense strides (checked): channels_last kept
@@ -247,7 +251,9 @@ def _unflatten(named: Sequence[tuple[str, Tensor]]) -> None:
                 len(on_storage[_storage_key(t)]) > 1
                 or t.untyped_storage().nbytes() != t.numel() * t.element_size()
             ):
-                new = torch.empty_like(t)  # a dense tensor's strides (channels_last) are kept
+                new = torch.empty_strided(  # dense (checked): its strides (channels_last) and pinning kept
+                    t.shape, t.stride(), dtype=t.dtype, device=t.device, pin_memory=t.is_pinned()
+                )
                 new.copy_(t)
                 moves.append((t, new))
         _assign(moves)
@@ -290,8 +296,9 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
     check needs ``torch._C._storage_Use_Count``; on a torch without it (CPU-only builds before mid-2025)
     it is skipped. A (device, dtype) group that already fills one buffer (a second call) is not moved.
     The fused EMA update (one ``lerp_`` per group) needs contiguous tensors: a group holding a
-    channels_last or transposed tensor is updated correctly, but not in one ``lerp_``. The buffers are
-    normal tensors even under ``torch.inference_mode()`` (inference tensors become normal ones).
+    channels_last or transposed tensor is updated correctly, but not in one ``lerp_``. A group with a
+    pinned tensor gets a pinned buffer. The buffers are normal tensors even under
+    ``torch.inference_mode()`` (inference tensors become normal ones).
     """
     return _flatten(_model_tensors(model))
 

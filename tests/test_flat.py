@@ -860,3 +860,13 @@ def test_unflatten_leaves_tensors_that_own_their_memory_where_they_are():
     before = _layout(model)
     unflatten_model(model)
     _assert_untouched(model, before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="skipped: no CUDA device (pinned memory needs one)")
+def test_pinned_memory_stays_pinned():
+    model = nn.Linear(4, 4)
+    model.weight.data = model.weight.data.pin_memory()
+    flatten_model(model)
+    assert model.weight.is_pinned() and model.bias.is_pinned() and _flattened(model)
+    unflatten_model(model)
+    assert model.weight.is_pinned()
