@@ -870,3 +870,72 @@ def test_pinned_memory_stays_pinned():
     assert model.weight.is_pinned() and model.bias.is_pinned() and _flattened(model)
     unflatten_model(model)
     assert model.weight.is_pinned()
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory):
+    """A one-rank gloo process group in this process (DDP and FSDP2 wrap models only inside one)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("skipped: this torch has no torch.distributed")
+    if dist.is_initialized():
+        pytest.skip("skipped: a default process group already exists in this process")
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_flattened_before_or_after_ddp_wraps_it_trains_bit_for_bit(one_rank, when):
+    ddp = nn.parallel.DistributedDataParallel
+    flat, plain = models.build("tiny_cnn"), models.build("tiny_cnn")
+    if when == "before":
+        flatten_model(flat)
+    wrapped = ddp(flat)
+    if when == "after":
+        flatten_model(wrapped)  # DDP holds the Parameter objects, no view of their memory
+    both = (wrapped, ddp(plain))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in both]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 3, 16, 16, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+        for model, opt in zip(both, opts):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert _flattened(flat)
+    for (k, a), b in zip(flat.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_an_fsdp2_sharded_model_is_refused_by_name(one_rank):
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        pytest.skip(f"skipped: torch {torch.__version__} has no torch.distributed.fsdp.fully_shard (2.6+)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    with pytest.raises(ValueError, match=r"cannot flatten '0\.weight': a DTensor \(a tensor subclass\)"):
+        flatten_model(model)
+
+
+def test_a_model_compiled_and_run_before_it_is_flattened_still_gives_the_same_output():
+    model, plain = models.build("tiny_cnn").eval(), models.build("tiny_cnn").eval()
+    x = torch.randn(2, 3, 16, 16)
+    try:  # a broken compiler stack is an environment fact, reported; a failure of flatten_model is not
+        compiled = torch.compile(model, backend="eager")
+        compiled(x)
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"skipped: torch.compile unusable here ({type(exc).__name__}: {exc})")
+    flatten_model(model)  # the compiled graphs hold no view of the weights' memory
+    with torch.no_grad():
+        for p in (*model.parameters(), *plain.parameters()):
+            p.mul_(1.5)  # the compiled model must read the new memory
+    assert _flattened(model) and torch.equal(compiled(x), plain(x))
+    torch._dynamo.reset()
