@@ -146,7 +146,7 @@ def _by_storage(named: Sequence[tuple[str, Tensor]]) -> dict[int, list[tuple[str
             if t.numel()
         )
         for (_, _, end, a), (start, _, _, b) in zip(spans, spans[1:]):
-            if start < end:  # spans are dense (checked first) and sorted: only neighbours can overlap
+            if start < end:  # sorted by start: if any two spans overlap, two neighbours do
                 raise ValueError(
                     f"cannot flatten {a!r} and {b!r}: they share memory (one is a view or the .data of the "
                     "other), and each would get its own copy (nothing moved)"
@@ -184,7 +184,7 @@ def _check_held_outside(named: Sequence[tuple[str, Tensor]], on_storage: dict[in
             f"cannot flatten {name!r}: {count} more tensor(s) hold its memory outside the model and "
             "would keep the old memory (a .data or view kept by an optimizer or your code, the buffers of "
             "an earlier flatten_model, an EMA, a live autograd graph): flatten before making them, or drop "
-            f"them ({len(held)} tensor(s) held so; nothing moved)"
+            f"them ({len(held)} of the model's tensors held so; nothing moved)"
         )
 
 
