@@ -962,3 +962,23 @@ def test_spectral_norm_is_refused_until_a_forward_replaces_its_view_of_the_weigh
         model(torch.zeros(1, 3))  # the hook computes model.weight: new memory
     flatten_model(model)
     assert _flattened(model)
+
+
+def test_a_flattened_model_under_autocast_and_a_state_dict_round_trip_trains_bit_for_bit():
+    flat, plain = models.build("tiny_cnn"), models.build("tiny_cnn")
+    flatten_model(flat)
+    flat.load_state_dict(plain.state_dict())  # copied in place: still flattened
+    assert _flattened(flat)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (flat, plain)]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x, y = torch.randn(4, 3, 16, 16, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+        for model, opt in zip((flat, plain), opts):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+    assert _flattened(flat)
+    for (k, a), b in zip(flat.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), k
