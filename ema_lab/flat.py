@@ -1,18 +1,20 @@
 """Flat buffers: many tensors as views of one contiguous buffer, so an update is one ``lerp_`` per buffer.
 
 :func:`flatten_model` is the visible, opt-in call that does it to the training model: every parameter
-and buffer keeps its object, value, shape and ``requires_grad`` (optimizers, hooks and module slots still
-hold it); only its memory moves into one buffer per (device, dtype). ``state_dict()`` then returns views
-of those buffers (``torch.save`` stores each buffer once; clone a subset to save only what it holds).
-An EMA of a flattened model finds every group ``fused``: one ``lerp_`` per group and one ``copy_`` for
-the BatchNorm counters. Flatten before building the optimizer's foreach/fused state; ``.to()``,
-``.half()`` or a new parameter give tensors their own memory again (still correct, no longer fused).
-:func:`unflatten_model` undoes it.
+and buffer keeps its object, value, shape, strides and ``requires_grad`` (optimizers, hooks and module
+slots still hold it); only its memory moves into one buffer per (device, dtype), after checks that
+refuse what a move would silently break (its docstring). ``state_dict()`` then returns views of those
+buffers (``torch.save`` stores each buffer once; clone a subset to save only what it holds).
+An EMA of a flattened model finds every group of contiguous tensors ``fused``: one ``lerp_`` per group
+and one ``copy_`` for the BatchNorm counters. Flatten before building the optimizer and the EMA;
+``.to()``, ``.half()`` or a new parameter give tensors their own memory again (still correct, no
+longer fused). :func:`unflatten_model` undoes it. docs/beyond_foreach_details.md says what it costs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import mmap
 from collections.abc import Callable, Iterable, Sequence
 
@@ -87,30 +89,222 @@ def tiles_in_order(tensors: Sequence[Tensor]) -> bool:
     return end * first.element_size() == first.untyped_storage().nbytes()
 
 
-def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Move each (device, dtype) group of ``tensors`` into one new contiguous buffer; return the buffers.
+#: A private binding (see flat_step.py; absent from CPU-only builds before mid-2025): how many tensors hold a
+#: storage. Without it flatten_model cannot see memory held outside the model, and does not check it.
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
-    Every tensor keeps its object, value, shape and ``requires_grad``; tensors listed twice move once.
-    """
-    ts = unique(tensors)
-    return [
-        into_one_buffer([ts[i] for i in idx])
-        for idx in group(range(len(ts)), lambda i: (ts[i].device, ts[i].dtype))
+
+def _is_dense(t: Tensor) -> bool:
+    """True when ``t`` fills ``t.numel()`` consecutive places of its storage in some dimension order
+    (contiguous, channels_last, transposed): no gap, no place read twice."""
+    if t.numel() == 0:
+        return True
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _refusal(t: Tensor) -> str | None:
+    """Why ``t`` cannot become a view of a plain buffer, or None."""
+    if t.layout != torch.strided or t.is_nested:
+        return f"a {'nested' if t.is_nested else t.layout} tensor has no strided memory to move"
+    if isinstance(t, nn.parameter.UninitializedTensorMixin):  # before anything that reads its storage
+        return "an uninitialized lazy parameter: run one forward pass first"
+    if type(t).__torch_dispatch__ is not Tensor.__torch_dispatch__:  # DTensor and other wrapper subclasses
+        return f"a {type(t).__name__} (a tensor subclass) cannot be a view of a plain buffer"
+    if t.is_quantized:
+        return "a quantized tensor cannot be a view of a plain buffer"
+    if t.device.type == "meta":
+        return "a meta tensor has no memory: flatten once the model is materialized"
+    if not _is_dense(t):
+        shape = tuple(t.shape)
+        return f"strides {t.stride()} of shape {shape} leave gaps or overlap (an expand or a strided slice)"
+    return None
+
+
+def _storage_key(t: Tensor) -> int:
+    return t.untyped_storage()._cdata  # the StorageImpl: the same for every tensor on one storage
+
+
+def _by_storage(named: Sequence[tuple[str, Tensor]]) -> dict[int, list[tuple[str, Tensor]]]:
+    """The tensors on each storage; two whose memory overlaps are refused (a move would untie them)."""
+    out: dict[int, list[tuple[str, Tensor]]] = {}
+    for name, t in named:
+        out.setdefault(_storage_key(t), []).append((name, t))
+    for on_one in out.values():
+        spans = sorted(  # by start, then in the model's order (names reported in that order)
+            (
+                t.storage_offset() * t.element_size(),
+                i,
+                (t.storage_offset() + t.numel()) * t.element_size(),
+                name,
+            )
+            for i, (name, t) in enumerate(on_one)
+            if t.numel()
+        )
+        for (_, _, end, a), (start, _, _, b) in zip(spans, spans[1:]):
+            if start < end:  # sorted by start: if any two spans overlap, two neighbours do
+                raise ValueError(
+                    f"cannot flatten {a!r} and {b!r}: they share memory (one is a view or the .data of the "
+                    "other), and each would get its own copy (nothing moved)"
+                )
+    return out
+
+
+def _fills_one_storage(tensors: Sequence[Tensor]) -> bool:
+    """True when the tensors lie, disjoint, on one storage they fill: flattened already, nothing to move."""
+    if len({_storage_key(t) for t in tensors}) != 1:
+        return False
+    return (
+        sum(t.numel() for t in tensors) * tensors[0].element_size() == tensors[0].untyped_storage().nbytes()
+    )
+
+
+def _check_held_outside(named: Sequence[tuple[str, Tensor]], on_storage: dict[int, list]) -> None:
+    """Refuse a tensor whose storage more tensors hold than the model's: they would keep the old memory."""
+    if _USE_COUNT is None:
+        return
+    probe = torch.empty(1)
+    extra = _USE_COUNT(probe.untyped_storage()._cdata) - 1  # what a query itself adds (the storage object)
+
+    def outside(t: Tensor) -> int:
+        key = _storage_key(t)
+        return _USE_COUNT(key) - extra - len(on_storage[key])
+
+    held = [(name, t) for name, t in named if outside(t) > 0]
+    if held:
+        gc.collect()  # a dead optimizer or EMA caught in a reference cycle holds views until collected
+        held = [(name, outside(t)) for name, t in held if outside(t) > 0]
+    if held:
+        name, count = held[0]
+        raise ValueError(
+            f"cannot flatten {name!r}: {count} more tensor(s) hold its memory outside the model and "
+            "would keep the old memory (a .data or view kept by an optimizer or your code, the buffers of "
+            "an earlier flatten_model, an EMA, a live autograd graph): flatten before making them, or drop "
+            f"them ({len(held)} of the model's tensors held so; nothing moved)"
+        )
+
+
+def _assign(moves: Sequence[tuple[Tensor, Tensor]]) -> None:
+    """Point each tensor at its new memory (``.data``, so optimizers, hooks and module slots keep the
+    object); if one fails, every tensor already pointed is put back."""
+    done: list[tuple[Tensor, Tensor]] = []
+    try:
+        for t, new in moves:
+            old = t.data
+            t.data = new
+            done.append((t, old))
+    except BaseException:
+        for t, old in reversed(done):
+            t.data = old
+        raise
+
+
+def _flatten(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
+    """Check every tensor, then move each (device, dtype) group into one new buffer: all or nothing."""
+    for name, t in named:
+        why = _refusal(t)
+        if why is not None:
+            raise ValueError(f"cannot flatten {name!r}: {why} (nothing moved)")
+    on_storage = _by_storage(named)
+    groups = [
+        [named[i] for i in idx]
+        for idx in group(range(len(named)), lambda i: (named[i][1].device, named[i][1].dtype))
     ]
+    flat_already = [_fills_one_storage([t for _, t in g]) for g in groups]  # a second call moves nothing
+    _check_held_outside([item for g, done in zip(groups, flat_already) if not done for item in g], on_storage)
+    buffers, moves = [], []
+    # Normal tensors even under torch.inference_mode() (a model of inference tensors cannot be trained).
+    with torch.inference_mode(False), torch.no_grad():
+        for g, done in zip(groups, flat_already):
+            tensors = [t for _, t in g]
+            if done:
+                buffers.append(whole_storage(tensors[0]))
+                continue
+            numel, dtype, device = sum(t.numel() for t in tensors), tensors[0].dtype, tensors[0].device
+            if any(t.is_pinned() for t in tensors):  # page-locked host memory (fast copies to a GPU) stays so
+                buf = torch.empty(numel, dtype=dtype, pin_memory=True)
+            else:
+                buf = empty_flat(numel, dtype, device)
+            at = buf.storage_offset()
+            for t in tensors:
+                view = buf.as_strided(t.shape, t.stride(), at)  # dense strides (checked): channels_last kept
+                view.copy_(t)
+                moves.append((t, view))
+                at += t.numel()
+            buffers.append(buf)
+        _assign(moves)  # only once every copy is made: out of memory above leaves the model as it was
+    return buffers
+
+
+def _unflatten(named: Sequence[tuple[str, Tensor]]) -> None:
+    """Give each tensor that shares its storage, or fills part of it, memory of its own: all or nothing."""
+    movable = [(name, t) for name, t in named if _refusal(t) is None]  # the others have their own memory
+    on_storage = _by_storage(movable)
+    moves = []
+    with torch.inference_mode(False), torch.no_grad():  # normal tensors, as in _flatten
+        for _, t in movable:
+            if (
+                len(on_storage[_storage_key(t)]) > 1
+                or t.untyped_storage().nbytes() != t.numel() * t.element_size()
+            ):
+                new = torch.empty_strided(  # dense (checked): its strides (channels_last) and pinning kept
+                    t.shape, t.stride(), dtype=t.dtype, device=t.device, pin_memory=t.is_pinned()
+                )
+                new.copy_(t)
+                moves.append((t, new))
+        _assign(moves)
+
+
+def _named(tensors: Sequence[Tensor]) -> list[tuple[str, Tensor]]:
+    return unique([(f"tensors[{i}]", t) for i, t in enumerate(tensors)], lambda item: item[1])
+
+
+def _model_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """Every parameter and buffer of ``model`` once, under its first name (tied weights once)."""
+    return unique([*model.named_parameters(), *model.named_buffers()], lambda item: item[1])
+
+
+def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Move each (device, dtype) group of ``tensors`` into one new buffer; return the buffers.
+
+    The checks and guarantees of :func:`flatten_model`, the tensors named by their place in ``tensors``.
+    """
+    return _flatten(_named(tensors))
 
 
 def unflatten_tensors(tensors: Sequence[Tensor]) -> None:
-    """Give every tensor its own contiguous memory again (undoes :func:`flatten_tensors`)."""
-    with torch.no_grad():
-        for t in unique(tensors):
-            t.data = t.detach().clone(memory_format=torch.contiguous_format)
+    """Give every tensor its own memory again (undoes :func:`flatten_tensors`; as :func:`unflatten_model`)."""
+    _unflatten(_named(tensors))
 
 
 def flatten_model(model: nn.Module) -> list[Tensor]:
-    """Move the model's parameters and buffers into one contiguous buffer per (device, dtype); return them."""
-    return flatten_tensors([*model.parameters(), *model.buffers()])
+    """Move the model's parameters and buffers into one buffer per (device, dtype); return the buffers.
+
+    Every tensor keeps its object, value, shape, strides (channels_last stays channels_last) and
+    ``requires_grad``; tied weights (one Parameter under two names) move once. Everything is checked
+    before anything moves, and a failure while moving (out of memory) puts every tensor back: on a
+    ``ValueError`` naming the tensor and the reason, the model is as it was. Refused: a sparse, nested,
+    quantized, meta, lazy (uninitialized) or wrapper-subclass (DTensor) tensor, or one with gaps or
+    overlaps in its strides; two tensors whose memory overlaps (a buffer that is a view of a parameter, a
+    ``.data`` shared between two parameters), as each would get its own copy; a tensor whose storage
+    more tensors hold than the model's own (a ``.data`` or view cached by an optimizer or your code, an
+    EMA built before), as they would keep the old memory: flatten first, then build them. That last
+    check needs ``torch._C._storage_Use_Count``; on a torch without it (CPU-only builds before mid-2025)
+    it is skipped. A (device, dtype) group that already fills one buffer (a second call) is not moved.
+    The fused EMA update (one ``lerp_`` per group) needs contiguous tensors: a group holding a
+    channels_last or transposed tensor is updated correctly, but not in one ``lerp_``. A group with a
+    pinned tensor gets a pinned buffer. The buffers are normal tensors even under
+    ``torch.inference_mode()`` (inference tensors become normal ones).
+    """
+    return _flatten(_model_tensors(model))
 
 
 def unflatten_model(model: nn.Module) -> None:
-    """Give every parameter and buffer of ``model`` its own memory again (undoes :func:`flatten_model`)."""
-    unflatten_tensors([*model.parameters(), *model.buffers()])
+    """Give every parameter and buffer of ``model`` that shares a buffer its own memory again (undoes
+    :func:`flatten_model`; strides kept; all or nothing; overlapping tensors refused as there). Whatever
+    still holds the buffers (what flatten_model returned, an EMA's step) keeps the old memory."""
+    _unflatten(_model_tensors(model))

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from copy import deepcopy
 
 import pytest
 import torch
 from torch import nn
 
-from ema_lab import ModelEMA, flat_step, flatten_model
+from ema_lab import ModelEMA, flat_step, flatten_model, unflatten_model
 from ema_lab.bench import models
 from ema_lab.bench.counting import count_ops
 from ema_lab.ema import resolve_strategy
@@ -479,3 +480,505 @@ def test_a_tensor_weight_where_foreach_is_fused_goes_as_views_of_one_filled_buff
     want = per_tensor.ema.state_dict()
     for k, v in dense.ema.state_dict().items():
         assert torch.equal(v, want[k]), k
+
+
+# flatten_model checks everything before it moves anything (issue 45): each case that once broke training
+# silently is refused with one line naming the tensor, the model untouched, or kept and said so.
+
+
+#: The check of memory held outside the model reads storages' use counts (flat.py says where it is skipped).
+USE_COUNT = pytest.mark.requires_torch("2.1", "torch._C._storage_Use_Count")
+
+
+def _layout(model: nn.Module) -> dict[str, tuple]:
+    """Where and how each parameter and buffer lies, and its value: equal before and after is untouched."""
+    out = {}
+    for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers()):
+        if t.layout != torch.strided or t.is_nested or t.device.type == "meta" or isinstance(t, _Wrapper):
+            out[name] = (id(t), t.layout, t.device)
+        else:
+            out[name] = (id(t), t.data_ptr(), t.stride(), t.storage_offset(), t.detach().clone())
+    return out
+
+
+def _assert_untouched(model: nn.Module, before: dict[str, tuple]) -> None:
+    after = _layout(model)
+    assert after.keys() == before.keys()
+    for name, was in before.items():
+        now = after[name]
+        assert now[:-1] == was[:-1], name
+        assert torch.equal(now[-1], was[-1]) if isinstance(was[-1], torch.Tensor) else now == was, name
+
+
+def _flattened(model: nn.Module) -> bool:
+    """Each dtype's tensors of ``model`` tile one storage."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return all(_tiles([t for t in tensors if t.dtype == d]) for d in {t.dtype for t in tensors})
+
+
+def _shared_by_data() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].weight.data = model[0].weight.data  # two Parameters, one memory
+    return model
+
+
+def _buffer_viewing_a_parameter_as_ints() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[0].register_buffer("bits", model[0].bias.detach()[2:].view(torch.int32))  # bytes 8-16 of 0.bias
+    return model
+
+
+def _buffer_viewing_a_parameter() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].register_buffer("flat_weight", model[1].weight.detach().view(-1))
+    return model
+
+
+@pytest.mark.parametrize(
+    ("build", "names"),
+    [
+        (_shared_by_data, "'0.weight' and '1.weight'"),
+        (_buffer_viewing_a_parameter, "'1.weight' and '1.flat_weight'"),
+        (_buffer_viewing_a_parameter_as_ints, "'0.bias' and '0.bits'"),
+    ],
+)
+def test_tensors_sharing_memory_are_refused_with_the_model_untouched(build, names):
+    model = build()
+    before = _layout(model)
+    with pytest.raises(ValueError, match=f"cannot flatten {names}: they share memory"):
+        flatten_model(model)
+    _assert_untouched(model, before)
+    with pytest.raises(ValueError, match="share memory"):
+        unflatten_model(model)  # giving each its own memory would untie them just the same
+    _assert_untouched(model, before)
+
+
+def test_tied_weights_one_parameter_under_two_names_still_flatten_and_train_alike():
+    def tied() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+        model[1].weight = model[0].weight
+        return model
+
+    flat, plain = tied(), tied()
+    (buf,) = flatten_model(flat)
+    assert flat[1].weight is flat[0].weight and buf.numel() == 40  # stored once
+    for model in (flat, plain):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.arange(10)).logsumexp(-1).sum().backward()
+            opt.step()
+    assert torch.equal(flat[0].weight, plain[0].weight)
+
+
+class _DataCachingOptimizer:
+    """An optimizer that, like some hand-written ones, keeps ``p.data`` and writes there."""
+
+    def __init__(self, params) -> None:
+        self.params = [p.data for p in params]
+
+    def step(self) -> None:
+        for p in self.params:
+            p.sub_(1.0)
+
+
+@USE_COUNT
+def test_memory_held_outside_the_model_is_refused_until_released():
+    model = models.build("tiny_cnn")
+    opt = _DataCachingOptimizer(model.parameters())
+    before = _layout(model)
+    with pytest.raises(
+        ValueError, match=r"cannot flatten '0\.conv\.weight': 1 more tensor\(s\) hold its memory outside"
+    ):
+        flatten_model(model)
+    _assert_untouched(model, before)
+    ema = ModelEMA(model)  # an EMA built before flattening holds the model's memory too
+    ema.update(model)
+    del opt
+    with pytest.raises(ValueError, match="hold its memory outside the model"):
+        flatten_model(model)
+    _assert_untouched(model, before)
+    del ema
+    flatten_model(model)
+    assert _flattened(model)
+
+
+def test_a_view_held_only_by_a_reference_cycle_is_collected_not_refused():
+    model = models.build("tiny_cnn")
+    cycle: list = [model[0].conv.weight.view(-1)]
+    cycle.append(cycle)  # garbage that only the cycle collector frees
+    del cycle
+    flatten_model(model)
+    assert _flattened(model)
+
+
+def test_without_the_use_count_binding_memory_held_outside_is_not_checked(monkeypatch):
+    from ema_lab import flat
+
+    monkeypatch.setattr(flat, "_USE_COUNT", None)
+    model = models.build("tiny_cnn")
+    kept = model[0].conv.weight.data
+    flatten_model(model)  # as the docstring says: not checked, so not refused
+    assert kept.data_ptr() != model[0].conv.weight.data_ptr()
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass with no memory of its own, as DTensor is."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
+
+
+def _with_buffer(name: str, make) -> nn.Module:
+    """tiny_cnn with one more buffer, registered last: a half-done move would have moved the rest first."""
+    model = models.build("tiny_cnn")
+    model[6].register_buffer(name, make())
+    return model
+
+
+UNMOVABLE = {
+    "sparse": (lambda: torch.eye(3).to_sparse(), "a torch.sparse_coo tensor has no strided memory"),
+    "sparse_csr": (lambda: torch.eye(3).to_sparse_csr(), "a torch.sparse_csr tensor"),
+    "nested": (lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), "a nested tensor"),
+    "quantized": (
+        lambda: torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8),
+        "a quantized tensor",
+    ),
+    "meta": (lambda: torch.zeros(3, device="meta"), "a meta tensor has no memory"),
+    "expanded": (lambda: torch.zeros(3, 1).expand(3, 4), r"strides \(1, 0\) of shape \(3, 4\) leave gaps"),
+    "strided slice": (lambda: torch.zeros(4, 6)[:, ::2], r"strides \(6, 2\) of shape \(4, 3\) leave gaps"),
+    "wrapper subclass": (lambda: _Wrapper(torch.zeros(3)), "a _Wrapper \\(a tensor subclass\\)"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*quantiz", "ignore:Sparse CSR", "ignore:The PyTorch API of nested")
+@pytest.mark.parametrize("case", list(UNMOVABLE))
+def test_a_tensor_that_cannot_be_a_view_is_refused_before_anything_moves(case):
+    make, reason = UNMOVABLE[case]
+    model = _with_buffer("odd", make)
+    before = _layout(model)
+    with pytest.raises(ValueError, match=f"cannot flatten '6.odd': {reason}.*nothing moved"):
+        flatten_model(model)
+    _assert_untouched(model, before)
+
+
+def test_a_lazy_parameter_is_refused_until_its_first_forward():
+    model = nn.Sequential(nn.Linear(3, 4), nn.LazyLinear(2))
+    before = model[0].weight.data_ptr(), model[0].bias.data_ptr()
+    with pytest.raises(ValueError, match="cannot flatten '1.weight': an uninitialized lazy parameter"):
+        flatten_model(model)
+    assert (model[0].weight.data_ptr(), model[0].bias.data_ptr()) == before
+    model(torch.zeros(1, 3))
+    flatten_model(model)
+    assert _flattened(model)
+
+
+def test_a_failure_while_moving_leaves_the_model_as_it_was(monkeypatch):
+    from ema_lab import flat
+
+    model = models.build("tiny_cnn")  # two groups: float32 and int64 (BatchNorm's counters)
+    before = _layout(model)
+    calls = []
+
+    def out_of_memory_on_the_second(numel, dtype, device="cpu"):
+        calls.append(dtype)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (a stand-in)")
+        return flat.empty_flat(numel, dtype, device)
+
+    monkeypatch.setattr(flat, "empty_flat", out_of_memory_on_the_second)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        flatten_model(model)
+    assert len(calls) == 2
+    _assert_untouched(model, before)
+
+
+def test_a_failure_while_pointing_the_tensors_puts_back_those_already_pointed():
+    from ema_lab.flat import _assign
+
+    a, b, c = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
+    ptrs = [t.data_ptr() for t in (a, b, c)]
+    unusable = torch.zeros(2).to_sparse()  # `.data = ` refuses a sparse tensor for a dense one
+    with pytest.raises(RuntimeError):
+        _assign([(a, torch.full((2,), 5.0)), (b, torch.full((2,), 6.0)), (c, unusable)])
+    assert [t.data_ptr() for t in (a, b, c)] == ptrs
+    assert a.tolist() == [0.0, 0.0] and b.tolist() == [1.0, 1.0]
+
+
+def _channels_last_cnn() -> nn.Module:
+    return models.build("tiny_cnn").to(memory_format=torch.channels_last)
+
+
+def test_channels_last_is_kept_inside_the_buffer_and_trains_bit_for_bit():
+    flat_model, plain = _channels_last_cnn(), _channels_last_cnn()
+    flatten_model(flat_model)
+    convs = [m.weight for m in flat_model.modules() if isinstance(m, nn.Conv2d)]
+    assert all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() for w in convs)
+    assert len({w.untyped_storage().data_ptr() for w in convs}) == 1
+    gen = torch.Generator().manual_seed(1)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (flat_model, plain)]
+    emas = [ModelEMA(flat_model, tau=3), ModelEMA(plain, tau=3, strategy="loop")]
+    for _ in range(3):
+        x, y = torch.randn(4, 3, 16, 16, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+        for model, opt, ema in zip((flat_model, plain), opts, emas):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            ema.update(model)
+    for a, b in zip(flat_model.state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+    # Not one lerp_ (the fused update wants contiguous tensors, as the docstring says), but the same EMA.
+    assert emas[0].modes != ["fused"]
+    for a, b in zip(emas[0].ema.state_dict().values(), emas[1].ema.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    unflatten_model(flat_model)
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    assert len({w.untyped_storage().data_ptr() for w in convs}) == len(convs)
+
+
+@USE_COUNT
+def test_a_second_call_moves_nothing_even_with_the_first_buffers_kept():
+    model = models.build("tiny_cnn")
+    first = flatten_model(model)
+    ema = ModelEMA(model)  # its fused step holds the buffers too
+    ema.update(model)
+    before = _layout(model)
+    second = flatten_model(model)
+    _assert_untouched(model, before)
+    assert [b.untyped_storage().data_ptr() for b in second] == [b.untyped_storage().data_ptr() for b in first]
+    assert ema.modes == ["fused"] and ema.rebuilds == 1
+    model[6].bias = nn.Parameter(torch.zeros(10))  # one tensor of its own: that group moves again, if free
+    with pytest.raises(ValueError, match="hold its memory outside the model"):
+        flatten_model(model)
+    del first, second, ema
+    flatten_model(model)
+    assert _flattened(model)
+
+
+def test_zero_size_and_complex_tensors_flatten_and_come_back():
+    model = nn.Module()
+    model.empty = nn.Parameter(torch.zeros(0, 3))
+    model.weight = nn.Parameter(torch.randn(3))
+    model.register_buffer("phase", torch.randn(2, dtype=torch.complex64))
+    model.register_buffer("none_yet", torch.zeros(0))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    buffers = flatten_model(model)
+    assert [(b.dtype, b.numel()) for b in buffers] == [(torch.float32, 3), (torch.complex64, 2)]
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+    ema = ModelEMA(model)
+    ema.update(model)
+    assert ema.modes == ["fused"]  # the complex buffer is copied like a counter, not averaged
+    unflatten_model(model)
+    assert model.weight.untyped_storage().nbytes() == 12
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+
+
+def _parametrized(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    if kind == "parametrize":
+
+        class Symmetric(nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x.triu() + x.triu(1).transpose(-1, -2)
+
+        nn.utils.parametrize.register_parametrization(model[0], "weight", Symmetric())
+    elif kind == "weight_norm (parametrizations)":
+        nn.utils.parametrizations.weight_norm(model[0])
+    elif kind == "spectral_norm (hooks)":  # its power iteration writes buffers u and v in place
+        nn.utils.spectral_norm(model[0])
+        with torch.no_grad():  # until a forward computes it, model[0].weight is a view of weight_orig
+            model(torch.zeros(1, 6))
+    else:
+        with warnings.catch_warnings():  # deprecated in favour of the parametrization, still used
+            warnings.simplefilter("ignore")
+            nn.utils.weight_norm(model[0])
+    return model
+
+
+@pytest.mark.parametrize(
+    "kind", ["parametrize", "weight_norm (parametrizations)", "weight_norm (hooks)", "spectral_norm (hooks)"]
+)
+def test_parametrized_weights_flatten_and_train_bit_for_bit(kind):
+    flat, plain = _parametrized(kind), _parametrized(kind)
+    flatten_model(flat)
+    assert _flattened(flat)
+    gen = torch.Generator().manual_seed(2)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True) for m in (flat, plain)]
+    for _ in range(3):
+        x = torch.randn(5, 6, generator=gen)
+        for model, opt in zip((flat, plain), opts):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+    for (k, a), b in zip(flat.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+@USE_COUNT
+def test_flattened_in_the_middle_of_training_trains_bit_for_bit():
+    """Flattened after some steps (momentum state exists); refused between a forward and its backward,
+    whose graph holds views of the weights (Linear saves ``weight.t()``)."""
+    torch.manual_seed(0)
+    flat, plain = models.build("tiny_cnn"), models.build("tiny_cnn")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, foreach=True) for m in (flat, plain)]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x, y = torch.randn(4, 3, 16, 16, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+        for model, opt in zip((flat, plain), opts):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if step == 2 and model is flat:
+                before = _layout(flat)
+                with pytest.raises(ValueError, match="cannot flatten '6.weight'.*autograd graph"):
+                    flatten_model(flat)
+                _assert_untouched(flat, before)
+            loss.backward()
+            opt.step()
+            if step == 2 and model is flat:
+                flatten_model(flat)  # the graph is freed
+    assert _flattened(flat)
+    for (k, a), b in zip(flat.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="skipped: no CUDA device")
+def test_a_model_on_two_devices_gets_one_buffer_per_device():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).cuda())
+    buffers = flatten_model(model)
+    assert sorted(b.device.type for b in buffers) == ["cpu", "cuda"]
+    assert model[0].weight.device.type == "cpu" and model[1].weight.device.type == "cuda"
+    assert _tiles([model[1].weight, model[1].bias])
+
+
+def test_flattened_under_inference_mode_the_model_still_trains():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    with torch.inference_mode():
+        flatten_model(model)
+    assert _flattened(model) and not any(p.is_inference() for p in model.parameters())
+    x = torch.randn(2, 3, requires_grad=True)
+    model(x).sum().backward()  # an inference tensor here: "Inference tensors cannot be saved for backward"
+    assert x.grad is not None and model[0].weight.grad is not None
+
+
+def test_unflatten_leaves_tensors_that_own_their_memory_where_they_are():
+    model = models.build("tiny_cnn")
+    before = _layout(model)
+    unflatten_model(model)
+    _assert_untouched(model, before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="skipped: no CUDA device (pinned memory needs one)")
+def test_pinned_memory_stays_pinned():
+    model = nn.Linear(4, 4)
+    model.weight.data = model.weight.data.pin_memory()
+    flatten_model(model)
+    assert model.weight.is_pinned() and model.bias.is_pinned() and _flattened(model)
+    unflatten_model(model)
+    assert model.weight.is_pinned()
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory):
+    """A one-rank gloo process group in this process (DDP and FSDP2 wrap models only inside one)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("skipped: this torch has no torch.distributed")
+    if dist.is_initialized():
+        pytest.skip("skipped: a default process group already exists in this process")
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_flattened_before_or_after_ddp_wraps_it_trains_bit_for_bit(one_rank, when):
+    ddp = nn.parallel.DistributedDataParallel
+    flat, plain = models.build("tiny_cnn"), models.build("tiny_cnn")
+    if when == "before":
+        flatten_model(flat)
+    wrapped = ddp(flat)
+    if when == "after":
+        flatten_model(wrapped)  # DDP holds the Parameter objects, no view of their memory
+    both = (wrapped, ddp(plain))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in both]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 3, 16, 16, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+        for model, opt in zip(both, opts):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert _flattened(flat)
+    for (k, a), b in zip(flat.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_an_fsdp2_sharded_model_is_refused_by_name(one_rank):
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        pytest.skip(f"skipped: torch {torch.__version__} has no torch.distributed.fsdp.fully_shard (2.6+)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    with pytest.raises(ValueError, match=r"cannot flatten '0\.weight': a DTensor \(a tensor subclass\)"):
+        flatten_model(model)
+
+
+def test_a_model_compiled_and_run_before_it_is_flattened_still_gives_the_same_output():
+    model, plain = models.build("tiny_cnn").eval(), models.build("tiny_cnn").eval()
+    x = torch.randn(2, 3, 16, 16)
+    try:  # a broken compiler stack is an environment fact, reported; a failure of flatten_model is not
+        compiled = torch.compile(model, backend="eager")
+        compiled(x)
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"skipped: torch.compile unusable here ({type(exc).__name__}: {exc})")
+    flatten_model(model)  # the compiled graphs hold no view of the weights' memory
+    with torch.no_grad():
+        for p in (*model.parameters(), *plain.parameters()):
+            p.mul_(1.5)  # the compiled model must read the new memory
+    assert _flattened(model) and torch.equal(compiled(x), plain(x))
+    torch._dynamo.reset()
+
+
+@USE_COUNT
+def test_spectral_norm_is_refused_until_a_forward_replaces_its_view_of_the_weight():
+    model = nn.utils.spectral_norm(nn.Linear(3, 3))  # sets model.weight = weight_orig.data, a plain attribute
+    with pytest.raises(ValueError, match="cannot flatten 'weight_orig': 1 more tensor"):
+        flatten_model(model)
+    with torch.no_grad():
+        model(torch.zeros(1, 3))  # the hook computes model.weight: new memory
+    flatten_model(model)
+    assert _flattened(model)
+
+
+def test_a_flattened_model_under_autocast_and_a_state_dict_round_trip_trains_bit_for_bit():
+    flat, plain = models.build("tiny_cnn"), models.build("tiny_cnn")
+    flatten_model(flat)
+    flat.load_state_dict(plain.state_dict())  # copied in place: still flattened
+    assert _flattened(flat)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (flat, plain)]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x, y = torch.randn(4, 3, 16, 16, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+        for model, opt in zip((flat, plain), opts):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+    assert _flattened(flat)
+    for (k, a), b in zip(flat.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), k
