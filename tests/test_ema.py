@@ -57,7 +57,7 @@ def test_defaults_and_ramp() -> None:
         ({"decay": True}, r"decay must be a finite number in \[0, 1\], got True"),
         ({"tau": 0}, "tau must be a positive number, got 0"),
         ({"tau": -5.0}, "tau must be a positive number"),
-        ({"updates": -1}, "updates must be a non-negative int"),
+        ({"updates": -1}, "updates must be an int >= 0"),
         ({"strategy": "fastest"}, "unknown strategy 'fastest'"),
     ],
 )

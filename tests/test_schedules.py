@@ -161,7 +161,7 @@ BAD = [
     (power, {}, "give one of gamma and sigma_rel"),
     (power, {"gamma": 1.0, "sigma_rel": 0.1}, "give one of gamma and sigma_rel"),
     (power, {"gamma": -0.5}, "gamma must be a number >= 0"),
-    (power, {"sigma_rel": 0.3}, "sigma_rel must be in (0, 0.2887]"),
+    (power, {"sigma_rel": 0.3}, "sigma_rel must be in (0, 0.2886751345948129]"),
     (power, {"sigma_rel": 0}, "sigma_rel must be in"),
     (gamma_to_sigma_rel, {"gamma": "7"}, "gamma must be"),
 ]

@@ -16,8 +16,8 @@ from .helpers import CONVERSIONS, CachedListEMA, float_entries, follows_after
 
 def _watch(ema: nn.Module, model: nn.Module) -> Watch:
     """The per-slot check over every entry of both modules, as a rebuilt step records it."""
-    pairs = collect_pairs(ema, model)
-    return Watch(model, pairs.ema_slots + pairs.model_slots)
+    pairs = collect_pairs([ema], model)
+    return Watch(model, pairs.slots(), pairs.modules)
 
 
 def _ema(model: nn.Module, strategy: str) -> ModelEMA:
@@ -242,9 +242,9 @@ def test_the_default_reads_every_1d_cat_tensor_live_and_checks_the_rest() -> Non
     ema.update(model)
     one_d = {k for k, v in float_entries(model).items() if v.dim() == 1}
     (group,) = ema._step.groups
-    assert sum(len(keys) for _, _, keys, _ in group.runs) == len(one_d)  # BatchNorm's vectors, Linear bias
+    assert sum(len(keys) for _, _, _, keys, _ in group.runs) == len(one_d)  # BatchNorm's vectors, Linear bias
     # data_ptr() checked: the 5 conv weights and the Linear weight (foreach or N-D), and the 5 counters
-    assert len(ema._step.watch.keys) == len(float_entries(model)) - len(one_d) + 5 == 11
+    assert len(ema._step.checked_slots_watch.keys) == len(float_entries(model)) - len(one_d) + 5 == 11
 
 
 @pytest.mark.requires_torch("2.1", "torch._C._storage_Use_Count")
@@ -278,7 +278,7 @@ def _two_live_groups() -> tuple[nn.Module, ModelEMA]:
     model[3].half()
     ema = ModelEMA(model)
     ema.update(model)
-    assert [(g.ema.dtype, g.mode) for g in ema._step.groups] == [
+    assert [(g.emas[0].dtype, g.mode) for g in ema._step.groups] == [
         (torch.float32, "cat+foreach"),
         (torch.float16, "cat+foreach"),
     ]
