@@ -255,6 +255,15 @@ def test_update_attr() -> None:
     assert ema.ema.stride == 32
 
 
+def test_update_attr_unwraps_data_parallel() -> None:
+    """As ultralytics 8.4.190 does: the wrapper's own attributes (device_ids, ...) never reach the EMA."""
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model)
+    model.names = ["cat"]
+    ema.update_attr(nn.DataParallel(model))
+    assert ema.ema.names == ["cat"] and not hasattr(ema.ema, "device_ids")
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_pickle_and_deepcopy_drop_the_cache_and_keep_averaging(strategy: str) -> None:
     import io

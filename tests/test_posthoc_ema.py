@@ -88,7 +88,7 @@ def test_bad_arguments_are_one_line_errors(kwargs: dict, message: str, tmp_path)
 
 
 def test_the_second_ema_follows_its_own_tensors_being_replaced(tmp_path) -> None:
-    """A further EMA's tensors moved by the user (new memory, another dtype) are laid out again, not left behind."""
+    """A further EMA's tensors moved by the user (new memory, another dtype) are laid out again."""
     model = models.build("tiny_cnn")
     posthoc = PostHocEMA(model, tmp_path, sigma_rels=(0.05, 0.2), snapshot_every=100)
     direct = ModelEMA(model, decay=power(sigma_rel=0.2), strategy="flat")
