@@ -31,9 +31,10 @@ Schedule = Callable[[int], float]
 MAX_SIGMA_REL = 1 / math.sqrt(12)
 
 
-def _check_decays(decay: float, min_decay: float) -> None:
+def _check_decays(decay: float, min_decay: float, after: int = 0) -> None:
     require(is_real(decay) and 0 <= decay <= 1, "decay", decay, "a number in [0, 1]")
     require(is_real(min_decay) and 0 <= min_decay <= decay, "min_decay", min_decay, f"in [0, decay={decay}]")
+    check_int("after", after, 0)
 
 
 class _Schedule:
@@ -95,10 +96,9 @@ class Warmup(_Schedule):
     after: int = 0
 
     def __post_init__(self) -> None:
-        _check_decays(self.decay, self.min_decay)
+        _check_decays(self.decay, self.min_decay, self.after)
         require(is_real(self.gamma) and self.gamma > 0, "gamma", self.gamma, "a positive number")
         require(is_real(self.power) and self.power > 0, "power", self.power, "a positive number")
-        check_int("after", self.after, 0)
 
     def at(self, n: int) -> float:
         """The decay of update ``n``."""
@@ -118,8 +118,7 @@ class Constant(_Schedule):
     after: int = 0
 
     def __post_init__(self) -> None:
-        _check_decays(self.decay, 0.0)
-        check_int("after", self.after, 0)
+        _check_decays(self.decay, 0.0, self.after)
 
     def at(self, n: int) -> float:
         """The decay of update ``n``."""
@@ -138,8 +137,7 @@ class Harmonic(_Schedule):
     after: int = 0
 
     def __post_init__(self) -> None:
-        _check_decays(self.decay, self.min_decay)
-        check_int("after", self.after, 0)
+        _check_decays(self.decay, self.min_decay, self.after)
 
     def at(self, n: int) -> float:
         """The decay of update ``n``."""
