@@ -2,14 +2,17 @@
 
 The core needs torch alone: ``ModelEMA`` (:mod:`ema_lab.ema`) keeps one cached step (:mod:`ema_lab.step`),
 a :class:`~ema_lab.updates.ListStep` or a :class:`~ema_lab.flat_step.FlatStep`, built over the matched
-tensor pairs (:mod:`ema_lab.pairs`) and rebuilt when its watch sees them move. ``ema_lab.bench`` (timing,
+entries (:mod:`ema_lab.pairs`) and rebuilt when its watch sees them move; ``PostHocEMA``
+(:mod:`ema_lab.posthoc`) keeps several EMAs in that one step. Every decay is a schedule
+(:mod:`ema_lab.schedules`); the argument checks are :mod:`ema_lab.checks`. ``ema_lab.bench`` (timing,
 counting, the ``python -m ema_lab bench`` sweep) and ``ema_lab.lessons`` (the pieces the notebooks reuse)
 are subpackages with their own extras.
 """
 
-from .ema import STRATEGIES, ModelEMA, PostHocEMA
+from .ema import STRATEGIES, ModelEMA
 from .flat import flatten_model, flatten_tensors, unflatten_model, unflatten_tensors
 from .gates import foreach_lerp_supported
+from .posthoc import PostHocEMA
 from .sharded import ShardedModelEMA
 from .updates import foreach_update, gated_update, loop_update
 

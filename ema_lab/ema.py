@@ -2,35 +2,28 @@
 
 from __future__ import annotations
 
-import math
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from copy import deepcopy
-from operator import getitem
-from pathlib import Path
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 
-from .flat_step import FlatStep, Twin
+from .checks import check_decay, check_int, weight_of
+from .flat_step import FlatStep
 from .graph_step import GraphStep
-from .pairs import Pairs, collect_pairs, module_entries
-from .posthoc import list_snapshots, load_snapshot, save_snapshot, synthesize
-from .schedules import decay_over, power
-from .step import CAT_MAX_NUMEL, Step, StepOptions
+from .pairs import collect_pairs
+from .schedules import Ramp, Schedule, decay_over, ramp
+from .step import CAT_MAX_NUMEL, Pairs, Step, StepOptions
 from .sync import sync_buffers, warn_unsynced
-from .updates import PREPARERS, ListStep, check_decay
+from .updates import LIST_STRATEGIES, ListStep
 
-__all__ = ["ModelEMA", "PostHocEMA", "BaseEMA", "STRATEGIES", "unwrap_model"]
+__all__ = ["ModelEMA", "BaseEMA", "STRATEGIES", "unwrap_model"]
 
 #: Each strategy's step: the list strategies of :mod:`ema_lab.updates`, and "flat"; "auto"
 #: (:func:`resolve_strategy`) picks one of them per model.
-STEPS: dict[str, type[Step]] = {**dict.fromkeys(PREPARERS, ListStep), "flat": FlatStep}
+STEPS: dict[str, type[Step]] = {**dict.fromkeys(LIST_STRATEGIES, ListStep), "flat": FlatStep}
 STRATEGIES = (*STEPS, "auto")
-
-#: A decay schedule: the update number n (1 for the first update) -> the decay of that update
-#: (:mod:`ema_lab.schedules` has the peers' ones).
-Schedule = Callable[[int], float]
 
 
 def resolve_strategy(strategy: str, tensors: Sequence[Tensor], in_place: bool = False) -> str:
@@ -78,9 +71,10 @@ def copy_attr(a: object, b: object, include: tuple = (), exclude: tuple = ()) ->
 
 
 class BaseEMA:
-    """The constructor, decay rule, counters and cached step's lifecycle of ``ModelEMA`` and
-    ``ShardedModelEMA``: each says only how it holds the EMA (:meth:`_average_of`) and whether it is
-    ``sharded``."""
+    """The constructor, decay schedules, counters and cached step's lifecycle of ``ModelEMA``,
+    ``ShardedModelEMA`` and ``PostHocEMA``: each says only how it holds an EMA (:meth:`_average_of`) and
+    whether it is ``sharded``. It keeps one or more EMAs of the model (``.emas``, one schedule each in
+    ``.schedules``; ``.ema`` and ``.schedule`` are the first), all moved by one step."""
 
     sharded = False  # ShardedModelEMA: the EMA stays in DTensor shards, so its step must update in place
     ranks_checked = False  # set by the first update() or sync_buffers() (ema_lab.sync)
@@ -99,16 +93,10 @@ class BaseEMA:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(decay):
-            check_decay(decay)
-        if not (isinstance(tau, (int, float)) and tau > 0 and math.isfinite(tau)):
-            raise ValueError(f"tau must be a positive number, got {tau!r}")
-        for name, value, least, kind in (
-            ("updates", updates, 0, "non-negative"),
-            ("every", every, 1, "positive"),
-        ):
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
-                raise ValueError(f"{name} must be a {kind} int, got {value!r}")
+        # A number is ultralytics' ramp (max_decay, tau); a callable is the schedule itself.
+        schedule = decay if callable(decay) else ramp(check_decay(decay), tau)
+        check_int("updates", updates, 0)
+        check_int("every", every, 1)
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
         if self.sharded and strategy != "auto" and not STEPS[strategy].in_place:
@@ -118,8 +106,8 @@ class BaseEMA:
             )
         if cuda_graph and self.sharded:
             raise ValueError("cuda_graph=True records one device's update; a sharded EMA cannot use it")
-        self.ema = self._average_of(unwrap_model(model))
-        floats = [t for t in (*self.ema.parameters(), *self.ema.buffers()) if t.is_floating_point()]
+        ema = self._average_of(unwrap_model(model))
+        floats = [t for t in (*ema.parameters(), *ema.buffers()) if t.is_floating_point()]
         self.resolved_strategy = resolve_strategy(strategy, floats, in_place=self.sharded)
         step_type = STEPS[self.resolved_strategy]
         if cuda_graph and not step_type.recordable:
@@ -128,33 +116,54 @@ class BaseEMA:
                 f"{self.resolved_strategy!r} for this model"
             )
         if cuda_graph:
-            GraphStep.check_devices([*self.ema.parameters(), *self.ema.buffers()])
+            GraphStep.check_devices([*ema.parameters(), *ema.buffers()])
             step_type = GraphStep
         self._step_type: type[Step] = step_type
         self._options = StepOptions(self.resolved_strategy, cat_max_numel, self.sharded)
         self._step: Step | None = None
-        # A number is ultralytics' ramp (max_decay, tau); a callable is the schedule itself.
-        self.schedule: Schedule | None = decay if callable(decay) else None
-        self.max_decay = None if callable(decay) else float(decay)
-        self.tau = float(tau)
+        self.emas: list[nn.Module] = [ema]
+        self.schedules: list[Schedule] = [schedule]
         self.updates, self.every, self.strategy, self.cuda_graph = updates, every, strategy, cuda_graph
         self.enabled = True
         self.rebuilds = 0  # how many times the cached step was (re)built
+
+    @property
+    def ema(self) -> nn.Module:
+        """The (first) EMA module."""
+        return self.emas[0]
+
+    @ema.setter
+    def ema(self, module: nn.Module) -> None:
+        self.emas[0] = module
+
+    @property
+    def schedule(self) -> Schedule:
+        """The (first) EMA's decay schedule: :func:`ema_lab.schedules.ramp` for a number."""
+        return self.schedules[0]
+
+    @property
+    def max_decay(self) -> float | None:
+        """The ramp's top decay, as ultralytics names it (None for another schedule)."""
+        return self.schedule.decay if isinstance(self.schedule, Ramp) else None
+
+    @property
+    def tau(self) -> float | None:
+        """The ramp's time constant (None for another schedule)."""
+        return self.schedule.tau if isinstance(self.schedule, Ramp) else None
 
     def _average_of(self, model: nn.Module) -> nn.Module:
         """The module that holds the EMA, made from the (unwrapped) model."""
         raise NotImplementedError
 
-    def decay(self, n: int) -> float:
-        """The decay of update number ``n``: ``max_decay * (1 - exp(-n / tau))``, or the schedule's."""
-        if self.schedule is None:
-            return self.max_decay * (1 - math.exp(-n / self.tau))
-        d = self.schedule(n)
+    def decay(self, n: int, schedule: Schedule | None = None) -> float:
+        """The decay of update number ``n`` by ``schedule`` (default: the first EMA's), checked."""
+        schedule = self.schedule if schedule is None else schedule
+        d = schedule(n)
         try:
             return check_decay(d)
         except (TypeError, ValueError):
             raise ValueError(
-                f"the schedule {self.schedule!r} gave decay {d!r} at update {n}, not a number in [0, 1]"
+                f"the schedule {schedule!r} gave decay {d!r} at update {n}, not a number in [0, 1]"
             ) from None
 
     @property
@@ -163,23 +172,24 @@ class BaseEMA:
         return [] if self._step is None else self._step.modes
 
     def _collect(self, model: nn.Module) -> Pairs:
-        """The (EMA, model) pairs a new step is built over."""
-        return collect_pairs(self.ema, model)
+        """The entries of the EMAs and the model a new step is built over."""
+        return collect_pairs(self.emas, model)
 
     def _rebuild(self, model: nn.Module) -> Step:
-        """A new step over ``model`` and the EMA, checked and read like a cached one (never a stale one)."""
+        """A new step over ``model`` and the EMAs, checked and gathered like a cached one (never a stale
+        one)."""
         self._step = None  # a failed rebuild must not leave the stale step behind
         step = self._step_type(self._collect(model), model, self._options)
-        if not (step.intact(model) and step.read()):  # only a model changed meanwhile fails here
+        if not (step.intact(model) and step.try_gather()):  # only a model changed meanwhile fails here
             raise RuntimeError("the model changed while its EMA step was being built")
         self._step = step
         self.rebuilds += 1
         return step
 
     def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:
-        """Move the EMA one step towards ``model`` (wrapped models are unwrapped).
+        """Move every EMA one step towards ``model`` (wrapped models are unwrapped).
 
-        ``decay`` overrides the schedule for this step (with ``every=k``: for the k steps at once); with
+        ``decay`` overrides the schedules for this step (with ``every=k``: for the k steps at once); with
         "flat" it may be a 0-dim tensor on the model's device: no host sync, no recompiles. With
         ``every=k`` only every k-th call updates, by the product of the k decays (the others only count).
         """
@@ -193,13 +203,21 @@ class BaseEMA:
         if n % self.every:
             self.updates = n
             return
-        if decay is None:  # every == 1, the default, computes its decay here
-            decay = self.decay(n) if self.every == 1 else decay_over(self.decay, n, self.every)
+        decays, weights = [], []
+        for schedule in self.schedules:  # a loop, not a comprehension: no frame of its own before 3.12
+            if decay is not None:
+                d = decay
+            elif self.every == 1:  # the default
+                d = self.decay(n, schedule)
+            else:
+                d = decay_over(partial(self.decay, schedule=schedule), n, self.every)
+            decays.append(d)
+            weights.append(weight_of(d))  # 1 - decay, once
         model = unwrap_model(model)
         step = self._step
-        if step is None or not step.intact(model) or not step.read():
+        if step is None or not step.intact(model) or not step.try_gather():
             step = self._rebuild(model)
-        step.apply(decay)
+        step.apply(decays, weights)
         self.updates = n
 
     def sync_buffers(self, src: int = 0, group: object = None) -> None:
@@ -212,9 +230,8 @@ class BaseEMA:
         return {**self.__dict__, "_step": None}
 
     def __repr__(self) -> str:
-        decay = self.schedule if self.schedule is not None else f"{self.max_decay}, tau={self.tau}"
         return (
-            f"{type(self).__name__}(decay={decay}, updates={self.updates}, every={self.every}, "
+            f"{type(self).__name__}(decay={self.schedule!r}, updates={self.updates}, every={self.every}, "
             f"strategy={self.strategy!r}, cuda_graph={self.cuda_graph})"
         )
 
@@ -258,81 +275,7 @@ class ModelEMA(BaseEMA):
     def update_attr(
         self, model: nn.Module, include: tuple = (), exclude: tuple = ("process_group", "reducer")
     ) -> None:
-        """Copy the model's plain attributes to the EMA module (names, strides, ...)."""
+        """Copy the model's plain attributes to the EMA module (names, strides, ...); a DataParallel or
+        DistributedDataParallel model is unwrapped first, as ultralytics does."""
         if self.enabled:
-            copy_attr(self.ema, model, include, exclude)
-
-
-class PostHocEMA(ModelEMA):
-    """Two power-function EMAs (Karras et al. 2024) of one model, both updated from one read of it, and their
-    snapshots saved in ``folder`` every ``snapshot_every`` updates; :meth:`synthesize` then makes the EMA of
-    any length ``sigma_rel`` after training (:mod:`ema_lab.posthoc`). ``.ema`` holds the first profile,
-    ``.ema2`` the second, laid out like the first (its dtype follows the first's). ``updates=N`` resumes a
-    run from its snapshots of update N; a snapshot is never written over.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        folder: str | os.PathLike,
-        sigma_rels: tuple[float, float] = (0.05, 0.10),
-        snapshot_every: int = 1000,
-        updates: int = 0,
-    ) -> None:
-        if not (isinstance(sigma_rels, (tuple, list)) and len(sigma_rels) == 2):
-            raise ValueError(f"sigma_rels must be two lengths, got {sigma_rels!r}")
-        if not (
-            isinstance(snapshot_every, int) and not isinstance(snapshot_every, bool) and snapshot_every > 0
-        ):
-            raise ValueError(f"snapshot_every must be a positive int, got {snapshot_every!r}")
-        first, second = (power(sigma_rel=s) for s in sigma_rels)
-        super().__init__(model, decay=first, updates=updates, strategy="flat")
-        self.second = second
-        self.ema2 = deepcopy(self.ema)
-        for (_, slot), (_, (table, name)) in zip(module_entries(self.ema), module_entries(self.ema2)):
-            if not getitem(*slot).is_floating_point():  # the counters: one tensor for both EMAs
-                table[name] = getitem(*slot)
-        self.folder, self.snapshot_every = Path(folder), snapshot_every
-        self.folder.mkdir(parents=True, exist_ok=True)  # a bad folder fails here, not at the first save
-        later = [s.step for s in list_snapshots(self.folder) if s.step > updates]
-        if later:
-            raise ValueError(
-                f"{self.folder} holds snapshots up to update {max(later)}: resume with updates=<a saved "
-                "update> or give an empty folder"
-            )
-        if updates:
-            self._resume(updates)
-        self._twin: Twin | None = None  # the second EMA laid out like the current step
-
-    def _resume(self, step: int) -> None:
-        """Load both EMAs from their snapshots of update ``step``."""
-        saved = {s.gamma: s for s in list_snapshots(self.folder) if s.step == step}
-        for ema, schedule in ((self.ema, self.schedule), (self.ema2, self.second)):
-            if schedule.gamma not in saved:
-                raise ValueError(
-                    f"no snapshot of update {step} with gamma {schedule.gamma!r} in {self.folder}"
-                )
-            ema.load_state_dict(load_snapshot(saved[schedule.gamma]))
-
-    def update(self, model: nn.Module) -> None:
-        """Move both EMAs one step towards ``model``; every ``snapshot_every`` updates, save both."""
-        if not self.enabled:
-            return
-        super().update(model)  # the first EMA: reads the model, lerps, copies the counters
-        if self._twin is None or not self._twin.intact(self._step, self.ema2):
-            self._twin = self._step.twin(self.ema2)
-        self._twin.lerp(1.0 - self.second(self.updates))
-        if self.updates % self.snapshot_every == 0:
-            self.save()
-
-    def save(self) -> None:
-        """Write both EMAs' snapshots at the current update count (atomic files, see ema_lab.posthoc)."""
-        for ema, schedule in ((self.ema, self.schedule), (self.ema2, self.second)):
-            save_snapshot(self.folder, ema.state_dict(), self.updates, schedule.gamma)
-
-    def synthesize(self, sigma_rel: float, step: int | None = None) -> dict[str, Tensor]:
-        """The state_dict of the EMA of length ``sigma_rel`` at ``step`` (default: the last snapshot)."""
-        return synthesize(self.folder, sigma_rel, step)
-
-    def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "_twin": None}
+            copy_attr(self.ema, unwrap_model(model), include, exclude)

@@ -17,13 +17,22 @@ import contextlib
 import gc
 import mmap
 from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from .pairs import unique
-
 __all__ = ["flatten_model", "unflatten_model", "flatten_tensors", "unflatten_tensors"]
+
+_T = TypeVar("_T")
+
+
+def unique(items: Iterable[_T], tensor: Callable[[_T], Tensor] = lambda t: t) -> list[_T]:
+    """``items`` without repeats of the same tensor object (tied weights), first occurrence kept, in order."""
+    first: dict[int, _T] = {}
+    for item in items:
+        first.setdefault(id(tensor(item)), item)
+    return list(first.values())
 
 
 def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]:
@@ -54,10 +63,11 @@ def empty_flat(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu
     return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=-start % _HUGE_PAGE)
 
 
-def into_one_buffer(tensors: Sequence[Tensor]) -> Tensor:
-    """A new 1-D buffer holding ``tensors`` back to back (one dtype and device); each becomes a view of it."""
-    first = tensors[0]
-    buf = empty_flat(sum(t.numel() for t in tensors), first.dtype, first.device)
+def into_one_buffer(tensors: Sequence[Tensor], like: Tensor | None = None) -> Tensor:
+    """A new 1-D buffer holding ``tensors`` back to back (one dtype and device, or ``like``'s); each becomes
+    a view of it."""
+    like = tensors[0] if like is None else like
+    buf = empty_flat(sum(t.numel() for t in tensors), like.dtype, like.device)
     off = 0
     with torch.no_grad():
         for t in tensors:

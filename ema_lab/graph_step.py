@@ -8,7 +8,7 @@ CUDA graph records the kernels of one update once and launches them all with one
   tensor is read through a watched slot: the flat step is built with ``cat_max_numel=0`` (no live
   ``torch.cat`` reads, which also copy every small tensor once more);
 - the weight on the device: a replay cannot take a new Python number, so each update first writes its
-  weight ``1 - decay`` (computed in double on the host, as the eager step does) into a 0-dim float32 device
+  weight ``1 - decay`` (computed once, in double on the host, by the EMA) into a 0-dim float32 device
   tensor that the graph reads. ``fill_`` carries the number as a kernel argument: no host sync, and no
   pinned host buffer that the next update could overwrite before its copy ran. A float16 or bfloat16 EMA
   reads that weight rounded to its own dtype (a tensor weight must match it), where the eager step keeps
@@ -23,15 +23,14 @@ CUDA graph records the kernels of one update once and launches them all with one
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
 from .flat_step import FlatStep
-from .pairs import Pairs
-from .step import StepOptions
+from .step import Pairs, StepOptions
 
 __all__ = ["GraphStep"]
 
@@ -70,27 +69,31 @@ class GraphStep(FlatStep):
 
     def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None:
         # Before the flat step moves any EMA tensor; counters too: a host copy would run once, at recording.
-        device = self.check_devices([*pairs.ema, *pairs.ema_counters])
+        device = self.check_devices([t for e in (*pairs.floats, *pairs.counters) for t in e.emas])
         super().__init__(pairs, model, replace(options, cat_max_numel=0))
-        self.weight = torch.zeros((), dtype=torch.float32, device=device)  # what every replay reads
+        # What every replay reads: each EMA's weight.
+        self.weights = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(pairs.count)]
         self.replay: Callable[[], None] | None = None  # set when the graph is recorded
         self.warm = False  # the first update runs eagerly
 
-    def read(self) -> bool:
+    def try_gather(self) -> bool:
         """Nothing to gather here: the graph reads the model itself (an intact step's reads cannot fail)."""
         return True
 
-    def apply(self, decay: float | Tensor) -> None:
-        """Write ``1 - decay`` where the graph reads it, then replay the graph (recording it on first use)."""
-        if isinstance(decay, Tensor) and decay.device != self.weight.device:
-            raise ValueError(f"decay is on {decay.device} but the EMA is on {self.weight.device}")
+    def apply(self, decays: Sequence[float | Tensor], weights: Sequence[float | Tensor]) -> None:
+        """Write each weight where the graph reads it, then replay the graph (recording it on first use)."""
+        device = self.weights[0].device
+        for w in weights:
+            if isinstance(w, Tensor) and w.device != device:
+                raise ValueError(f"decay is on {w.device} but the EMA is on {device}")
         if self.replay is None and self.warm:
-            self.replay = _record(self._update, self.weight.device)
+            self.replay = _record(self._update, device)
         with torch.no_grad():
-            if isinstance(decay, Tensor):
-                self.weight.copy_(1 - decay)
-            else:
-                self.weight.fill_(1.0 - decay)
+            for into, w in zip(self.weights, weights):
+                if isinstance(w, Tensor):
+                    into.copy_(w)
+                else:
+                    into.fill_(w)
         if self.replay is None:
             self._update()
             self.warm = True
@@ -98,5 +101,7 @@ class GraphStep(FlatStep):
             self.replay()
 
     def _update(self) -> None:
-        FlatStep.read(self)  # with no gathers, every read is a copy between fixed tensors
-        self.lerp(self.weight)
+        with torch.no_grad():
+            for g in self.groups:  # with no gathers, every read is a copy between fixed tensors
+                g.read()
+        FlatStep.apply(self, self.weights, self.weights)

@@ -20,15 +20,19 @@ import os
 import re
 import tempfile
 from collections.abc import Mapping, Sequence
+from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from .schedules import _int, _real, _require, sigma_rel_to_gamma
+from .checks import check_int, is_real, require
+from .ema import ModelEMA
+from .schedules import Power, power, sigma_rel_to_gamma
 
 __all__ = [
+    "PostHocEMA",
     "Snapshot",
     "power_inner_products",
     "solve_weights",
@@ -51,11 +55,11 @@ class Snapshot:
 
 
 def _check_gamma(name: str, gamma: object) -> None:
-    _require(_real(gamma) and gamma >= 0, name, gamma, "a number >= 0")
+    require(is_real(gamma) and gamma >= 0, name, gamma, "a number >= 0")
 
 
 def _check_step(name: str, step: object) -> None:
-    _require(_int(step) and step >= 1, name, step, "an int >= 1")
+    check_int(name, step, 1)
 
 
 def power_inner_products(t_a: Tensor, gamma_a: Tensor, t_b: Tensor, gamma_b: Tensor) -> Tensor:
@@ -225,3 +229,90 @@ def synthesize(
                 out[k] = v.to(dtype) * w
         del tensors  # unmaps the file before the next one is read
     return out
+
+
+class PostHocEMA(ModelEMA):
+    """Power-function EMAs (Karras et al. 2024) of one model, one per length in ``sigma_rels`` (EDM2's two by
+    default), all moved by one step from one read of the model; every ``snapshot_every`` updates all are
+    saved in ``folder``, and :meth:`synthesize` then makes the EMA of any length after training.
+
+    ``.emas`` holds the EMA modules and ``.schedules`` their :func:`~ema_lab.schedules.power` schedules
+    (``.gamma``, ``.sigma_rel``), in the order of ``sigma_rels``; ``.ema`` is the first, as in ``ModelEMA``.
+    The lengths must be distinct and in (0, 0.2887] (checked before anything is made). ``updates=N`` resumes
+    a run from its snapshots of update N; a snapshot is never written over. An update whose snapshots fail to
+    save is undone (every EMA and ``updates`` as before it) and the error propagates: a retried
+    ``update()`` applies it once.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        folder: str | os.PathLike,
+        sigma_rels: Sequence[float] = (0.05, 0.10),
+        snapshot_every: int = 1000,
+        updates: int = 0,
+    ) -> None:
+        if isinstance(sigma_rels, (str, bytes)) or not isinstance(sigma_rels, Sequence) or not sigma_rels:
+            raise ValueError(f"sigma_rels must be a non-empty sequence of lengths, got {sigma_rels!r}")
+        schedules = [power(sigma_rel=s) for s in sigma_rels]
+        gammas = [s.gamma for s in schedules]
+        if len(set(gammas)) != len(gammas):
+            raise ValueError(
+                f"sigma_rels must be distinct profiles, got {list(sigma_rels)!r} (gammas {gammas})"
+            )
+        check_int("snapshot_every", snapshot_every, 1)
+        check_int("updates", updates, 0)
+        self.folder, self.snapshot_every = Path(folder), snapshot_every
+        self.folder.mkdir(parents=True, exist_ok=True)  # a bad folder fails here, not at the first save
+        later = [s.step for s in list_snapshots(self.folder) if s.step > updates]
+        if later:
+            raise ValueError(
+                f"{self.folder} holds snapshots up to update {max(later)}: resume with updates=<a saved "
+                "update> or give an empty folder"
+            )
+        super().__init__(model, decay=schedules[0], updates=updates, strategy="flat")
+        self.emas += [deepcopy(self.ema) for _ in schedules[1:]]
+        self.schedules: list[Power] = schedules
+        if updates:
+            self._resume(updates)
+
+    def _resume(self, step: int) -> None:
+        """Load every EMA from its snapshot of update ``step``."""
+        saved = {s.gamma: s for s in list_snapshots(self.folder) if s.step == step}
+        for ema, schedule in zip(self.emas, self.schedules):
+            if schedule.gamma not in saved:
+                raise ValueError(
+                    f"no snapshot of update {step} with gamma {schedule.gamma!r} in {self.folder}"
+                )
+            ema.load_state_dict(load_snapshot(saved[schedule.gamma]))
+
+    def update(self, model: nn.Module) -> None:
+        """Move every EMA one step towards ``model``; every ``snapshot_every`` updates, save them all. If the
+        save raises, the update is undone (the EMAs and ``updates`` as before it) and the error propagates."""
+        if not self.enabled:
+            return
+        if (self.updates + 1) % self.snapshot_every:
+            super().update(model)
+            return
+        before = self.updates
+        # Only on a snapshot update: a copy of every EMA to undo it with.
+        copies = [{k: v.clone() for k, v in ema.state_dict().items()} for ema in self.emas]
+        super().update(model)
+        try:
+            self.save()
+        except BaseException:
+            with torch.no_grad():  # in place: the step's buffers stay the EMAs' memory
+                for ema, copy in zip(self.emas, copies):
+                    for k, v in ema.state_dict().items():
+                        v.copy_(copy[k])
+            self.updates = before
+            raise
+
+    def save(self) -> None:
+        """Write every EMA's snapshot at the current update count (atomic files)."""
+        for ema, schedule in zip(self.emas, self.schedules):
+            save_snapshot(self.folder, ema.state_dict(), self.updates, schedule.gamma)
+
+    def synthesize(self, sigma_rel: float, step: int | None = None) -> dict[str, Tensor]:
+        """The state_dict of the EMA of length ``sigma_rel`` at ``step`` (default: the last snapshot)."""
+        return synthesize(self.folder, sigma_rel, step)

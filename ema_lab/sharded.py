@@ -18,7 +18,9 @@ import torch
 from torch import Tensor, nn
 
 from .ema import BaseEMA, unwrap_model
-from .pairs import Pairs, collect_pairs, local_tensor, module_entries, unique
+from .flat import unique
+from .pairs import collect_pairs, module_entries
+from .step import Entry, Pairs, local_tensor
 
 __all__ = ["ShardedModelEMA"]
 
@@ -88,21 +90,26 @@ class ShardedModelEMA(BaseEMA):
 
     def _collect(self, model: nn.Module) -> Pairs:
         """The pairs of this rank's shards, checked to be laid out like the EMA's."""
-        pairs = collect_pairs(self.ema, model)
+        pairs = collect_pairs(self.emas, model)
         dtensor = _dtensor_cls()
-        for k, e, m in zip(pairs.names, pairs.ema, pairs.model):
+        for entry in pairs.floats:
+            e, m = entry.emas[0], entry.model
             if isinstance(e, dtensor) != isinstance(m, dtensor):
                 raise ValueError(
-                    f"entry {k!r}: the EMA holds a {type(e).__name__} but the model now a "
+                    f"entry {entry.key!r}: the EMA holds a {type(e).__name__} but the model now a "
                     f"{type(m).__name__}; call update() after optimizer.step(), when FSDP has resharded"
                 )
             if isinstance(e, dtensor) and (e.placements != m.placements or e.shape != m.shape):
                 raise ValueError(
-                    f"entry {k!r}: model {tuple(m.shape)} {m.placements} does not match "
+                    f"entry {entry.key!r}: model {tuple(m.shape)} {m.placements} does not match "
                     f"EMA {tuple(e.shape)} {e.placements}"
                 )
-        fields = ("ema", "model", "ema_counters", "model_counters")
-        return replace(pairs, **{f: [local_tensor(t) for t in getattr(pairs, f)] for f in fields})
+
+        def local(entry: Entry) -> Entry:
+            emas = tuple(map(local_tensor, entry.emas))
+            return replace(entry, emas=emas, model=local_tensor(entry.model))
+
+        return replace(pairs, floats=[*map(local, pairs.floats)], counters=[*map(local, pairs.counters)])
 
     def sharded_state_dict(self) -> dict[str, Tensor]:
         """The EMA as DTensors (this rank's shards, no copy, no communication), for DCP save or copy_to."""

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ema_lab import ModelEMA
 from ema_lab.bench.models import build
@@ -43,6 +43,7 @@ def load_script(name: str) -> ModuleType:
         sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 
@@ -137,3 +138,10 @@ def follows_after(ema_class: type[ModelEMA], conversion: str, updates: int = 20)
     after, target = float_entries(ema.ema), float_entries(model)
     moved = any(not torch.equal(before[k], v) for k, v in after.items())
     return moved, max((v.double() - target[k].double()).abs().max().item() for k, v in after.items())
+
+
+def clear_thop_buffers(module: nn.Module) -> None:
+    """Delete the buffers an in-place ``thop.profile`` left on ``module`` and its submodules."""
+    for mod in module.modules():
+        for name in ("total_ops", "total_params"):
+            mod._buffers.pop(name, None)

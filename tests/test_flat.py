@@ -65,9 +65,9 @@ def test_flat_matches_the_loop_and_ema_tensors_are_views(name, strategy):
     ref = _floats(loop.ema)
     for k, v in _floats(flat.ema).items():
         torch.testing.assert_close(v, ref[k], rtol=1e-6, atol=1e-6)
-    pairs = collect_pairs(flat.ema, model)
-    assert _tiles(pairs.ema), "EMA tensors are not views tiling one buffer"
-    assert _tiles(pairs.model) == (strategy == "flatten_model")
+    pairs = collect_pairs([flat.ema], model)
+    assert _tiles(pairs.ema_floats()), "EMA tensors are not views tiling one buffer"
+    assert _tiles(pairs.model_floats()) == (strategy == "flatten_model")
     assert (flat.modes == ["fused"]) == (strategy == "flatten_model") and flat.rebuilds == 1
 
 
@@ -308,7 +308,7 @@ def test_no_recompiles_across_100_steps_of_a_changing_tensor_decay():
         pytest.skip(f"skipped: torch.compile unusable here ({type(exc).__name__}: {exc})")
     dynamo.reset()
     counters.clear()
-    compiled = torch.compile(lambda d: step.apply(d), backend=backend, fullgraph=True)
+    compiled = torch.compile(lambda d: step.apply([d], [1 - d]), backend=backend, fullgraph=True)
     for n in range(1, 101):
         compiled(torch.tensor(ema.decay(n)))
     assert len(compiles) == 1 and counters["stats"]["unique_graphs"] == 1
@@ -339,7 +339,11 @@ def test_an_unrelated_in_place_buffer_increment_does_not_invalidate_the_cache():
     other.step += 1  # what AveragedModel and ema-pytorch do on every update: same object re-registered
     ema.update(model)
     assert ema.rebuilds == 1
-    other.step = torch.zeros((), dtype=torch.long)  # a real replacement anywhere: rebuild, cheap and safe
+    other.step = torch.zeros((), dtype=torch.long)  # a replacement in another module: not this EMA's
+    ema.update(model)
+    assert ema.rebuilds == 1
+    bn = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    bn.num_batches_tracked = torch.zeros((), dtype=torch.long)  # a replacement in the model: rebuild
     ema.update(model)
     assert ema.rebuilds == 2
 
@@ -465,7 +469,7 @@ def test_a_tensor_weight_where_foreach_is_fused_goes_as_views_of_one_filled_buff
     per_tensor = ModelEMA(model)
     decay = torch.tensor(0.75)
     per_tensor.update(model, decay=decay)  # builds its step before the patch: 0-dim weights
-    monkeypatch.setattr(flat_step, "_FUSED_FOREACH", ("cpu",))
+    monkeypatch.setattr(flat_step, "fused_foreach_devices", lambda: ["cpu"])
     monkeypatch.setattr(flat_step, "DENSE_WEIGHT_NUMEL", 3000)  # tiny_cnn's 4608-element weight goes alone
     dense = ModelEMA(model)
     dense.update(model, decay=decay)

@@ -21,9 +21,9 @@ pytest.importorskip("thop", reason="thop is not installed (the notebooks extra)"
 from ema_lab import ModelEMA, foreach_update, gated_update
 from ema_lab.bench.models import Conv, tiny_cnn, yolo
 from ema_lab.bench.seed import seed_after, seed_before
-from ema_lab.lessons.profiling import THOP_BUFFERS, import_thop, profile_flops, remove_thop_buffers
+from ema_lab.lessons.profiling import THOP_BUFFERS, import_thop, profile_flops
 
-from .helpers import changes, fingerprint
+from .helpers import changes, clear_thop_buffers, fingerprint
 
 THOP_PIN = "0.1.1.post2209072238"
 D = 0.9  # far from 1: one step and two steps differ clearly
@@ -44,7 +44,7 @@ def shared_act_leak() -> Iterator[nn.Module]:
         thop.profile(block, inputs=(torch.randn(BLOCK_INPUT),), verbose=False)
         yield block
     finally:
-        remove_thop_buffers(Conv.default_act)
+        clear_thop_buffers(Conv.default_act)
 
 
 def train_step(model: nn.Module, seed: int = 0) -> None:
@@ -76,7 +76,7 @@ def _shared_act_stays_clean():
         yield
         assert not _thop_bufs(Conv.default_act), "this test leaked thop buffers onto Conv.default_act"
     finally:
-        remove_thop_buffers(Conv.default_act)
+        clear_thop_buffers(Conv.default_act)
 
 
 def _leaky_setup() -> tuple[nn.Module, nn.Module]:
@@ -127,7 +127,7 @@ def test_in_place_profile_leaves_float64_buffers_on_modules_without_a_rule():
             ("bn", "BatchNorm2d"),
         ]
     finally:
-        remove_thop_buffers(Conv.default_act)
+        clear_thop_buffers(Conv.default_act)
 
 
 def test_a_failing_forward_leaves_buffers_hooks_and_eval_mode():
@@ -142,7 +142,7 @@ def test_a_failing_forward_leaves_buffers_hooks_and_eval_mode():
         assert sum(len(m._forward_hooks) for m in block.modules()) == 4  # ops + params on conv and bn
         assert not block.training
     finally:
-        remove_thop_buffers(Conv.default_act)
+        clear_thop_buffers(Conv.default_act)
 
 
 # --- 2. the class-level activation ------------------------------------------------------------------

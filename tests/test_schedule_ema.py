@@ -122,7 +122,7 @@ def test_a_schedule_value_outside_0_1_is_a_one_line_error_and_changes_nothing(ba
 
 @pytest.mark.parametrize("every", [0, -1, 1.5, True])
 def test_every_must_be_a_positive_int(every) -> None:
-    with pytest.raises(ValueError, match="every must be a positive int"):
+    with pytest.raises(ValueError, match="every must be an int >= 1"):
         ModelEMA(torch.nn.Linear(2, 2), every=every)
 
 

@@ -161,7 +161,7 @@ BAD = [
     (power, {}, "give one of gamma and sigma_rel"),
     (power, {"gamma": 1.0, "sigma_rel": 0.1}, "give one of gamma and sigma_rel"),
     (power, {"gamma": -0.5}, "gamma must be a number >= 0"),
-    (power, {"sigma_rel": 0.3}, "sigma_rel must be in (0, 0.2887]"),
+    (power, {"sigma_rel": 0.3}, "sigma_rel must be in (0, 0.2886751345948129]"),
     (power, {"sigma_rel": 0}, "sigma_rel must be in"),
     (gamma_to_sigma_rel, {"gamma": "7"}, "gamma must be"),
 ]
@@ -184,3 +184,24 @@ def test_decay_over_bad_counts(n, k):
 def test_frozen():
     with pytest.raises(AttributeError):
         warmup().decay = 0.5
+
+
+def test_the_documented_range_holds_to_its_bounds_without_overflow():
+    tiny = power(sigma_rel=1e-200)  # inside (0, MAX_SIGMA_REL]: sigma_rel ** -2 would overflow a double
+    assert tiny.gamma == pytest.approx(1e200) and tiny.sigma_rel == pytest.approx(1e-200, rel=1e-12)
+    assert tiny(10) == 0.0
+    assert gamma_to_sigma_rel(1e308) == pytest.approx(1e-308, rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [-1, 0, 1.5, True, "2"])
+@pytest.mark.parametrize("schedule", [power(gamma=1), warmup(), constant(), harmonic()], ids=repr)
+def test_a_schedule_called_directly_checks_n(schedule, n):
+    with pytest.raises(ValueError, match=r"n must be an int >= 1, got"):
+        schedule(n)
+
+
+def test_the_sigma_rel_bound_is_printed_so_that_it_does_not_contradict_the_value():
+    with pytest.raises(ValueError) as info:
+        power(sigma_rel=0.2887)
+    bound = float(str(info.value).split("(0, ")[1].split("]")[0])
+    assert bound == MAX_SIGMA_REL < 0.2887

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ema_lab import ModelEMA, flatten_model
+from ema_lab import ModelEMA, PostHocEMA, flatten_model
 from ema_lab.bench import models
 from ema_lab.pairs import collect_pairs
 from ema_lab.step import Watch
@@ -16,8 +16,8 @@ from .helpers import CONVERSIONS, CachedListEMA, float_entries, follows_after
 
 def _watch(ema: nn.Module, model: nn.Module) -> Watch:
     """The per-slot check over every entry of both modules, as a rebuilt step records it."""
-    pairs = collect_pairs(ema, model)
-    return Watch(model, pairs.ema_slots + pairs.model_slots)
+    pairs = collect_pairs([ema], model)
+    return Watch(model, pairs.slots(), pairs.modules)
 
 
 def _ema(model: nn.Module, strategy: str) -> ModelEMA:
@@ -242,9 +242,9 @@ def test_the_default_reads_every_1d_cat_tensor_live_and_checks_the_rest() -> Non
     ema.update(model)
     one_d = {k for k, v in float_entries(model).items() if v.dim() == 1}
     (group,) = ema._step.groups
-    assert sum(len(keys) for _, _, keys, _ in group.runs) == len(one_d)  # BatchNorm's vectors, Linear bias
+    assert sum(len(keys) for _, _, _, keys, _ in group.runs) == len(one_d)  # BatchNorm's vectors, Linear bias
     # data_ptr() checked: the 5 conv weights and the Linear weight (foreach or N-D), and the 5 counters
-    assert len(ema._step.watch.keys) == len(float_entries(model)) - len(one_d) + 5 == 11
+    assert len(ema._step.checked_slots_watch.keys) == len(float_entries(model)) - len(one_d) + 5 == 11
 
 
 @pytest.mark.requires_torch("2.1", "torch._C._storage_Use_Count")
@@ -278,7 +278,7 @@ def _two_live_groups() -> tuple[nn.Module, ModelEMA]:
     model[3].half()
     ema = ModelEMA(model)
     ema.update(model)
-    assert [(g.ema.dtype, g.mode) for g in ema._step.groups] == [
+    assert [(g.emas[0].dtype, g.mode) for g in ema._step.groups] == [
         (torch.float32, "cat+foreach"),
         (torch.float16, "cat+foreach"),
     ]
@@ -403,3 +403,65 @@ def test_an_ema_unpickled_where_no_ema_was_made_still_sees_a_replaced_module(mon
     model[0] = nn.Linear(3, 3)  # a registration, seen only through the hooks
     fresh.update(model, decay=0.0)
     assert torch.equal(fresh.ema[0].weight, model[0].weight) and fresh.rebuilds == 3  # pickled after 1
+
+
+def _each_kind_of_ema(model: nn.Module, tmp_path) -> dict[str, ModelEMA]:
+    emas: dict[str, ModelEMA] = {s: ModelEMA(model, strategy=s) for s in ("flat", "gated", "foreach", "loop")}
+    emas["posthoc"] = PostHocEMA(model, tmp_path, sigma_rels=(0.05, 0.1, 0.15), snapshot_every=1000)
+    return emas
+
+
+def test_modules_built_in_the_training_loop_cost_no_rebuild(tmp_path) -> None:
+    """A loss with a weight, a metric with buffers, a layer made each step: none is the EMA's model."""
+    model = models.build("tiny_cnn")
+    emas = _each_kind_of_ema(model, tmp_path)
+    for step in range(5):
+        nn.BCEWithLogitsLoss(pos_weight=torch.ones(3))  # registers a buffer
+        nn.CrossEntropyLoss(weight=torch.ones(3))
+        nn.Linear(2, 2)
+        metric = nn.BatchNorm1d(4)
+        metric.running_mean = torch.zeros(4)  # a buffer replaced, on a module no EMA watches
+        _shift(model, 0.1 * step)
+        for ema in emas.values():
+            ema.update(model)
+    assert {name: ema.rebuilds for name, ema in emas.items()} == dict.fromkeys(emas, 1)
+
+
+def test_modules_built_in_another_thread_and_another_models_changes_cost_no_rebuild(tmp_path) -> None:
+    import threading
+
+    model, other = models.build("tiny_cnn"), models.build("tiny_cnn")
+    emas, other_ema = _each_kind_of_ema(model, tmp_path), ModelEMA(other)
+    for ema in (*emas.values(), other_ema):
+        ema.update(model if ema is not other_ema else other)
+
+    def build() -> None:
+        for _ in range(20):
+            nn.Sequential(nn.Conv2d(3, 3, 3), nn.BatchNorm2d(3))
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    other[0].conv = nn.Conv2d(
+        3, 8, 3, 2, 1, bias=False
+    )  # the other model's layer replaced: only its EMA rebuilds
+    other_ema.update(other)
+    for ema in emas.values():
+        ema.update(model)
+    assert {name: ema.rebuilds for name, ema in emas.items()} == dict.fromkeys(emas, 1)
+    assert other_ema.rebuilds == 2
+
+
+@pytest.mark.parametrize("strategy", ["auto", "gated"])
+def test_a_registration_on_the_model_or_the_ema_still_rebuilds(strategy: str) -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model, strategy=strategy)
+    ema.update(model)
+    bn = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    bn.num_batches_tracked = torch.zeros((), dtype=torch.long)  # a buffer replaced in the model
+    ema.update(model)
+    assert ema.rebuilds == 2
+    ema_bn = next(m for m in ema.ema.modules() if isinstance(m, nn.BatchNorm2d))
+    ema_bn.num_batches_tracked = torch.zeros((), dtype=torch.long)  # and in the EMA
+    ema.update(model)
+    assert ema.rebuilds == 3

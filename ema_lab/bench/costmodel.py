@@ -280,8 +280,8 @@ def _time_size(
         for strategy in ("loop", "foreach"):
             step = prepare(strategy, ema, model)  # the library's own steps: what the bench times
             key = f"{strategy}/{sweep}/{n}"
-            candidates[key] = lambda step=step: step(decay)
-            ops = sum(count_ops(step, decay).values())
+            candidates[key] = lambda step=step: step(decay, 1 - decay)
+            ops = sum(count_ops(step, decay, 1 - decay).values())
             units = ops if strategy == "loop" else n
             points[key] = {"sweep": sweep, "strategy": strategy, "tensors": n, "ops": ops, "units": units}
     # The single-kernel references at the same size, so they are fitted alike.

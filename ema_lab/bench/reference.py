@@ -50,13 +50,13 @@ def model_ema_errors(
     model = deepcopy(model)
     # tau -> 0 makes the ramp a constant ``decay``, so the reference needs no schedule.
     emas = {name: ModelEMA(model, decay=decay, tau=1e-9, strategy=name) for name in strategies}
-    ref = [t.detach().double() for t in collect_pairs(deepcopy(model), model).ema]
+    ref = [t.detach().double() for t in collect_pairs([deepcopy(model)], model).ema_floats()]
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         # Collected each step: a model may have been flattened (its tensors moved into one buffer).
-        model_tensors = collect_pairs(model, model).model
+        model_tensors = collect_pairs([model], model).model_floats()
         _walk(model_tensors, gen, noise)
         for ema in emas.values():
             ema.update(model)
         _reference_step(ref, model_tensors, decay)
-    return {name: _max_error(collect_pairs(e.ema, model).ema, ref) for name, e in emas.items()}
+    return {name: _max_error(collect_pairs([e.ema], model).ema_floats(), ref) for name, e in emas.items()}

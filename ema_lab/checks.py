@@ -1,0 +1,108 @@
+"""The argument checks of the core, the schedules and the post-hoc EMA: one place for each rule.
+
+Each check raises a one-line ``ValueError`` (or ``TypeError`` for a wrong kind of object) naming the argument
+and the value, before anything is changed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from numbers import Integral, Real
+
+from torch import Tensor
+
+__all__ = ["is_int", "is_real", "require", "check_int", "check_decay", "weight_of", "validate_pairs"]
+
+
+def is_int(x: object) -> bool:
+    """True for an integer that is not a bool."""
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def is_real(x: object) -> bool:
+    """True for a finite real number that is not a bool."""
+    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def require(ok: bool, name: str, value: object, what: str) -> None:
+    """Raise ``ValueError("<name> must be <what>, got <value>")`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def check_int(name: str, value: object, least: int) -> None:
+    """``value`` must be an int (not a bool) of at least ``least``."""
+    require(is_int(value) and value >= least, name, value, f"an int >= {least}")
+
+
+def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tensor:
+    """The one decay rule: a finite real number in [0, 1] (returned as a float) or, where ``tensor_ok``,
+    a 0-dim floating tensor (returned as is: checking its value would sync the host with its device)."""
+    if isinstance(decay, Tensor):
+        if not tensor_ok:
+            raise TypeError(
+                "decay must be a Python number here (only update(model, decay=...) of an EMA whose step is "
+                f"'flat' takes a 0-dim tensor), got a {type(decay).__name__}"
+            )
+        if decay.dim() != 0 or not decay.is_floating_point():
+            raise ValueError(
+                f"a tensor decay must be a 0-dim floating tensor, got {tuple(decay.shape)} {decay.dtype}"
+            )
+        return decay
+    if not (isinstance(decay, Real) and not isinstance(decay, bool) and 0.0 <= decay <= 1.0):
+        raise ValueError(f"decay must be a finite number in [0, 1], got {decay!r}")
+    return float(decay)
+
+
+def weight_of(decay: float | Tensor) -> float | Tensor:
+    """The lerp weight of a checked decay, ``1 - decay``: a float in double precision, or a 0-dim tensor."""
+    return 1.0 - decay
+
+
+def _label(i: int, names: Sequence[str] | None) -> str:
+    return f"entry {i} ({names[i]!r})" if names is not None else f"entry {i}"
+
+
+def _describe(t: Tensor) -> str:
+    return f"shape {tuple(t.shape)}, {t.dtype}, {t.device}"
+
+
+def validate_pairs(
+    ema: Sequence[Tensor],
+    model: Sequence[Tensor],
+    names: Sequence[str] | None = None,
+    *,
+    same_dtype: bool = False,
+) -> None:
+    """Raise ``ValueError`` naming the first bad pair; touch nothing.
+
+    Checks: equal list lengths, tensors on both sides, floating dtypes, equal shapes and devices,
+    equal dtypes when ``same_dtype``, and no EMA tensor listed twice (tied weights would be
+    decayed twice per step).
+    """
+    if len(ema) != len(model):
+        raise ValueError(f"got {len(ema)} EMA tensors but {len(model)} model tensors")
+    if names is not None and len(names) != len(ema):
+        raise ValueError(f"got {len(names)} names for {len(ema)} tensor pairs")
+    seen: dict[int, int] = {}
+    for i, (e, m) in enumerate(zip(ema, model)):
+        if not isinstance(e, Tensor) or not isinstance(m, Tensor):
+            raise ValueError(
+                f"{_label(i, names)}: expected two tensors, got {type(e).__name__} and {type(m).__name__}"
+            )
+        if not e.is_floating_point() or not m.is_floating_point():
+            raise ValueError(
+                f"{_label(i, names)}: EMA and model tensors must be floating point, "
+                f"got EMA {e.dtype} and model {m.dtype}"
+            )
+        if e.shape != m.shape or e.device != m.device or (same_dtype and e.dtype != m.dtype):
+            raise ValueError(f"{_label(i, names)}: EMA {_describe(e)} does not match model {_describe(m)}")
+        if e.numel():
+            ptr = e.data_ptr()
+            if ptr in seen:
+                raise ValueError(
+                    f"{_label(i, names)} is the same memory as {_label(seen[ptr], names)} "
+                    "(tied weights?): pass each EMA tensor once or it is decayed twice"
+                )
+            seen[ptr] = i
