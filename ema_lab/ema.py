@@ -7,7 +7,6 @@ import os
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from operator import getitem
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -15,8 +14,9 @@ from torch import Tensor, nn
 from .flat_step import FlatStep, Twin
 from .graph_step import GraphStep
 from .pairs import Pairs, collect_pairs, module_entries
-from .posthoc import list_snapshots, load_snapshot, save_snapshot, synthesize
+from .posthoc import synthesize
 from .schedules import decay_over, power
+from .snapshots import check_folder, list_snapshots, load_snapshot, save_step
 from .step import CAT_MAX_NUMEL, Step, StepOptions
 from .updates import PREPARERS, ListStep, check_decay
 
@@ -281,8 +281,7 @@ class PostHocEMA(ModelEMA):
         for (_, slot), (_, (table, name)) in zip(module_entries(self.ema), module_entries(self.ema2)):
             if not getitem(*slot).is_floating_point():  # the counters: one tensor for both EMAs
                 table[name] = getitem(*slot)
-        self.folder, self.snapshot_every = Path(folder), snapshot_every
-        self.folder.mkdir(parents=True, exist_ok=True)  # a bad folder fails here, not at the first save
+        self.folder, self.snapshot_every = check_folder(folder), snapshot_every  # a bad one fails here
         later = [s.step for s in list_snapshots(self.folder) if s.step > updates]
         if later:
             raise ValueError(
@@ -315,9 +314,10 @@ class PostHocEMA(ModelEMA):
             self.save()
 
     def save(self) -> None:
-        """Write both EMAs' snapshots at the current update count (atomic files, see ema_lab.posthoc)."""
-        for ema, schedule in ((self.ema, self.schedule), (self.ema2, self.second)):
-            save_snapshot(self.folder, ema.state_dict(), self.updates, schedule.gamma)
+        """Write both EMAs' snapshots at the current update count (one step, complete or absent:
+        ema_lab.snapshots)."""
+        states = {self.schedule.gamma: self.ema.state_dict(), self.second.gamma: self.ema2.state_dict()}
+        save_step(self.folder, self.updates, states)
 
     def synthesize(self, sigma_rel: float, step: int | None = None) -> dict[str, Tensor]:
         """The state_dict of the EMA of length ``sigma_rel`` at ``step`` (default: the last snapshot)."""
