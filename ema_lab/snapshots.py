@@ -61,8 +61,9 @@ def _first_line(error: BaseException) -> str:
 
 
 def check_folder(folder: str | os.PathLike) -> Path:
-    """``folder`` as a Path, made if missing and checked writable by writing and removing a probe in it."""
-    path = Path(folder)
+    """``folder`` as an absolute Path (a later chdir does not move it), made if missing and checked writable
+    by writing and removing a probe in it."""
+    path = Path(folder).absolute()
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".probe.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -139,8 +140,11 @@ def save_step(folder: str | os.PathLike, step: int, states: Mapping[float, Mappi
                 f"gamma {gamma!r}: tensors must be a non-empty dict, got {type(tensors).__name__}"
             )
         bad = [k for k, v in tensors.items() if not (isinstance(k, str) and isinstance(v, Tensor))]
+        bad += [k for k, v in tensors.items() if isinstance(v, Tensor) and v.is_meta]
         if bad:
-            raise ValueError(f"gamma {gamma!r}: tensors must map names to Tensors; not so for {bad[:3]}")
+            raise ValueError(
+                f"gamma {gamma!r}: tensors must map names to Tensors with data; not so for {bad[:3]}"
+            )
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"no snapshot folder at {str(folder)!r} (check_folder makes one; was it deleted?)")

@@ -199,6 +199,64 @@ def test_random_kills_leave_complete_steps_only(tmp_path):
     assert result["killed inside a save"] > 0
 
 
+RESUMER = """
+import json, os, random, signal, sys, time
+import torch
+from torch import nn
+from ema_lab import PostHocEMA
+from ema_lab.posthoc import synthesize
+from ema_lab.snapshots import list_snapshots
+
+torch.set_num_threads(1)
+folder, kills = sys.argv[1], int(sys.argv[2])
+rng = random.Random(int(sys.argv[3]))
+
+
+def resumed():
+    # A PostHocEMA of a fresh model, resumed from the folder's last complete step (as a restarted run does).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    listed = list_snapshots(folder)
+    return model, PostHocEMA(model, folder, snapshot_every=1, updates=listed[-1].step if listed else 0)
+
+
+last = []
+for kill in range(kills):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            model, ema = resumed()
+            while True:  # train and update; every update saves a step
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.01)
+                ema.update(model)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        os._exit(1)
+    time.sleep(rng.uniform(0, 0.2))
+    os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status), f"the run ended by itself: {status}"
+    _, ema = resumed()  # refused before, in 6 of 20 kills, when a step had one profile's file
+    last.append(ema.updates)
+    if ema.updates:
+        synthesize(folder, 0.075)
+print(json.dumps({"kills": kills, "resumed at": last}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the kill test forks its runs (POSIX only)")
+def test_a_post_hoc_run_killed_at_random_resumes_from_its_last_step(tmp_path):
+    proc = run_python(RESUMER, str(tmp_path), "20", "7")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    resumed_at = json.loads(out.splitlines()[-1])["resumed at"]
+    print({"resumed at": resumed_at})
+    assert resumed_at == sorted(resumed_at) and resumed_at[-1] > 0
+
+
 def full_disk_checks(folder: Path, fill) -> None:
     """``fill()`` makes writes fail with a full disk and returns an undo; then: the error names the step's
     path and the OS error on one line, nothing is visible, and a retry once space is back saves it whole."""
@@ -361,38 +419,118 @@ def test_check_folder_refuses_what_it_cannot_write(tmp_path):
     )
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="checks as another user through fork (POSIX only)")
-def test_check_folder_refuses_a_read_only_folder(tmp_path):
-    # As root every permission check passes: the check then runs in a child that became "nobody".
-    folder = Path(tempfile.mkdtemp())  # under /tmp: "nobody" may reach it (tmp_path's parents are 0700)
+def as_another_user(call) -> str:
+    """``call()`` in a forked child that is not root (as root every permission check passes: the child
+    becomes "nobody"); what it raised, as "Type: message", or "returned"."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports whatever happens, then leaves without running pytest's exit code
+        os.close(read)
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            call()
+            report = "returned"
+        except BaseException as e:  # noqa: BLE001
+            report = f"{type(e).__name__}: {e}"
+        os.write(write, report.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as r:
+        return r.read()
+
+
+@pytest.fixture
+def shared_dir():
+    """A folder that another user can reach (tmp_path's parents are 0700), removed afterwards."""
+    folder = Path(tempfile.mkdtemp())
+    os.chmod(folder, 0o755)
+    yield folder
+    for p in [folder, *folder.rglob("*")]:
+        if not p.is_symlink():
+            os.chmod(p, 0o755)
+    shutil.rmtree(folder)
+
+
+needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="checks as another user through fork (POSIX)")
+
+
+@needs_fork
+def test_check_folder_refuses_a_read_only_folder(shared_dir):
+    os.chmod(shared_dir, 0o555)
+    report = as_another_user(lambda: check_folder(shared_dir))
+    assert report.startswith("ValueError: ") and str(shared_dir) in report and "Permission denied" in report
+    assert "\n" not in report, report
+
+
+@needs_fork
+def test_unreadable_snapshots_are_one_line_naming_them(shared_dir):
+    old = os.umask(0o077)  # files 0600, folders 0700: another user can read nothing
     try:
-        os.chmod(folder, 0o555)
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read)
-            try:
-                if os.geteuid() == 0:
-                    os.setgid(65534)
-                    os.setuid(65534)
-                try:
-                    check_folder(folder)
-                    report = "accepted"
-                except ValueError as e:
-                    report = f"{type(e).__name__}: {e}"
-            except BaseException as e:  # noqa: BLE001  (the child reports everything, then leaves)
-                report = f"child failed: {e!r}"
-            os.write(write, report.encode())
-            os._exit(0)
-        os.close(write)
-        _, status = os.waitpid(pid, 0)
-        with os.fdopen(read) as r:
-            report = r.read()
-        assert report.startswith("ValueError: ") and str(folder) in report and "\n" not in report, report
-        assert "Permission denied" in report, report
+        step = save_step(shared_dir, 1, states(1.0))
     finally:
-        os.chmod(folder, 0o755)
-        shutil.rmtree(folder)
+        os.umask(old)
+    report = as_another_user(lambda: list_snapshots(shared_dir))
+    assert report.startswith("ValueError: ") and str(step) in report and "Permission denied" in report, report
+    os.chmod(step, 0o755)
+    snapshot = list_snapshots(shared_dir)[0]
+    report = as_another_user(lambda: load_snapshot(snapshot))
+    assert report.startswith("ValueError: ") and str(snapshot.path) in report and "\n" not in report, report
+
+
+def test_check_folder_gives_an_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert check_folder("run") == tmp_path / "run"
+
+
+def test_an_interrupted_save_leaves_nothing(tmp_path, monkeypatch):
+    save_step(tmp_path, 1, states(1.0))
+    real = torch.save
+    calls = []
+
+    def interrupted(obj, f):
+        calls.append(1)
+        if len(calls) == 2:  # the second profile: the first one is written already
+            raise KeyboardInterrupt
+        real(obj, f)
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_step(tmp_path, 2, states(2.0))
+    assert os.listdir(tmp_path) == ["step-000000000001"]
+    save_step(tmp_path, 2, states(2.0))
+    assert [s.step for s in list_snapshots(tmp_path)] == [1, 1, 2, 2]
+
+
+SAVER = """
+import sys, torch
+from ema_lab.snapshots import save_step
+for step in range(1, int(sys.argv[2]) + 1):
+    save_step(sys.argv[1], step, {g: {"w": torch.full((4096,), float(step))} for g in (6.94, 16.97)})
+"""
+
+
+def test_a_reader_beside_a_writer_sees_complete_steps_only(tmp_path):
+    writer = run_python(SAVER, str(tmp_path), "60")
+    seen, reads = set(), 0
+    while True:
+        done = writer.poll() is not None
+        listed = list_snapshots(tmp_path)
+        steps = sorted({s.step for s in listed})
+        assert [s.step for s in listed] == [n for n in steps for _ in GAMMAS] and steps == list(
+            range(1, len(steps) + 1)
+        )
+        for s in listed:
+            if s.step not in seen or s.step == steps[-1]:
+                assert (load_snapshot(s)["w"] == s.step).all()
+                reads += 1
+        seen |= set(steps)
+        if done:
+            break
+    assert writer.returncode == 0, writer.stderr.read()
+    assert seen == set(range(1, 61)) and reads > 0
 
 
 def save_bad(tmp_path: Path, name: str, write) -> Snapshot:
@@ -537,6 +675,7 @@ def test_save_step_bad_input_one_line(tmp_path):
         (lambda: save_step(tmp_path, 1, [torch.ones(1)]), "non-empty dict"),
         (lambda: save_step(tmp_path, 1, {1.0: {}}), "non-empty dict"),
         (lambda: save_step(tmp_path, 1, {1.0: {"w": [1.0]}}), "map names to Tensors"),
+        (lambda: save_step(tmp_path, 1, {1.0: {"w": torch.ones(1, device="meta")}}), "Tensors with data"),
         (lambda: save_step(tmp_path, 0, {1.0: {"w": torch.ones(1)}}), "step must be an int in [1, 2**53]"),
         (lambda: save_step(tmp_path, True, {1.0: {"w": torch.ones(1)}}), "step must be"),
         (lambda: save_step(tmp_path, 1.0, {1.0: {"w": torch.ones(1)}}), "step must be"),
