@@ -60,6 +60,11 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
+def _show(value: object) -> str:
+    """A value read from a file, in a message: numbers and strings as such, anything else by its type."""
+    return repr(value) if isinstance(value, (int, float, str)) else f"a {type(value).__name__}"
+
+
 def check_folder(folder: str | os.PathLike) -> Path:
     """``folder`` as an absolute Path (a later chdir does not move it), made if missing and checked writable
     by writing and removing a probe in it."""
@@ -162,10 +167,9 @@ def save_step(folder: str | os.PathLike, step: int, states: Mapping[float, Mappi
         try:
             os.rename(tmp, final)  # fails where final is a folder with files, or not a folder
         except OSError as e:
-            if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
                 raise ValueError(f"{final} exists: a saved step is never replaced") from None
             raise
-        _fsync_folder(folder)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         message = f"step {step} not saved to {final}: {e.strerror or _first_line(e)}"
@@ -173,6 +177,10 @@ def save_step(folder: str | os.PathLike, step: int, states: Mapping[float, Mappi
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    try:
+        _fsync_folder(folder)
+    except OSError as e:  # the step is saved and visible; whether it would outlive a power cut is not known
+        raise OSError(e.errno, f"step {step} saved to {final}, but {folder} not flushed: {e.strerror}") from e
     return final
 
 
@@ -221,12 +229,12 @@ def load_snapshot(snapshot: Snapshot) -> dict[str, Tensor]:
         raise ValueError(f"{path} is not a readable snapshot ({_first_line(e)})") from None
     if not (isinstance(data, dict) and data.keys() == {"format", "step", "gamma", "tensors"}):
         raise ValueError(f"{path} is not an ema_lab snapshot file (no {FORMAT!r} payload)")
-    if data["format"] != FORMAT:
-        raise ValueError(f"{path} is in format {data['format']!r}; this version reads {FORMAT!r}")
+    if not (isinstance(data["format"], str) and data["format"] == FORMAT):
+        raise ValueError(f"{path} is in format {_show(data['format'])}; this version reads {FORMAT!r}")
     step, gamma, tensors = data["step"], data["gamma"], data["tensors"]
     if not (type(step) is int and type(gamma) is float and (step, gamma) == (snapshot.step, snapshot.gamma)):
         raise ValueError(
-            f"{path} holds step {step!r}, gamma {gamma!r}; its name says step {snapshot.step}, "
+            f"{path} holds step {_show(step)}, gamma {_show(gamma)}; its name says step {snapshot.step}, "
             f"gamma {snapshot.gamma!r}"
         )
     if not (

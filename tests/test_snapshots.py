@@ -531,6 +531,9 @@ BAD_FILES = {
     "a bare state_dict": lambda p: torch.save({"w": torch.ones(2)}, p),
     "a list": lambda p: torch.save([torch.ones(2)], p),
     "another format": lambda p: torch.save({"format": "x", "step": 5, "gamma": 1.0, "tensors": {}}, p),
+    "a tensor format": lambda p: torch.save(
+        {"format": torch.ones(3), "step": 5, "gamma": 1.0, "tensors": {"w": torch.ones(2)}}, p
+    ),
     "tensors not a dict": lambda p: torch.save(
         {"format": snapshots.FORMAT, "step": 5, "gamma": 1.0, "tensors": [torch.ones(2)]}, p
     ),
@@ -538,7 +541,13 @@ BAD_FILES = {
         {"format": snapshots.FORMAT, "step": 5, "gamma": 1.0, "tensors": {}}, p
     ),
     "a tensor step": lambda p: torch.save(
-        {"format": snapshots.FORMAT, "step": torch.ones(3), "gamma": 1.0, "tensors": {"w": torch.ones(2)}}, p
+        {
+            "format": snapshots.FORMAT,
+            "step": torch.ones(30, 30),
+            "gamma": 1.0,
+            "tensors": {"w": torch.ones(2)},
+        },
+        p,
     ),
     "another step": lambda p: torch.save(
         {"format": snapshots.FORMAT, "step": 6, "gamma": 1.0, "tensors": {"w": torch.ones(2)}}, p
