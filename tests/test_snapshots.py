@@ -134,11 +134,12 @@ def value(snapshot):
     return snapshot.step
 
 
-def writer(folder):
-    # A run that resumes from its last complete step (read back as a resume would), then saves the next
-    # ones, as fast as it can, until it is killed.
+def writer(folder, ready):
+    # A run that resumes from its last complete step (read back as a resume would), says it is ready, then
+    # saves the next ones, as fast as it can, until it is killed.
     listed = list_snapshots(folder)
     last = value(listed[-1]) if listed else 0
+    os.write(ready, b"1")
     for step in itertools.count(last + 1):
         w = torch.full((256,), float(step))
         save_step(folder, step, {g: {"w": w, "g": torch.tensor(g, dtype=torch.float64)} for g in GAMMAS})
@@ -163,14 +164,18 @@ mid_save = 0
 for kill in range(kills):
     i = kill % len(folders)
     before = {p for p in os.listdir(folders[i]) if p.endswith(".tmp")}
+    ready, told = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            writer(folders[i])
+            writer(folders[i], told)
         except BaseException:
             import traceback
             traceback.print_exc()
         os._exit(1)
+    os.read(ready, 1)  # the writer is saving (or dead: then waitpid below says so)
+    os.close(ready)
+    os.close(told)
     time.sleep(rng.uniform(0, 0.06))
     os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
@@ -186,7 +191,7 @@ print(json.dumps({"kills": kills, "last steps": last, "killed inside a save": mi
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the kill test forks its writers (POSIX only)")
 def test_random_kills_leave_complete_steps_only(tmp_path):
-    # 200 SIGKILLs at random moments (0-60 ms after a writer starts; a save takes a few ms to tens of ms),
+    # 200 SIGKILLs at random moments (0-60 ms after a writer resumed; a save takes a few ms to tens of ms),
     # round-robin over 4 folders: after each, the folder lists complete steps 1..last only and its last step
     # loads; the next writer resumes from it. "killed inside a save" counts the kills that left a hidden
     # temporary folder (a save begun and not published): the kills did land mid-save.
@@ -222,10 +227,12 @@ def resumed():
 
 last = []
 for kill in range(kills):
+    ready, told = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             model, ema = resumed()
+            os.write(told, b"1")
             while True:  # train and update; every update saves a step
                 with torch.no_grad():
                     for p in model.parameters():
@@ -235,6 +242,9 @@ for kill in range(kills):
             import traceback
             traceback.print_exc()
         os._exit(1)
+    os.read(ready, 1)  # the run is training (or dead: then waitpid below says so)
+    os.close(ready)
+    os.close(told)
     time.sleep(rng.uniform(0, 0.2))
     os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
