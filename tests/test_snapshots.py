@@ -476,15 +476,13 @@ def test_check_folder_refuses_a_read_only_folder(shared_dir):
 
 @needs_fork
 def test_unreadable_snapshots_are_one_line_naming_them(shared_dir):
-    old = os.umask(0o077)  # files 0600, folders 0700: another user can read nothing
-    try:
-        step = save_step(shared_dir, 1, states(1.0))
-    finally:
-        os.umask(old)
+    step = save_step(shared_dir, 1, states(1.0))
+    snapshot = list_snapshots(shared_dir)[0]
+    os.chmod(step, 0o000)  # its reader (not root, not the owner's rights) cannot list it
     report = as_another_user(lambda: list_snapshots(shared_dir))
     assert report.startswith("ValueError: ") and str(step) in report and "Permission denied" in report, report
     os.chmod(step, 0o755)
-    snapshot = list_snapshots(shared_dir)[0]
+    os.chmod(snapshot.path, 0o000)
     report = as_another_user(lambda: load_snapshot(snapshot))
     assert report.startswith("ValueError: ") and str(snapshot.path) in report and "\n" not in report, report
 
