@@ -29,6 +29,7 @@ CORE_TESTS = [
     "tests/test_reference.py",
     "tests/test_schedule_ema.py",
     "tests/test_schedules.py",
+    "tests/test_snapshots.py",
     "tests/test_stale_cache.py",
     "tests/test_updates.py",
 ]

@@ -27,7 +27,7 @@ ema-pytorch's PostHocEMA (sigma_rel 0.05 and 0.10, update_every=1, float32 check
 ``--every``) beside a KarrasEMA of sigma_rel 0.075; its checkpoints are converted to ema_lab snapshots;
 sigma_rel 0.075 is synthesized by both and compared with each other and with the tracked one, the error
 stated as a fraction of the distance from the tracked EMA to the nearest snapshot EMA (0.10). The same
-again with ema_lab alone (ModelEMA's of power schedules, ``save_snapshot``), and with PostHocEMA at its
+again with ema_lab alone (ModelEMA's of power schedules, ``save_step``), and with PostHocEMA at its
 default update_every=100 against a power EMA updated every step.
 """
 
@@ -53,6 +53,7 @@ from torch import nn
 from ema_lab import ModelEMA
 from ema_lab import posthoc as ours_posthoc
 from ema_lab.schedules import constant, harmonic, power, sigma_rel_to_gamma, warmup
+from ema_lab.snapshots import check_folder, save_step
 
 PEERS = ("torch", "timm", "diffusers", "ema-pytorch", "ultralytics")
 NAME = "peer-schedules"
@@ -369,15 +370,15 @@ def posthoc(steps: int, dim: int, every: int, phema: types.ModuleType | None) ->
             nearest.update()
         their_synth = theirs.synthesize_ema_model(sigma_rel=target).ema_model.w.detach().clone()
         # Their checkpoints <index>.<step>.pt (float32 state_dicts) as ema_lab snapshots.
-        steps_i, gammas_i = [], []
+        steps_i, gammas_i, converted = [], [], {}
         for f in sorted((tmp / "theirs").glob("*.pt")):
             index, step = map(int, f.stem.split("."))
             state = torch.load(f, weights_only=True)
-            ours_posthoc.save_snapshot(
-                tmp / "converted", {"w": state["ema_model.w"]}, step, theirs.gammas[index]
-            )
+            converted.setdefault(step, {})[theirs.gammas[index]] = {"w": state["ema_model.w"]}
             steps_i.append(step)
             gammas_i.append(theirs.gammas[index])
+        for step, states in converted.items():
+            save_step(check_folder(tmp / "converted"), step, states)
         our_synth = ours_posthoc.synthesize(tmp / "converted", target)["w"]
         gap = err(direct.ema_model.w, nearest.ema_model.w)
         run = "ema-pytorch PostHocEMA(update_every=1), tracked: KarrasEMA(sigma_rel=0.075)"
@@ -406,7 +407,7 @@ def posthoc(steps: int, dim: int, every: int, phema: types.ModuleType | None) ->
         scaled = err(our_synth, their_synth / theirs_w.sum().item())
         rows.append((run, "ema_lab synthesis vs ema-pytorch synthesis / the sum of its weights", scaled, gap))
 
-        # ema_lab alone: ModelEMA's of power schedules, snapshots by save_snapshot.
+        # ema_lab alone: ModelEMA's of power schedules, snapshots by save_step.
         model = Vec(dim)
         emas = {s: ModelEMA(model, power(sigma_rel=s)) for s in (0.05, 0.10, target)}
         for n, x in enumerate(xs, start=1):
@@ -414,11 +415,11 @@ def posthoc(steps: int, dim: int, every: int, phema: types.ModuleType | None) ->
             for e in emas.values():
                 e.update(model)
             if n % every == 0:
-                for s in (0.05, 0.10):
-                    ours_posthoc.save_snapshot(tmp / "ours", {"w": emas[s].ema.w}, n, emas[s].schedule.gamma)
+                states = {emas[s].schedule.gamma: {"w": emas[s].ema.w} for s in (0.05, 0.10)}
+                save_step(check_folder(tmp / "ours"), n, states)
         synth = ours_posthoc.synthesize(tmp / "ours", target)["w"]
         lab_gap = err(emas[target].ema.w, emas[0.10].ema.w)
-        run = "ema_lab ModelEMA(power(sigma_rel)) + save_snapshot, tracked: ModelEMA(power(sigma_rel=0.075))"
+        run = "ema_lab ModelEMA(power(sigma_rel)) + save_step, tracked: ModelEMA(power(sigma_rel=0.075))"
         rows.append((run, "ema_lab synthesis vs tracked", err(synth, emas[target].ema.w), lab_gap))
 
         # ema-pytorch at its default update_every=100, against a power EMA updated every step.

@@ -1,65 +1,32 @@
 """Post-hoc EMA (Karras et al. 2024, "Analyzing and Improving the Training Dynamics of Diffusion Models").
 
 Track power-function EMAs (:func:`ema_lab.schedules.power`) of two lengths during training and save
-their snapshots every N updates (:func:`save_snapshot`); afterwards, :func:`synthesize` the EMA of any
-length ``sigma_rel`` as the weighted sum of the snapshots whose profiles ``t ** gamma`` on ``[0, step]``
-best fit the wanted one in least squares (Algorithm 3: the profiles' inner products in closed form).
+their snapshots every N updates (:func:`ema_lab.snapshots.save_step`); afterwards, :func:`synthesize`
+the EMA of any length ``sigma_rel`` as the weighted sum of the snapshots whose profiles ``t ** gamma``
+on ``[0, step]`` best fit the wanted one in least squares (Algorithm 3: the profiles' inner products in
+closed form).
 The anchors are EDM2's ``training/phema.py`` (``power_function_correlation``,
 ``solve_posthoc_coefficients``: it solves the same system and also scales the weights to sum 1) and
 ema-pytorch's ``PostHocEMA`` (``torch.linalg.solve``, weights not scaled).
 
-A snapshot is one file ``ema-<step, 12 digits>-g<repr(gamma)>.pt`` written to a temporary file in the same
-folder, flushed to disk and renamed over its name: a crash while writing leaves a ``.tmp`` file that
-:func:`list_snapshots` ignores, and every earlier snapshot intact.
+The snapshot files (:mod:`ema_lab.snapshots`) hold every profile of a saved update or none of them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from copy import deepcopy
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from .checks import check_int, is_real, require
+from .checks import check_int
 from .ema import ModelEMA
 from .schedules import Power, power, sigma_rel_to_gamma
+from .snapshots import _check_gamma, _check_step, check_folder, list_snapshots, load_snapshot, save_step
 
-__all__ = [
-    "PostHocEMA",
-    "Snapshot",
-    "power_inner_products",
-    "solve_weights",
-    "save_snapshot",
-    "list_snapshots",
-    "load_snapshot",
-    "synthesize",
-]
-
-_NAME = re.compile(r"ema-(\d+)-g(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\.pt")
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One saved EMA: its file, the update count it was saved at, and its profile's exponent gamma."""
-
-    path: Path
-    step: int
-    gamma: float
-
-
-def _check_gamma(name: str, gamma: object) -> None:
-    require(is_real(gamma) and gamma >= 0, name, gamma, "a number >= 0")
-
-
-def _check_step(name: str, step: object) -> None:
-    check_int(name, step, 1)
+__all__ = ["PostHocEMA", "power_inner_products", "solve_weights", "synthesize"]
 
 
 def power_inner_products(t_a: Tensor, gamma_a: Tensor, t_b: Tensor, gamma_b: Tensor) -> Tensor:
@@ -118,72 +85,6 @@ def solve_weights(
     return weights / weights.sum()
 
 
-def save_snapshot(folder: str | os.PathLike, tensors: Mapping[str, Tensor], step: int, gamma: float) -> Path:
-    """Write ``tensors`` (moved to the CPU) as the snapshot of the EMA of exponent ``gamma`` at ``step``.
-
-    Atomic: a temporary file in ``folder`` is written, flushed to disk and renamed over the final name,
-    so a reader sees the whole snapshot or none. Views of one storage (a flat EMA's state_dict) share it
-    in the file; a subset of such views stores the whole storage: clone them first.
-    """
-    _check_step("step", step)
-    _check_gamma("gamma", gamma)
-    if not (isinstance(tensors, Mapping) and tensors):
-        raise ValueError(f"tensors must be a non-empty dict of name -> Tensor, got {type(tensors).__name__}")
-    bad = [k for k, v in tensors.items() if not (isinstance(k, str) and isinstance(v, Tensor))]
-    if bad:
-        raise ValueError(f"tensors must map names to Tensors; not so for {bad[:3]}")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"ema-{step:012d}-g{float(gamma)!r}.pt"
-    if path.exists():
-        raise ValueError(f"{path} exists: a snapshot is never written over")
-    payload = {
-        "step": step,
-        "gamma": float(gamma),
-        "tensors": {k: v.detach().cpu() for k, v in tensors.items()},
-    }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    if os.name == "posix":  # the rename itself reaches the disk with the folder's entry
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    return path
-
-
-def list_snapshots(folder: str | os.PathLike) -> list[Snapshot]:
-    """The snapshots in ``folder``, by step then gamma (unfinished ``.tmp`` files and other files ignored)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ValueError(f"no snapshot folder at {str(folder)!r}")
-    found = []
-    for p in folder.iterdir():
-        m = _NAME.fullmatch(p.name)
-        if m and p.is_file():
-            found.append(Snapshot(p, int(m[1]), float(m[2])))
-    return sorted(found, key=lambda s: (s.step, s.gamma))
-
-
-def load_snapshot(snapshot: Snapshot) -> dict[str, Tensor]:
-    """The tensors of one snapshot, memory-mapped from its file (checked to hold its step and gamma)."""
-    # str: torch 2.1 memory-maps a file given by name only
-    data = torch.load(str(snapshot.path), map_location="cpu", weights_only=True, mmap=True)
-    if (data["step"], data["gamma"]) != (snapshot.step, snapshot.gamma):
-        raise ValueError(f"{snapshot.path.name} holds step {data['step']}, gamma {data['gamma']}")
-    return data["tensors"]
-
-
 def synthesize(
     folder: str | os.PathLike,
     sigma_rel: float | None = None,
@@ -216,10 +117,15 @@ def synthesize(
         [s.gamma for s in used], [s.step for s in used], step, target_gamma=gamma, target_sigma_rel=sigma_rel
     )
     out: dict[str, Tensor] = {}
+    layout: dict[str, tuple] = {}  # the first snapshot's: every other must hold the same model's tensors
     for snapshot, w in zip(used, weights.tolist()):
         tensors = load_snapshot(snapshot)
-        if out and tensors.keys() != out.keys():
-            raise ValueError(f"{snapshot.path.name} has other entries than {used[0].path.name}")
+        this = {k: (v.shape, v.is_floating_point()) for k, v in tensors.items()}
+        layout = layout or this
+        if this != layout:
+            raise ValueError(
+                f"{snapshot.path} holds another model's tensors than {used[0].path} ({_diff(layout, this)})"
+            )
         for k, v in tensors.items():
             if not v.is_floating_point():
                 out[k] = v.clone()
@@ -229,6 +135,17 @@ def synthesize(
                 out[k] = v.to(dtype) * w
         del tensors  # unmaps the file before the next one is read
     return out
+
+
+def _diff(first: dict[str, tuple], other: dict[str, tuple]) -> str:
+    """One line on how two snapshots' (shape, is float) layouts differ."""
+    if first.keys() != other.keys():
+        missing, extra = sorted(first.keys() - other.keys()), sorted(other.keys() - first.keys())
+        return f"missing {missing[:3]}, extra {extra[:3]}"
+    k = next(k for k in first if first[k] != other[k])
+    (shape_a, float_a), (shape_b, float_b) = first[k], other[k]
+    kind = lambda f: "float" if f else "not float"  # noqa: E731
+    return f"{k!r}: {tuple(shape_b)} {kind(float_b)} instead of {tuple(shape_a)} {kind(float_a)}"
 
 
 class PostHocEMA(ModelEMA):
@@ -262,8 +179,7 @@ class PostHocEMA(ModelEMA):
             )
         check_int("snapshot_every", snapshot_every, 1)
         check_int("updates", updates, 0)
-        self.folder, self.snapshot_every = Path(folder), snapshot_every
-        self.folder.mkdir(parents=True, exist_ok=True)  # a bad folder fails here, not at the first save
+        self.folder, self.snapshot_every = check_folder(folder), snapshot_every  # a bad folder fails here
         later = [s.step for s in list_snapshots(self.folder) if s.step > updates]
         if later:
             raise ValueError(
@@ -309,9 +225,9 @@ class PostHocEMA(ModelEMA):
             raise
 
     def save(self) -> None:
-        """Write every EMA's snapshot at the current update count (atomic files)."""
-        for ema, schedule in zip(self.emas, self.schedules):
-            save_snapshot(self.folder, ema.state_dict(), self.updates, schedule.gamma)
+        """Save every EMA's snapshot of this update as one step, complete or none (ema_lab.snapshots)."""
+        states = {s.gamma: e.state_dict() for e, s in zip(self.emas, self.schedules)}
+        save_step(self.folder, self.updates, states)
 
     def synthesize(self, sigma_rel: float, step: int | None = None) -> dict[str, Tensor]:
         """The state_dict of the EMA of length ``sigma_rel`` at ``step`` (default: the last snapshot)."""

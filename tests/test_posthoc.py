@@ -1,24 +1,19 @@
-"""ema_lab.posthoc: post-hoc EMA synthesis against EMAs tracked directly, crash safety, bad input.
+"""ema_lab.posthoc: post-hoc EMA synthesis against EMAs tracked directly, bad input (the snapshot files:
+tests/test_snapshots.py).
 
 ema-pytorch's PostHocEMA is compared by benchmarks/peer_schedules.py (docs/results/peer-schedules.json).
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from ema_lab.posthoc import list_snapshots, power_inner_products, save_snapshot, solve_weights, synthesize
+from ema_lab.posthoc import power_inner_products, solve_weights, synthesize
 from ema_lab.schedules import power
-
-ROOT = Path(__file__).resolve().parents[1]
+from ema_lab.snapshots import check_folder, list_snapshots, save_step
 
 
 def track(
@@ -27,12 +22,15 @@ def track(
     """Power EMAs of the rows of xs (float32, as a model's), snapshots of the first two every ``every``."""
     schedules = [power(sigma_rel=s) for s in sigma_rels]
     emas = [xs[0].clone() for _ in schedules]
+    if folder is not None:
+        check_folder(folder)
     for n in range(1, len(xs) + 1):
         for e, s in zip(emas, schedules):
             e.lerp_(xs[n - 1], 1 - s(n))
         if folder is not None and n % every == 0:
-            for e, s in zip(emas[:2], schedules[:2]):
-                save_snapshot(folder, {"w": e, "count": torch.tensor(n)}, n, s.gamma)
+            save_step(
+                folder, n, {s.gamma: {"w": e, "count": torch.tensor(n)} for e, s in zip(emas, schedules[:2])}
+            )
     return emas
 
 
@@ -93,58 +91,6 @@ def test_a_saved_twice_snapshot_does_not_break_the_solve():
     assert torch.isfinite(w).all() and w[0].item() == pytest.approx(w[1].item())
 
 
-def test_save_and_list(tmp_path):
-    p = save_snapshot(tmp_path / "new", {"w": torch.ones(3)}, 7, 6.94)
-    (tmp_path / "new" / "notes.txt").write_text("not a snapshot")
-    assert list_snapshots(tmp_path / "new") == [type(list_snapshots(p.parent)[0])(p, 7, 6.94)]
-    save_snapshot(tmp_path / "new", {"w": torch.ones(3)}, 3, 16.97)
-    assert [(s.step, s.gamma) for s in list_snapshots(tmp_path / "new")] == [(3, 16.97), (7, 6.94)]
-
-
-CRASH = """
-import os, signal, sys, torch
-from ema_lab import posthoc
-where = sys.argv[2]
-def die(*args, **kwargs):
-    if where == "while writing":
-        args[1].write(b"PK\\x03\\x04 half a zip")  # torch.save's file, part written
-        args[1].flush()
-    os.kill(os.getpid(), signal.SIGKILL)
-if where == "while writing":
-    torch.save = die
-else:
-    os.replace = die
-posthoc.save_snapshot(sys.argv[1], {"w": torch.full((1000,), 9.0), "count": torch.tensor(9)}, 900, 6.94)
-"""
-
-
-@pytest.mark.parametrize("where", ["while writing", "before the rename"])
-def test_a_crash_while_saving_leaves_earlier_snapshots_readable(tmp_path, where):
-    for step in (300, 600):
-        for gamma in (6.94, 16.97):
-            save_snapshot(tmp_path, {"w": torch.full((1000,), 5.0), "count": torch.tensor(step)}, step, gamma)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CRASH), str(tmp_path), where], env=env)
-    assert proc.returncode == -signal.SIGKILL
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-    assert len(leftovers) == 1 and leftovers[0].startswith(".ema-000000000900-g6.94.pt.")
-    assert [s.step for s in list_snapshots(tmp_path)] == [300, 300, 600, 600]
-    out = synthesize(tmp_path, 0.075)
-    assert out["count"].item() == 600
-    torch.testing.assert_close(out["w"], torch.full((1000,), 5.0))  # the weights sum to 1
-
-
-def test_a_failed_save_removes_its_temporary_file(tmp_path, monkeypatch):
-    def fail(obj, f):
-        f.write(b"partial")
-        raise OSError("disk full")
-
-    monkeypatch.setattr(torch, "save", fail)
-    with pytest.raises(OSError, match="disk full"):
-        save_snapshot(tmp_path, {"w": torch.ones(2)}, 1, 1.0)
-    assert list(tmp_path.iterdir()) == []
-
-
 BAD_SOLVE = [
     ({"snapshot_gammas": [1.0], "snapshot_steps": [10], "target_step": 10}, "give one of target_gamma"),
     (
@@ -175,17 +121,13 @@ def test_solve_weights_bad_input_one_line(kwargs, message):
     assert "\n" not in str(info.value)
 
 
-def test_store_bad_input_one_line(tmp_path):
-    save_snapshot(tmp_path, {"w": torch.ones(2)}, 10, 1.0)
+def test_synthesize_bad_input_one_line(tmp_path):
+    save_step(tmp_path, 10, {1.0: {"w": torch.ones(2)}})
     cases = [
-        (lambda: save_snapshot(tmp_path, {}, 1, 1.0), "non-empty dict"),
-        (lambda: save_snapshot(tmp_path, {"w": [1.0]}, 1, 1.0), "map names to Tensors"),
-        (lambda: save_snapshot(tmp_path, {"w": torch.ones(1)}, 0, 1.0), "step must be an int >= 1"),
-        (lambda: save_snapshot(tmp_path, {"w": torch.ones(1)}, 1, float("inf")), "gamma must be"),
-        (lambda: list_snapshots(tmp_path / "missing"), "no snapshot folder"),
         (lambda: synthesize(tmp_path / "missing", 0.1), "no snapshot folder"),
         (lambda: synthesize(tmp_path, 0.1, step=5), "step must be one of the snapshots' steps"),
         (lambda: synthesize(tmp_path), "give one of sigma_rel and gamma"),
+        (lambda: synthesize(tmp_path, 0.1, gamma=1.0), "give one of sigma_rel and gamma"),
         (lambda: synthesize(tmp_path, 0.1, dtype=torch.float16), "dtype must be"),
     ]
     empty = tmp_path / "empty"
@@ -195,14 +137,3 @@ def test_store_bad_input_one_line(tmp_path):
         with pytest.raises(ValueError, match=message) as info:
             call()
         assert "\n" not in str(info.value)
-
-
-def test_mismatched_snapshots_are_refused(tmp_path):
-    save_snapshot(tmp_path, {"w": torch.ones(2)}, 10, 1.0)
-    save_snapshot(tmp_path, {"v": torch.ones(2)}, 10, 2.0)
-    with pytest.raises(ValueError, match="other entries"):
-        synthesize(tmp_path, gamma=1.5)
-    renamed = tmp_path / "ema-000000000020-g1.0.pt"
-    (tmp_path / "ema-000000000010-g1.0.pt").rename(renamed)
-    with pytest.raises(ValueError, match="holds step 10"):
-        synthesize(tmp_path, gamma=1.5, step=20)
