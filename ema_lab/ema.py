@@ -106,7 +106,8 @@ class BaseEMA:
             )
         if cuda_graph and self.sharded:
             raise ValueError("cuda_graph=True records one device's update; a sharded EMA cannot use it")
-        ema = self._average_of(unwrap_model(model))
+        with torch.inference_mode(False):  # built under inference_mode, the EMA would be read-only outside
+            ema = self._average_of(unwrap_model(model))
         floats = [t for t in (*ema.parameters(), *ema.buffers()) if t.is_floating_point()]
         self.resolved_strategy = resolve_strategy(strategy, floats, in_place=self.sharded)
         step_type = STEPS[self.resolved_strategy]
@@ -179,7 +180,8 @@ class BaseEMA:
         """A new step over ``model`` and the EMAs, checked and gathered like a cached one (never a stale
         one)."""
         self._step = None  # a failed rebuild must not leave the stale step behind
-        step = self._step_type(self._collect(model), model, self._options)
+        with torch.inference_mode(False):  # its buffers must stay writable outside inference_mode too
+            step = self._step_type(self._collect(model), model, self._options)
         if not (step.intact(model) and step.try_gather()):  # only a model changed meanwhile fails here
             raise RuntimeError("the model changed while its EMA step was being built")
         self._step = step
@@ -195,6 +197,8 @@ class BaseEMA:
         """
         if not self.enabled:
             return
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not self.ranks_checked:  # once: buffers that DDP/FSDP2 ranks compute apart need sync_buffers()
             warn_unsynced(self, model)
         if decay is not None:

@@ -187,7 +187,8 @@ class PostHocEMA(ModelEMA):
                 "update> or give an empty folder"
             )
         super().__init__(model, decay=schedules[0], updates=updates, strategy="flat")
-        self.emas += [deepcopy(self.ema) for _ in schedules[1:]]
+        with torch.inference_mode(False):  # as the first EMA: writable outside inference_mode
+            self.emas += [deepcopy(self.ema) for _ in schedules[1:]]
         self.schedules: list[Power] = schedules
         if updates:
             self._resume(updates)

@@ -33,7 +33,7 @@ def rank_local_tensors(ema: object) -> list[Tensor]:
     """The EMA's float tensors that ranks compute apart: its buffers and, in a ``ShardedModelEMA`` (it holds
     buffers as parameters), every tensor that is not a DTensor shard; of every EMA it keeps (``.emas``)."""
     tensors = []
-    for module in getattr(ema, "emas", None) or [ema.ema]:
+    for module in ema.emas:
         tensors += [*module.parameters(), *module.buffers()] if ema.sharded else list(module.buffers())
     return [t for t in tensors if t.is_floating_point() and not hasattr(t, "placements")]
 
@@ -68,8 +68,10 @@ def warn_unsynced(ema: object, model: nn.Module) -> None:
     """Warn when ``ema`` averages buffers that the ranks of a DDP or FSDP2 run compute apart; once per EMA:
     ``update()`` calls it until ``ema.ranks_checked``."""
     ema.ranks_checked = True
-    distributed = isinstance(model, nn.parallel.DistributedDataParallel) or getattr(ema, "sharded", False)
-    if distributed and _world_size() > 1 and rank_local_tensors(ema):
+    distributed = isinstance(model, nn.parallel.DistributedDataParallel) or ema.sharded
+    # SyncBatchNorm reduces its batch statistics over the ranks: its buffers are equal on every rank.
+    synced = {id(t) for m in ema.ema.modules() if isinstance(m, nn.SyncBatchNorm) for t in m.buffers()}
+    if distributed and _world_size() > 1 and any(id(t) not in synced for t in rank_local_tensors(ema)):
         warnings.warn(
             f"{type(ema).__name__}: each rank updates the model's float buffers (BatchNorm's running "
             "statistics) from its own batch, so the EMA's buffers differ between ranks; call "

@@ -386,10 +386,9 @@ plt.show()
 # with two power EMAs tracked directly as a check, and three constant decays for later:
 
 # %% tags=["nbval-ignore-output"]
-from pathlib import Path
-
 from ema_lab import PostHocEMA
 from ema_lab.lessons import scratch_dir
+from ema_lab.snapshots import list_snapshots
 
 folder = scratch_dir("ema_lab_07_")  # a temporary folder, removed when the kernel stops
 tracked, constants = [0.03, 0.15], [0.02, 0.05, 0.15]
@@ -410,7 +409,7 @@ def synthesized(sigma_rel):  # the model, holding the EMA of that length built f
 for s, ema in zip(tracked, direct):
     a, b = test_loss(ema.ema), test_loss(synthesized(s))
     print(f"sigma_rel {s}: tracked {a:.5f}, synthesized {b:.5f} ({100 * abs(b - a) / a:.2f} % apart)")
-files = list(Path(folder).glob("*.pt"))
+files = [snapshot.path for snapshot in list_snapshots(folder)]  # one file per profile and saved step
 print(f"{len(files)} snapshots of {sum(p.numel() for p in model.parameters()):,} float32 weights each:",
       f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB on disk")  # fmt: skip
 

@@ -244,6 +244,25 @@ def test_sync_buffers_outside_a_process_group_changes_nothing_and_silences_the_w
         ema.sync_buffers(src=1)
 
 
+def test_the_warning_leaves_out_syncbatchnorm_whose_buffers_are_equal_on_every_rank(monkeypatch) -> None:
+    import warnings
+
+    from ema_lab import sync
+
+    class Wrapped(nn.parallel.DistributedDataParallel):  # isinstance DDP, no process group needed
+        def __init__(self, module: nn.Module) -> None:
+            nn.Module.__init__(self)
+            self.module = module
+
+    monkeypatch.setattr(sync, "_world_size", lambda group=None: 2)
+    for norm, warns in ((nn.SyncBatchNorm(4), False), (nn.BatchNorm1d(4), True)):
+        model = nn.Sequential(nn.Linear(3, 4), norm)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ModelEMA(model).update(Wrapped(model))
+        assert len(caught) == warns, (norm, [str(w.message) for w in caught])
+
+
 # --- the command line, failures, skips -------------------------------------------------------------------
 
 

@@ -316,3 +316,25 @@ def test_a_compiled_model_is_unwrapped() -> None:
     ema.update(compiled, decay=0.0)
     for k, v in ema.ema.state_dict().items():
         assert torch.equal(v, model.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("strategy", ["auto", "gated", "loop"])
+def test_an_ema_made_or_first_updated_under_inference_mode_updates_outside_it(strategy: str) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    with torch.inference_mode():
+        made_inside = ModelEMA(model, strategy=strategy)
+    first_inside = ModelEMA(model, strategy=strategy)
+    with torch.inference_mode():
+        first_inside.update(model)
+        made_inside.update(model)
+    for ema in (made_inside, first_inside):
+        ema.update(model)  # raised "Inplace update to inference tensor outside InferenceMode" before
+        assert ema.updates == 2
+        assert not any(t.is_inference() for t in ema.ema.state_dict().values())
+
+
+def test_update_refuses_what_is_not_a_module_in_one_line() -> None:
+    ema = ModelEMA(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"^model must be a torch.nn.Module, got str$"):
+        ema.update("model")
+    assert ema.updates == 0
