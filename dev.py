@@ -2,7 +2,7 @@
 """One-file driver: creates or reuses ./.venv, then runs a job in it.
 
     python3 dev.py bench [args]   time the EMA strategies on this machine (`python -m ema_lab bench`)
-    python3 dev.py compare FILES  plot several bench runs side by side
+    python3 dev.py compare FILES  a table of bench runs side by side; --plot FILE.png also draws them
     python3 dev.py test [args]    ruff, then the whole test suite including nbval over notebooks/
     python3 dev.py notebooks      execute every notebook in place (refreshes the committed outputs)
     python3 dev.py lab [args]     open JupyterLab on notebooks/; --notebook-dir DIR: on DIR, a copy of
