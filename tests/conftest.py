@@ -79,6 +79,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         lines = ["FAILED: the tests changed the reader's home (tests/home.py):", *changed[:20]]
         lines += [f"... and {len(changed) - 20} more"] if len(changed) > 20 else []
+        lines.append("(an IPython or Jupyter started outside the tests meanwhile writes there too)")
         for line in lines:
             if reporter:
                 reporter.write_line(line, red=True)
