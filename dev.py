@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """One-file driver: creates or reuses ./.venv, then runs a job in it.
 
-    python dev.py bench [args]   time the EMA strategies on this machine (`python -m ema_lab bench`)
-    python dev.py compare FILES  plot several bench runs side by side
-    python dev.py test [args]    ruff, then the whole test suite including nbval over notebooks/
-    python dev.py notebooks      execute every notebook in place (refreshes the committed outputs)
-    python dev.py lab [args]     open JupyterLab on notebooks/; --notebook-dir DIR: on DIR, a copy of
-                                 notebooks/ made there the first time (later runs keep your edits)
-    python dev.py demo           a short demo of every EMA strategy on a built-in model
-    python dev.py gpu-check      on a CUDA machine: bench, kernels, CUDA tests, peers (benchmarks/)
+    python3 dev.py bench [args]   time the EMA strategies on this machine (`python -m ema_lab bench`)
+    python3 dev.py compare FILES  a table of bench runs side by side; --plot FILE.png also draws them
+    python3 dev.py test [args]    ruff, then the whole test suite including nbval over notebooks/
+    python3 dev.py notebooks      execute every notebook in place (refreshes the committed outputs)
+    python3 dev.py lab [args]     open JupyterLab on notebooks/; --notebook-dir DIR: on DIR, a copy of
+                                  the notebooks (and figures/) made there the first time (later runs
+                                  keep your edits)
+    python3 dev.py demo           a short demo of every EMA strategy on a built-in model
+    python3 dev.py gpu-check      on a CUDA machine: bench, kernels, CUDA tests, peers (benchmarks/)
 
 Only the standard library is used here, so it runs on a bare Python >= 3.10.
 lab, bench, compare and demo install the readers' extra (`notebooks`); test, notebooks and gpu-check the
@@ -44,6 +45,7 @@ NBVAL_ARGS = [
 ]
 
 
+JOBS = ("bench", "compare", "demo", "test", "gpu-check", "notebooks", "lab")
 # Which extra each job needs; "dev" includes "notebooks" (pyproject.toml).
 EXTRAS = {"test": "dev", "notebooks": "dev", "gpu-check": "dev"}  # others: "notebooks", the readers' extra
 
@@ -118,14 +120,23 @@ def notebook_dir(args: list[str]) -> tuple[list[str], Path | None]:
     return args, None
 
 
+def reader_files(folder: str, names: list[str]) -> list[str]:
+    """``shutil.copytree``'s ignore: keep the notebooks and figures/ they show, leave out the test machinery.
+
+    conftest.py, execute.py, jupytext.toml, sanitize.cfg, the paired .py sources and figures/' drawing
+    scripts would open in the lab beside the notebooks; a reader needs none of them.
+    """
+    if Path(folder) == ROOT / "notebooks":
+        return [n for n in names if not (n.endswith(".ipynb") or n == "figures")]
+    return [n for n in names if n.endswith(".py") or n in {"__pycache__", ".ipynb_checkpoints"}]
+
+
 def copy_notebooks(folder: Path) -> None:
-    """Fill ``folder`` with a copy of notebooks/ unless it exists: a second run keeps the reader's edits."""
+    """Copy the notebooks and figures/ to ``folder`` unless it exists: a second run keeps the edits made."""
     if folder.exists():
         return
-    shutil.copytree(
-        ROOT / "notebooks", folder, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__")
-    )
-    print(f"[dev] copied notebooks/ to {folder}; later runs open this copy as it is", flush=True)
+    shutil.copytree(ROOT / "notebooks", folder, ignore=reader_files)
+    print(f"[dev] copied the notebooks to {folder}; later runs open this copy as it is", flush=True)
 
 
 LAB_SETTINGS = VENV / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
@@ -149,6 +160,9 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0
     job, rest = argv[0], argv[1:]
+    if job not in JOBS:  # before any install: a typo costs one line, not a venv
+        print(f"[dev] unknown job {job!r}; try: python3 dev.py --help", file=sys.stderr)
+        return 2
     ensure_venv(EXTRAS.get(job, "notebooks"))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if job in {"bench", "demo", "compare"}:
@@ -166,20 +180,18 @@ def main(argv: list[str]) -> int:
         return replace_process(PY, ROOT / "benchmarks" / "gpu_check.py", *rest, env=env)
     if job == "notebooks":
         return replace_process(PY, ROOT / "notebooks" / "execute.py", *rest, env=env)
-    if job == "lab":
-        # Jupyter refuses to start as root (containers, CI boxes) unless told it is intended.
-        root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
-        # The reader's own --notebook-dir / --ServerApp.root_dir wins; jupyter accepts the option only once.
-        rest, folder = notebook_dir(rest)
-        if folder is not None:
-            copy_notebooks(folder)
-        where = [] if folder else ["--notebook-dir", ROOT / "notebooks"]
-        lab_settings()
-        # `python -m jupyterlab` rather than the `jupyter` script: a moved or copied .venv keeps its
-        # scripts' old shebang, and the lab would read another environment's settings (autosave on).
-        return replace_process(PY, "-m", "jupyterlab", *where, *root, *rest, env=env)
-    print(f"[dev] unknown job {job!r}; try: python dev.py --help", file=sys.stderr)
-    return 2
+    # lab, the last of JOBS
+    # Jupyter refuses to start as root (containers, CI boxes) unless told it is intended.
+    root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+    # The reader's own --notebook-dir / --ServerApp.root_dir wins; jupyter accepts the option only once.
+    rest, folder = notebook_dir(rest)
+    if folder is not None:
+        copy_notebooks(folder)
+    where = [] if folder else ["--notebook-dir", ROOT / "notebooks"]
+    lab_settings()
+    # `python -m jupyterlab` rather than the `jupyter` script: a moved or copied .venv keeps its
+    # scripts' old shebang, and the lab would read another environment's settings (autosave on).
+    return replace_process(PY, "-m", "jupyterlab", *where, *root, *rest, env=env)
 
 
 if __name__ == "__main__":

@@ -345,9 +345,12 @@ for rec, f in saved:
 
 
 # %% tags=["nbval-ignore-output"]
-def speedup(rec: dict, cand: str, device: str) -> tuple[float, float, float] | None:
+from ema_lab.lessons.runs import discussed_runs, own_runs, run_name
+
+
+def speedup(rec: dict, cand: str, device: str, threads: int = 1) -> tuple[float, float, float] | None:
     """(low, median, high) speed-up of ``cand`` over the before-code on tiny_tensors, or None."""
-    key = ("tiny_tensors", device, 1)  # the model, the device, one thread
+    key = ("tiny_tensors", device, threads)
     rows = {r["candidate"]: r for r in rec["results"] if (r["model"], r["device"], r["threads"]) == key}
     if cand not in rows or "seed_before" not in rows:
         return None
@@ -355,34 +358,53 @@ def speedup(rec: dict, cand: str, device: str) -> tuple[float, float, float] | N
     return b["q1_ms"] / c["q3_ms"], b["median_ms"] / c["median_ms"], b["q3_ms"] / c["q1_ms"]
 
 
-def label(rec: dict) -> str:
-    return f"{rec['created'][:10]} {'quick' if rec['settings']['quick'] else 'full'}, {rec['machine']}"
+def rows_of(runs: list, thread_counts: tuple | None = None) -> list:
+    """(label, record, device, threads) per run and thread count measured on tiny_tensors (None: all)."""
+    return [
+        (run_name(rec, n), rec, d, n)
+        for _, rec in runs
+        for d in measured(rec)
+        for n in thread_counts or rec["settings"]["threads"]
+        if speedup(rec, "foreach", d, n)
+    ]
 
 
-reference = next(r for r, f in saved if f.name == reference_name)
-shown = [(label(r), r, d) for r, _ in saved for d in measured(r) if speedup(r, "foreach", d)][:8]
+committed = discussed_runs(results_dir())  # the committed runs this section discusses, by name
+reference = next(rec for f, rec in committed if f.name == reference_name)
+committed_rows = rows_of(committed, (1,))
+your_rows = rows_of(own_runs(results_dir()))  # every other run in results/: yours, newest first
+shown = committed_rows + your_rows[:8]
 
-fig, axes = plt.subplots(1, 2, figsize=(9, 0.6 + 0.42 * len(shown)), sharey=True, layout="constrained")
+fig, axes = plt.subplots(1, 2, figsize=(9.5, 0.8 + 0.42 * len(shown)), sharey=True, layout="constrained")
 for ax, (cand, title) in zip(axes, [("seed_after", "PR after-code"), ("foreach", 'ModelEMA "foreach"')]):
-    for y, (_, rec, device) in enumerate(shown):
-        if s := speedup(rec, cand, device):
+    for y, (_, rec, device, n) in enumerate(shown):
+        if s := speedup(rec, cand, device, n):
             color = "tab:green" if device == "cuda" else "tab:orange" if rec is reference else "tab:blue"
+            color = "tab:purple" if y >= len(committed_rows) else color
             ax.plot([s[0], s[2]], [y, y], color=color, lw=4, alpha=0.4)
             ax.plot(s[1], y, "o", color=color)
             ax.text(s[2], y, f"  {s[1]:.1f}x", va="center", fontsize=9)
+    if len(shown) > len(committed_rows):
+        ax.axhline(len(committed_rows) - 0.5, color="grey", lw=0.8)  # committed above, yours below
     ax.set(xscale="log", xlim=(1, 300))
     ax.set_xticks([1, 2, 5, 10, 20, 50, 100, 200], ["1", "2", "5", "10", "20", "50", "100", "200"])
-    ax.set_title(f"{title} over the before-code", fontsize=10)
-axes[0].set_yticks(range(len(shown)), [lab for lab, *_ in shown], fontsize=9)
+    ax.set_title(title, fontsize=10)
+labels = [lab for lab, *_ in committed_rows] + [f"yours: {lab}" for lab, *_ in your_rows[:8]]
+axes[0].set_yticks(range(len(shown)), labels, fontsize=9)
 axes[0].invert_yaxis()
 fig.supxlabel(
-    "speed-up on tiny_tensors, 1 thread, log scale (orange: the CPU reference, green: H200)", fontsize=10
+    "speed-up over the before-code on tiny_tensors, log scale\n(orange: the CPU reference, green: H200, purple: yours)",
+    fontsize=10,
 )
 plt.show()
+if len(your_rows) > 8:
+    print(f"{len(your_rows) - 8} older rows of your runs are not drawn")
 
 # %% [markdown]
-# The three plotted `linux-amd-epyc-2c` runs (the fourth timed 2 threads only) are the same kind of 2-core VM, yet `foreach` gained 11.8x, 7.0x
-# and 8.3x. Put the two full runs side by side:
+# The three plotted `linux-amd-epyc-2c` runs (the fourth timed 2 threads only) are the same kind of
+# 2-core VM, yet `foreach` gained 11.8x, 8.3x and 7.0x. The figure always draws these committed runs,
+# at 1 thread; any run of yours in `results/` comes below them in purple, labelled with its time (UTC),
+# mode and thread count. Put the two full runs side by side:
 
 # %%
 earlier = next(r for r, f in saved if f.name == "linux-amd-epyc-2c_2026-12-02.json")

@@ -6,14 +6,27 @@ with the version it needs and the version installed, wherever that feature is mi
 
 A feature spelled as a dotted ``torch.`` name must also exist: a private binding can be absent from some
 builds of a version that has it elsewhere.
+
+And the reader's home is left as the run found it (tests/home.py): every kernel the run starts gets the
+run's own IPython and Jupyter folders, and the run fails if ``~/.ipython``, ``~/.jupyter`` or
+``~/.local/share/jupyter`` changed. ``dev.py test`` runs ``pytest tests notebooks``: this file is loaded
+first, so nbval's kernels are covered too.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+
+from .home import changes, own_folders, snapshot
+
+_HOME = pytest.StashKey[tuple[Path, dict, Path]]()  # the home, its snapshot, the run's own folders
 
 
 def has_torch_name(dotted: str) -> bool:
@@ -48,10 +61,36 @@ def torch_lacks(version: str, feature: str) -> str | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the marker (so ``--strict-markers`` accepts it)."""
+    """Register the marker (so ``--strict-markers`` accepts it); move IPython and Jupyter out of the home."""
     config.addinivalue_line(
         "markers", "requires_torch(version, feature): skip where torch lacks a feature added in that version"
     )
+    home, own = Path.home(), Path(tempfile.mkdtemp(prefix="ema_lab-tests-"))
+    config.stash[_HOME] = home, snapshot(home), own
+    os.environ.update(own_folders(own))  # inherited by every kernel and process the tests start
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Fail the run if it changed the reader's IPython or Jupyter folders, naming each path."""
+    home, before, _ = session.config.stash[_HOME]
+    changed = changes(before, snapshot(home))
+    if changed:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = ["FAILED: the tests changed the reader's home (tests/home.py):", *changed[:20]]
+        lines += [f"... and {len(changed) - 20} more"] if len(changed) > 20 else []
+        lines.append("(an IPython or Jupyter started outside the tests meanwhile writes there too)")
+        for line in lines:
+            if reporter:
+                reporter.write_line(line, red=True)
+            else:
+                print(line)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the run's own IPython and Jupyter folders."""
+    if _HOME in config.stash:
+        shutil.rmtree(config.stash[_HOME][2], ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before fixtures: a fixture may use the missing feature

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -119,8 +120,8 @@ def test_compare_plots_result_files_and_skips_other_tools_json(quick_run, tmp_pa
     foreign = [tmp_path / f"peers-2026-01-0{i}.json" for i in range(1, 6)]  # another tool's JSON
     for f in foreign:
         f.write_text(json.dumps({"rows": []}))
-    assert main(["compare", *files, *map(str, foreign), "--out", str(tmp_path)]) == 0
-    assert len(list(tmp_path.glob("compare_*.png"))) == 1
+    assert main(["compare", *files, *map(str, foreign), "--plot", str(tmp_path / "runs.png")]) == 0
+    assert (tmp_path / "runs.png").read_bytes().startswith(b"\x89PNG")
     printed = capsys.readouterr().out
     skipped = [line for line in printed.splitlines() if "not bench runs" in line]
     assert skipped == [
@@ -294,7 +295,7 @@ def test_compare_keeps_runs_of_one_machine_apart(quick_run, tmp_path, capsys):
     for ax in fig.axes:
         assert ax.get_yscale() == "log"
     assert "runs differ in thread counts: 1 vs 1/2" in fig._suptitle.get_text()
-    assert main(["compare", str(COMMITTED), str(path), "--out", str(tmp_path)]) == 0
+    assert main(["compare", str(COMMITTED), str(path)]) == 0
     printed = capsys.readouterr().out
     for line in (
         "runs differ in thread counts: 1 vs 1/2",
@@ -305,6 +306,37 @@ def test_compare_keeps_runs_of_one_machine_apart(quick_run, tmp_path, capsys):
     ):
         assert line in printed
     assert "run 4: " not in printed
+
+
+def _untracked(folder: Path) -> list[str]:
+    """The files git does not track under ``folder`` (every file where ``folder`` is not in a checkout)."""
+    out = subprocess.run(
+        ["git", "ls-files", "--others", "--exclude-standard", "."], cwd=folder, capture_output=True, text=True
+    )
+    return sorted(out.stdout.splitlines()) if out.returncode == 0 else sorted(map(str, folder.rglob("*")))
+
+
+def test_compare_writes_a_file_only_where_asked(quick_run, tmp_path, monkeypatch, capsys):
+    """Three compares of the README's kind leave no new file; --plot FILE writes (and rewrites) that one."""
+    _, out = quick_run
+    monkeypatch.chdir(tmp_path)
+    before = {folder: _untracked(folder) for folder in (RESULTS, out, tmp_path)}
+    for _ in range(3):
+        assert main(["compare", str(RESULTS), str(out)]) == 0
+    assert {folder: _untracked(folder) for folder in before} == before
+    assert capsys.readouterr().out.count("add --plot FILE.png to draw these runs side by side") == 3
+    for _ in range(2):
+        assert main(["compare", str(out), "--plot", "runs.svg"]) == 0
+        assert capsys.readouterr().out.endswith("wrote runs.svg\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs.svg"]
+
+
+def test_compare_names_each_machine_whole_in_its_plot():
+    h200 = next(RESULTS.glob("gpu-*/*_full_t1_cuda.json"))
+    fig = plot_compare([load(COMMITTED), load(h200)])
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels[0].startswith("linux-amd-epyc-2c cpu 2026-12-02 12:36 1t full")
+    assert labels[1].startswith("linux-intel-xeon-16c-nvidia-h200 cuda 2026-12-04 15:45 1t full")
 
 
 def test_settings_mismatch_is_reported(quick_run):
@@ -371,7 +403,9 @@ def _exit_code(argv: list[str]) -> int:
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys, tmp_path):
-    out = ["--out", str(tmp_path)] if argv[0] in {"bench", "compare"} else []
+    out = {"bench": ["--out", str(tmp_path)], "compare": ["--plot", str(tmp_path / "runs.png")]}.get(
+        argv[0], []
+    )
     assert _exit_code([*argv, *out]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err

@@ -1,4 +1,4 @@
-"""Bad ``--out`` folders fail in one line with exit code 2 before the bench measures anything."""
+"""Bad ``--out`` folders and ``--plot`` files fail in one line with exit code 2 before any work."""
 
 from __future__ import annotations
 
@@ -33,13 +33,6 @@ def _never(*args, **kwargs):
         ),
         # A folder that exists but takes no files, even for root (permission denied, or a read-only mount).
         pytest.param("bench", "/sys", "cannot write to --out '/sys': ", marks=linux),
-        ("compare", "{tmp}/a_file", "--out '{tmp}/a_file' exists and is not a folder"),
-        pytest.param(
-            "compare",
-            "/proc/forbidden",
-            "cannot write to --out '/proc/forbidden': No such file or directory",
-            marks=linux,
-        ),
     ],
 )
 def test_an_unwritable_out_is_one_line_and_exit_2_before_any_work(
@@ -52,6 +45,30 @@ def test_an_unwritable_out_is_one_line_and_exit_2_before_any_work(
     assert cli.main([cmd, *files, "--out", out.format(tmp=tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"{cmd}: error: {message.format(tmp=tmp_path)}" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "plot, message",
+    [
+        ("{tmp}/runs.txt", "--plot '{tmp}/runs.txt': the file name must end in one of .png, .svg, .pdf"),
+        ("{tmp}/a_folder.png", "--plot '{tmp}/a_folder.png' is a folder; name the file to write"),
+        ("{tmp}/a_file/runs.png", "the folder of --plot '{tmp}/a_file/runs.png' exists and is not a folder"),
+        pytest.param(
+            "/proc/forbidden/runs.png",
+            "cannot write to the folder of --plot '/proc/forbidden/runs.png': No such file or directory",
+            marks=linux,
+        ),
+    ],
+)
+def test_a_bad_plot_file_is_one_line_and_exit_2_before_any_work(
+    plot, message, tmp_path, monkeypatch, capsys
+) -> None:
+    (tmp_path / "a_file").write_text("a file, not a folder")
+    (tmp_path / "a_folder.png").mkdir()
+    monkeypatch.setattr(sweep, "compare", _never)
+    assert cli.main(["compare", str(RUN), "--plot", plot.format(tmp=tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"compare: error: {message.format(tmp=tmp_path)}" in err and err.count("\n") == 1, err
 
 
 def test_a_new_out_is_created_and_left_empty(tmp_path) -> None:

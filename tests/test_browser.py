@@ -1,7 +1,7 @@
 """The reader's path: JupyterLab started as the README says, notebooks run in headless Chromium.
 
 It follows the README's copy workflow (``python3 dev.py lab --notebook-dir <dir>``, which copies
-notebooks/ there), so a notebook that reads committed results must find them from a copy in
+the notebooks and figures/ there), so a notebook that reads committed results must find them from a copy in
 another folder, and the committed outputs stay as they are. When the lab stops, nothing it started
 may be left running. Chromium is Debian's
 ``chromium`` package (playwright cannot download its own browsers on every machine); without it the
@@ -223,13 +223,20 @@ def test_autosave_is_off_in_the_lab_dev_py_starts(lab) -> None:
 def test_the_jupytext_py_form_opens_as_the_same_notebook(lab) -> None:
     from playwright.sync_api import sync_playwright
 
-    url, _ = lab
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], headless=True)
-        page = browser.new_page()
-        _open(page, url, f"{NOTEBOOK}.py", "Jupytext Notebook")
-        nb = page.evaluate(_NOTEBOOK_JSON)
-        browser.close()
+    url, copy = lab
+    # A reader's copy holds no .py source; the developer's does (notebooks/): put one beside it, for now.
+    source = copy / "source"
+    source.mkdir()
+    shutil.copy(ROOT / "notebooks" / f"{NOTEBOOK}.py", source)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], headless=True)
+            page = browser.new_page()
+            _open(page, url, f"source/{NOTEBOOK}.py", "Jupytext Notebook")
+            nb = page.evaluate(_NOTEBOOK_JSON)
+            browser.close()
+    finally:
+        shutil.rmtree(source)
     stored = json.loads((ROOT / "notebooks" / f"{NOTEBOOK}.ipynb").read_text())
     assert [c["cell_type"] for c in nb["cells"]] == [c["cell_type"] for c in stored["cells"]]
     assert ["".join(c["source"]) for c in nb["cells"]] == ["".join(c["source"]) for c in stored["cells"]]

@@ -135,7 +135,7 @@ def test_the_readme_steps_twice_on_a_fresh_clone(clone: Path, tmp_path: Path) ->
         assert f"wrote results/{new.name}" in printed
         mine.add(new)
         compared = _dev(clone, env, "compare", "results").stdout  # the README's line: its runs and the H200's
-        assert "wrote results/compare_" in compared and f"({new.name})" in compared
+        assert "add --plot FILE.png" in compared and f"({new.name})" in compared  # and no file written
         assert "_cuda.json)" in compared and "skipped" not in compared
         # The README's test command; -k narrows it to the tests a reader's runs in results/ could break.
         _dev(clone, env, "test", "-q", "-k", "test_setup and result", "-p", "no:cacheprovider")
@@ -145,3 +145,4 @@ def test_the_readme_steps_twice_on_a_fresh_clone(clone: Path, tmp_path: Path) ->
         ["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True
     ).stdout
     assert status and all(line.startswith("?? results/") for line in status.splitlines()), status
+    assert "compare_" not in status  # compare, run twice, wrote no picture: none was asked for

@@ -94,7 +94,12 @@ def test_readme_starts_a_newcomer_with_clone_and_lab_and_ci_runs_its_test_comman
 
 def test_dev_help() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "dev.py"), "--help"], capture_output=True, text=True)
-    assert out.returncode == 0 and "python dev.py test" in out.stdout
+    assert out.returncode == 0 and "python3 dev.py test" in out.stdout
+    # Every command dev.py suggests is the README's (python3), never another spelling.
+    dev = [sys.executable, str(ROOT / "dev.py")]
+    wrong = subprocess.run([*dev, "frobnicate"], capture_output=True, text=True)
+    assert wrong.returncode == 2 and wrong.stderr.endswith("try: python3 dev.py --help\n")
+    assert not re.search(r"\bpython dev\.py", out.stdout + wrong.stderr)
 
 
 def test_dev_lab_passes_a_notebook_dir_through_once(monkeypatch, tmp_path) -> None:
@@ -231,7 +236,14 @@ def test_dev_lab_copies_the_notebooks_once_and_keeps_the_readers_edits(monkeypat
     assert dev.main(["lab", "--notebook-dir", "copy"]) == 0  # relative to where the reader is
     copy = tmp_path / "copy"
     first = sorted(p.name for p in copy.iterdir())
-    assert "01_launch_overhead.ipynb" in first and ".ipynb_checkpoints" not in first
+    # What a reader opens: the notebooks and the figures they show; none of the test machinery.
+    notebooks = ROOT / "notebooks"
+    assert first == sorted([p.name for p in notebooks.glob("*.ipynb")] + ["figures"])
+    svgs = sorted(p.name for p in (notebooks / "figures").glob("*.svg"))
+    assert sorted(p.name for p in (copy / "figures").iterdir()) == svgs
+    for nb in copy.glob("*.ipynb"):  # every file a notebook shows lies in the copy beside it
+        for target in re.findall(r"\]\((figures/[^)\s]+)\)", nb.read_text()):
+            assert (copy / target).is_file(), (nb.name, target)
     (copy / "01_launch_overhead.ipynb").write_text("the reader's edit")
     assert dev.main(["lab", "--notebook-dir=copy"]) == 0  # the second time: no nesting, nothing replaced
     assert sorted(p.name for p in copy.iterdir()) == first
@@ -286,7 +298,7 @@ def test_the_readmes_compare_command_selects_every_bench_run_and_nothing_else(tm
     assert any(p.parent.name.startswith("gpu-") for p in runs) and len(runs) >= 5
     assert any(p.name.startswith("costmodel-") for p in (ROOT / "results").glob("*.json"))  # left out
     assert _result_files([str(ROOT / "results")]) == sorted(runs)
-    assert main(["compare", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert main(["compare", str(tmp_path)]) == 2
     assert (
         capsys.readouterr().err.strip().endswith(f"{tmp_path}: no bench run in this folder or one level down")
     )

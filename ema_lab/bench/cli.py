@@ -89,7 +89,10 @@ def _parser() -> _Parser:
         "(e.g. results, with the GPU runs in results/gpu-*/)",
     )
     comp.add_argument(
-        "--out", default="results", help="where compare_<date>T<time>Z.png goes (default: results/)"
+        "--plot",
+        metavar="FILE",
+        help=f"also draw the runs side by side into FILE ({', '.join(PLOT_FORMATS)}; replaced if it exists); "
+        "without it compare writes no file",
     )
     return parser
 
@@ -105,20 +108,35 @@ def _threads(values: list[str]) -> list[int]:
     return out
 
 
-def writable_folder(out: str) -> Path:
+def writable_folder(out: str, name: str | None = None) -> Path:
     """Create the folder ``out`` if needed and write a scratch file there; any failure is a ValueError.
 
     Run before any measuring, so that a folder the run cannot write to costs nothing but one line.
+    ``name`` is how errors call the folder (default: ``--out '<out>'``).
     """
-    path = Path(out)
+    path, name = Path(out), name or f"--out {out!r}"
     if path.exists() and not path.is_dir():
-        raise ValueError(f"--out {out!r} exists and is not a folder")
+        raise ValueError(f"{name} exists and is not a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as exc:
-        raise ValueError(f"cannot write to --out {out!r}: {exc.strerror or exc}") from None
+        raise ValueError(f"cannot write to {name}: {exc.strerror or exc}") from None
+    return path
+
+
+PLOT_FORMATS = (".png", ".svg", ".pdf")
+
+
+def plot_file(plot: str) -> Path:
+    """Check ``compare --plot FILE`` before any work: a known format, in a folder that takes files."""
+    path = Path(plot)
+    if path.suffix.lower() not in PLOT_FORMATS:
+        raise ValueError(f"--plot {plot!r}: the file name must end in one of {', '.join(PLOT_FORMATS)}")
+    if path.is_dir():
+        raise ValueError(f"--plot {plot!r} is a folder; name the file to write")
+    writable_folder(str(path.parent), f"the folder of --plot {plot!r}")
     return path
 
 
@@ -162,14 +180,14 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             return run_demo(args.model, args.steps)
-        writable_folder(args.out)  # bench and compare: before the work, not after it
         if args.cmd == "bench":
+            writable_folder(args.out)  # before the work, not after it
             return _bench(args)
         from .sweep import compare
 
-        table, png = compare(_result_files(args.files), args.out)
-        print(table)
-        print(f"wrote {png}")
+        plot = plot_file(args.plot) if args.plot else None
+        print(compare(_result_files(args.files), plot))
+        print(f"wrote {plot}" if plot else "add --plot FILE.png to draw these runs side by side")
         return 0
     except (ValueError, OSError) as exc:  # bad input (ResultError is a ValueError), FileExistsError, ...
         oserror = isinstance(exc, OSError) and exc.strerror  # e.g. a disk that filled while writing

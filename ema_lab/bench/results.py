@@ -263,7 +263,7 @@ def run_label(record: dict[str, Any], device: str, threads: int) -> str:
     env = record["environment"]
     mode = "quick" if record["settings"]["quick"] else "full"
     when = record["created"][:16].replace("T", " ")
-    return f"{record['machine'][:28]} {device} {when} {threads}t {mode} torch {env['torch']}"
+    return f"{record['machine']} {device} {when} {threads}t {mode} torch {env['torch']}"
 
 
 def settings_differences(records: list[dict[str, Any]]) -> list[str]:

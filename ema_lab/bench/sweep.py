@@ -311,8 +311,8 @@ def write_results(record: dict[str, Any], out: str | Path) -> list[Path]:
     return paths
 
 
-def compare(files: Sequence[str | Path], out: str | Path) -> tuple[str, Path]:
-    """Load result files (an invalid one raises ResultError), plot them side by side; return table, PNG.
+def compare(files: Sequence[str | Path], plot: str | Path | None = None) -> str:
+    """The table of several result files (an invalid one raises ResultError); with ``plot``, their figure.
 
     Each (file, device, thread count) is one labelled run; the table first lists the runs and every
     setting in which they differ, so that unlike runs are not read as like.
@@ -334,11 +334,6 @@ def compare(files: Sequence[str | Path], out: str | Path) -> tuple[str, Path]:
                     f"{i:<5}{dev:<7}{r['model']:<17}{r['candidate']:<13}"
                     f"{r['median_ms']:>10.3f}{r['speedup_vs_seed_before']:>9.1f}x"
                 )
-    out = Path(out)
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
-    png = out / f"compare_{stamp}.png"
-    if png.exists():
-        raise FileExistsError(f"{png} exists already; compare never replaces a file")
-    out.mkdir(parents=True, exist_ok=True)
-    plot_compare(records).savefig(png, dpi=110)
-    return "\n".join(lines), png
+    if plot is not None:  # only where asked: a file per call would pile up in the reader's results/
+        plot_compare(records).savefig(plot, dpi=110)
+    return "\n".join(lines)

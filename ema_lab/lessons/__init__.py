@@ -1,5 +1,6 @@
-"""Pieces the notebooks import: thop profiling (notebook 03, docs/flop_counters.md), the distributed EMA
-(notebook 06), and :func:`scratch_dir`, a temporary folder that outlives no kernel (notebooks 06 and 07).
+"""Pieces the notebooks import: thop profiling (notebook 03, docs/flop_counters.md), the bench runs notebook
+04 draws beside the reader's own (``runs``), the distributed EMA (notebook 06), and :func:`scratch_dir`, a
+temporary folder that outlives no kernel (notebooks 06 and 07).
 ``profiling`` needs the ``notebooks`` extra (the pinned ``thop``).
 """
 
