@@ -14,25 +14,9 @@ import nox
 # disk) and the newest the project's machines allow (their pip constraint caps torch at 2.14.1).
 TORCH_VERSIONS = ["2.1.2", "2.13.0", "2.14.1"]
 
-# The test files of ema_lab's core; the others test the bench or the lessons and need their extras (numpy,
-# matplotlib, thop, jupytext, ...); test_flat.py counts ops with ema_lab.bench.counting (torch alone).
-CORE_TESTS = [
-    "tests/test_api_page.py",
-    "tests/test_call_depth.py",
-    "tests/test_cuda_graph.py",
-    "tests/test_ema.py",
-    "tests/test_flat.py",
-    "tests/test_gates.py",
-    "tests/test_import_graph.py",
-    "tests/test_posthoc.py",
-    "tests/test_posthoc_ema.py",
-    "tests/test_reference.py",
-    "tests/test_schedule_ema.py",
-    "tests/test_schedules.py",
-    "tests/test_snapshots.py",
-    "tests/test_stale_cache.py",
-    "tests/test_updates.py",
-]
+# The core's tests, a folder whole; tests/bench, tests/lessons and tests/repo need the extras (numpy,
+# matplotlib, thop, jupytext, ...). test_flat.py counts ops with ema_lab.bench.counting (torch alone).
+CORE_TESTS = ["tests/core"]
 
 nox.options.sessions = ["core"]
 nox.options.reuse_venv = "yes"

@@ -44,7 +44,7 @@ class _Schedule:
 
     def __call__(self, n: int) -> float:
         """The decay of update ``n`` (an int >= ``first_n``)."""
-        # Inline, not check_int: an update reaches torch in three frames (tests/test_call_depth.py).
+        # Inline, not check_int: an update reaches torch in three frames (tests/core/test_call_depth.py).
         if isinstance(n, bool) or not isinstance(n, Integral) or n < self.first_n:
             raise ValueError(f"n must be an int >= {self.first_n}, got {n!r}")
         return self.at(n)
