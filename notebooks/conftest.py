@@ -1,5 +1,6 @@
 """nbval glue for `pytest notebooks --nbval`: compare every cell's outputs without its stderr, and run
-every exercise cell with its solution's code in it, as a student would paste it (tests/lessons/test_solutions.py).
+every exercise cell with its solution's code in it, as a student would paste it
+(tests/lessons/test_solutions.py).
 """
 
 import copy

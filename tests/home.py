@@ -1,7 +1,7 @@
 """The reader's home, left as the tests found it: their IPython history and their Jupyter folders.
 
-Every kernel the tests start (nbval's, tests/lessons/test_notebooks.py's, the lab's) would otherwise write into
-``~/.ipython/profile_default/history.sqlite`` and Jupyter's folders. :func:`own_folders` gives the whole
+Every kernel the tests start (nbval's, tests/lessons/test_notebooks.py's, the lab's) would otherwise write
+into ``~/.ipython/profile_default/history.sqlite`` and Jupyter's folders. :func:`own_folders` gives the whole
 run its own folders instead; :func:`snapshot` and :func:`changes` check, around the run, that the
 reader's stayed as they were. Caches elsewhere (matplotlib's font list in ``~/.cache``) are not watched.
 """
