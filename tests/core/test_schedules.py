@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import sys
 
 import pytest
 import torch
@@ -150,6 +151,8 @@ def test_repr_pickle_and_equality(s):
 def test_values_are_decays(s):
     values = [s(n) for n in (1, 2, 3, 10, 1000, 10**6, 10**9)]
     assert all(0.0 <= v <= 1.0 for v in values) and values[0] == 0.0
+    # n past the largest float (an int has no bound) gives the schedule's limit, not an OverflowError.
+    assert s(10**400) == s(int(sys.float_info.max))
 
 
 BAD = [
