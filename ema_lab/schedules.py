@@ -210,6 +210,7 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
     """
     ok = is_real(sigma_rel) and 0 < sigma_rel <= MAX_SIGMA_REL
     require(ok, "sigma_rel", sigma_rel, f"in (0, {MAX_SIGMA_REL!r}] (gamma >= 0)")
+    sigma_rel = float(sigma_rel)  # a numpy float32 would run Newton's method (and give gamma) in float32
     if sigma_rel < _TINY_SIGMA_REL:
         gamma = 1 / sigma_rel - 3
         require(math.isfinite(gamma), "sigma_rel", sigma_rel, "at least 1/1.8e308 (gamma is a finite float)")
