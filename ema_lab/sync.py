@@ -72,7 +72,9 @@ def warn_unsynced(ema: object, model: nn.Module) -> None:
     ema.ranks_checked = True
     distributed = isinstance(model, nn.parallel.DistributedDataParallel) or ema.sharded
     # SyncBatchNorm reduces its batch statistics over the ranks: its buffers are equal on every rank.
-    synced = {id(t) for m in ema.ema.modules() if isinstance(m, nn.SyncBatchNorm) for t in m.buffers()}
+    synced = {
+        id(t) for e in ema.emas for m in e.modules() if isinstance(m, nn.SyncBatchNorm) for t in m.buffers()
+    }
     if distributed and _world_size() > 1 and any(id(t) not in synced for t in rank_local_tensors(ema)):
         warnings.warn(
             f"{type(ema).__name__}: each rank updates the model's float buffers (BatchNorm's running "
