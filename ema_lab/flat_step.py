@@ -255,7 +255,7 @@ class FlatStep:
             with torch.no_grad():
                 for g in self.groups:
                     g.read()
-        except (TypeError, RuntimeError, ValueError):
+        except (KeyError, TypeError, RuntimeError, ValueError):  # KeyError: a live slot's entry deleted
             return False
         return True
 

@@ -15,6 +15,7 @@ picklable, comparable, and their repr reads as the call that makes them.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from numbers import Integral
@@ -29,6 +30,9 @@ Schedule = Callable[[int], float]
 
 # Karras et al.'s length of the power profile at gamma = 0 (the running mean): the longest it can be.
 MAX_SIGMA_REL = 1 / math.sqrt(12)
+
+# The largest update number float arithmetic takes (int / float overflows past it).
+_LARGEST_N = int(sys.float_info.max)
 
 
 def _check_decays(decay: float, min_decay: float, after: int = 0) -> None:
@@ -47,7 +51,9 @@ class _Schedule:
         # Inline, not check_int: an update reaches torch in three frames (tests/core/test_call_depth.py).
         if isinstance(n, bool) or not isinstance(n, Integral) or n < self.first_n:
             raise ValueError(f"n must be an int >= {self.first_n}, got {n!r}")
-        return self.at(n)
+        # An int has no bound but float arithmetic overflows past the largest double: every schedule has
+        # reached its limit long before, so n is capped there (one comparison, no frame).
+        return self.at(min(n, _LARGEST_N))
 
     def at(self, n: int) -> float:
         """The decay of update ``n``, unchecked."""
@@ -204,6 +210,7 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
     """
     ok = is_real(sigma_rel) and 0 < sigma_rel <= MAX_SIGMA_REL
     require(ok, "sigma_rel", sigma_rel, f"in (0, {MAX_SIGMA_REL!r}] (gamma >= 0)")
+    sigma_rel = float(sigma_rel)  # a numpy float32 would run Newton's method (and give gamma) in float32
     if sigma_rel < _TINY_SIGMA_REL:
         gamma = 1 / sigma_rel - 3
         require(math.isfinite(gamma), "sigma_rel", sigma_rel, "at least 1/1.8e308 (gamma is a finite float)")

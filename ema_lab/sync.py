@@ -45,14 +45,16 @@ def sync_buffers(ema: object, src: int = 0, group: object = None) -> None:
     One ``broadcast`` per (dtype, device) of the buffers, coalesced into one flat tensor, on the buffers'
     device (CUDA for nccl); nothing, and no collective, outside torch.distributed or on one rank.
     """
+    import torch.distributed as dist
+
+    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     world = _world_size(group)
-    if not (isinstance(src, int) and 0 <= src < world):
+    if not (isinstance(src, int) and not isinstance(src, bool) and 0 <= src < world):
         raise ValueError(f"src must be a rank of the group, 0 to {world - 1}, got {src!r}")
     ema.ranks_checked = True  # its user syncs: no warning
     if world == 1:
         return
-    import torch.distributed as dist
-
     groups: dict[tuple, list[Tensor]] = {}
     for b in rank_local_tensors(ema):
         groups.setdefault((b.dtype, b.device), []).append(b)
@@ -70,7 +72,9 @@ def warn_unsynced(ema: object, model: nn.Module) -> None:
     ema.ranks_checked = True
     distributed = isinstance(model, nn.parallel.DistributedDataParallel) or ema.sharded
     # SyncBatchNorm reduces its batch statistics over the ranks: its buffers are equal on every rank.
-    synced = {id(t) for m in ema.ema.modules() if isinstance(m, nn.SyncBatchNorm) for t in m.buffers()}
+    synced = {
+        id(t) for e in ema.emas for m in e.modules() if isinstance(m, nn.SyncBatchNorm) for t in m.buffers()
+    }
     if distributed and _world_size() > 1 and any(id(t) not in synced for t in rank_local_tensors(ema)):
         warnings.warn(
             f"{type(ema).__name__}: each rank updates the model's float buffers (BatchNorm's running "

@@ -338,3 +338,18 @@ def test_update_refuses_what_is_not_a_module_in_one_line() -> None:
     with pytest.raises(TypeError, match=r"^model must be a torch.nn.Module, got str$"):
         ema.update("model")
     assert ema.updates == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"group": "world"}, TypeError, r"^group must be a torch.distributed ProcessGroup or None, got str$"),
+        ({"src": False}, ValueError, r"^src must be a rank of the group, 0 to 0, got False$"),
+    ],
+)
+def test_sync_buffers_refuses_a_bad_group_or_src_in_one_line(kwargs: dict, error: type, message: str) -> None:
+    # Outside torch.distributed as on a one-rank group: a bad group was ignored (or an AttributeError).
+    ema = ModelEMA(nn.BatchNorm1d(2))
+    with pytest.raises(error, match=message):
+        ema.sync_buffers(**kwargs)
+    assert not ema.ranks_checked  # refused before anything: the unsynced warning still comes

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import sys
 
 import pytest
 import torch
@@ -150,6 +151,8 @@ def test_repr_pickle_and_equality(s):
 def test_values_are_decays(s):
     values = [s(n) for n in (1, 2, 3, 10, 1000, 10**6, 10**9)]
     assert all(0.0 <= v <= 1.0 for v in values) and values[0] == 0.0
+    # n past the largest float (an int has no bound) gives the schedule's limit, not an OverflowError.
+    assert s(10**400) == s(int(sys.float_info.max))
 
 
 BAD = [
@@ -331,3 +334,10 @@ def test_with_every_k_a_bad_decay_is_refused_on_every_call() -> None:
     with pytest.raises(ValueError, match=r"finite number in \[0, 1\]"):
         ema.update(model, decay=7.0)  # call 1 of 3: no update, still no bad decay let through
     assert ema.updates == 0
+
+
+def test_a_numpy_sigma_rel_gives_a_float64_gamma() -> None:
+    np = pytest.importorskip("numpy")
+    # A float32 sigma_rel ran Newton's method in float32: gamma np.float32(16.972198), in repr and snapshots.
+    gamma = power(sigma_rel=np.float32(0.05)).gamma
+    assert type(gamma) is float and gamma == sigma_rel_to_gamma(float(np.float32(0.05)))

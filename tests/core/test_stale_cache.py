@@ -290,6 +290,7 @@ def _two_live_groups() -> tuple[nn.Module, ModelEMA]:
     [
         ("size", "does not match model shape"),
         ("None", "EMA and model do not hold the same entries"),
+        ("del", "EMA and model do not hold the same entries"),
         ("meta", "does not match model shape"),
     ],
 )
@@ -301,6 +302,8 @@ def test_a_live_slot_that_no_longer_fits_fails_before_any_group_is_written(break
         bn._parameters["weight"] = nn.Parameter(torch.ones(33, dtype=torch.float16))
     elif breakage == "None":
         bn._parameters["weight"] = None
+    elif breakage == "del":  # a live slot's key gone: a clear error, not the gather's KeyError
+        del bn.weight
     else:
         bn._parameters["weight"] = nn.Parameter(torch.empty(32, dtype=torch.float16, device="meta"))
     with pytest.raises(ValueError, match=error):
