@@ -409,8 +409,7 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 #
 # <details><summary>Why a leaked model cannot move to an Apple GPU</summary>
 #
-# MPS has no float64, and `model.to("mps")` converts tensor by tensor: it fails half-moved. Look first:
-# `[k for k, v in model.state_dict().items() if v.dtype == torch.float64]` lists what would stop it.
+# MPS has no float64, and `model.to("mps")` converts tensor by tensor: it fails half-moved.
 # </details>
 
 # %% [markdown]
