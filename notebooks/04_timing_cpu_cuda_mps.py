@@ -108,8 +108,8 @@ print("not present:", ", ".join(d for d, ok in present.items() if not ok) or "no
 # %% [markdown]
 # `torch.utils.benchmark.Timer` is this clock, packaged by PyTorch: `timeit(n)` first runs a short
 # warm-up (n/100 calls, at least 2), then n calls. Before each reading of the clock it synchronises
-# CUDA, but MPS only since pytorch PR #157131 (July 2025) made it wait for any accelerator. The timer of
-# section 3, `time_candidates`, synchronises the device it times itself, MPS included, on every torch.
+# CUDA, but MPS only since pytorch PR #157131 (July 2025) made it wait for any accelerator. Section 3's
+# timer, `time_candidates`, synchronises CUDA and MPS itself on every torch.
 
 # %% [markdown]
 # ## 2. One measurement is not enough
@@ -180,7 +180,7 @@ print(
 
 # %% [markdown]
 # Your machine's counterpart of the PR's 2.2x (Apple M-series); the range shows how far one round
-# alone could mislead.
+# could mislead.
 #
 # `ema_lab.bench.timing.time_candidates` is this loop, packaged: a warm-up, measurements of about 20 ms,
 # the order rotated every round. Add `ModelEMA(model, strategy="foreach")`: one `_foreach_lerp_` too.
@@ -205,8 +205,8 @@ for name, r in packaged.items():
 
 # %% [markdown]
 # Both run one `_foreach_lerp_`; the after-code also rebuilds its lists from two `state_dict()` walks
-# on every call (notebook 01 times them), `ModelEMA` keeps them. The after-code's time differs from the
-# first cell's: same code, another moment (section 2's drift). Compare ratios within one run.
+# on every call (notebook 01 times them); `ModelEMA` keeps them. The after-code's time differs from the
+# first cell's (section 2's drift): compare ratios within one run.
 
 # %% [markdown]
 # ## 4. Threads: which ops can use a second core?
@@ -404,7 +404,7 @@ if len(your_rows) > 8:
 # The three plotted `linux-amd-epyc-2c` runs (the fourth timed 2 threads only) are the same kind of
 # 2-core VM, yet `foreach` gained 11.8x, 8.3x and 7.0x. The figure always draws these committed runs,
 # at 1 thread; any run of yours in `results/` comes below them in purple, labelled with its time (UTC),
-# mode and thread count. Put the two full runs side by side:
+# mode and threads. Put the two full runs side by side:
 
 # %%
 earlier = next(r for r, f in saved if f.name == "linux-amd-epyc-2c_2026-12-02.json")
@@ -417,10 +417,10 @@ for rec in (earlier, reference):
     print(rec["created"][:10], " | ".join(cells), f"| {speedup(rec, 'foreach', 'cpu')[1]:.1f}x")
 
 # %% [markdown]
-# On 12-03 every time was longer and the quartiles wider: most likely the VM shared its host with more
-# work that day, and the short `foreach` calls lost more than the loop. Interleaving protects a ratio
-# from drift within a run, not between runs: compare runs with their spreads, and keep one reference
-# (the 12-03 run, as in notebook 01; 8.3x was a 3-round quick run).
+# On 12-03 every time was longer and the quartiles wider (most likely a busier host), and the short
+# `foreach` calls lost more than the loop. Interleaving protects a ratio from drift within a run, not
+# between runs: compare runs with their spreads, and keep one reference (the 12-03 run, as in notebook
+# 01; 8.3x was a 3-round quick run).
 
 # %% [markdown]
 # The H200's speed-ups are several times the CPUs'. The cost model (notebook 01) explains why: the
@@ -439,7 +439,6 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 # On the H200 an op of the loop costs *more* than on the CPU: each is a kernel launch through the CUDA
 # driver. A tensor inside `_foreach_lerp_` costs *less*: 64 share one launch, where a CPU runs one
 # `lerp_` per tensor. Three ops per tensor times the ratio of the prices roughly predicts the speed-up.
-# To add your machine, run `python3 dev.py bench`.
 
 # %% [markdown]
 # ## Summary
@@ -477,8 +476,8 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 # print(f"first call / median of calls 2-10: {ms[0] / statistics.median(ms[1:]):.0f}x")
 # ```
 #
-# Only the first call builds (`rebuilds` is 1 from then on), and it costs many times a later one. The
-# later calls still jump, so compare with their median.
+# Only the first call builds (`rebuilds` stays 1), and it costs many times a later one; later calls
+# still jump, so compare with their median.
 #
 # </details>
 
