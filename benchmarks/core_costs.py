@@ -7,7 +7,7 @@ Two interleaved studies per model, each candidate on its own copy of the model (
 
 1. ``ModelEMA`` (the default), ``PostHocEMA`` with 2 and 4 profiles (one step, one read of the model), and
    the floor, one ``lerp_`` over two flat buffers of the EMA's size: each profile beyond the first costs
-   about that floor (one more lerp over the first's targets) (the "per extra profile / floor" column).
+   about that floor, one more lerp over the first's targets (the "per extra profile / floor" column).
 2. ``ModelEMA`` updated as it is, and with a loss holding a buffer (``BCEWithLogitsLoss(pos_weight=...)``)
    built before each update: the same time, as no module outside the model and its EMA costs a rebuild.
 
