@@ -115,6 +115,30 @@ def test_the_rename_decides_not_the_early_check(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["step-000000000005"]
 
 
+# The kill scripts' shared part: fork a child that runs ``work(told)`` (it writes a byte to ``told`` once
+# under way), SIGKILL it ``delay`` seconds later, and return its wait status.
+KILL_WHILE = """
+import os, signal, time
+
+
+def kill_while(work, delay):
+    ready, told = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            work(told)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        os._exit(1)
+    os.read(ready, 1)  # the child is under way (or dead: then waitpid below says so)
+    os.close(ready)
+    os.close(told)
+    time.sleep(delay)
+    os.kill(pid, signal.SIGKILL)
+    return os.waitpid(pid, 0)[1]
+"""
+
 KILLER = """
 import itertools, json, os, random, signal, sys, time
 import torch
@@ -164,21 +188,7 @@ mid_save = 0
 for kill in range(kills):
     i = kill % len(folders)
     before = {p for p in os.listdir(folders[i]) if p.endswith(".tmp")}
-    ready, told = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            writer(folders[i], told)
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-        os._exit(1)
-    os.read(ready, 1)  # the writer is saving (or dead: then waitpid below says so)
-    os.close(ready)
-    os.close(told)
-    time.sleep(rng.uniform(0, 0.06))
-    os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
+    status = kill_while(lambda told: writer(folders[i], told), rng.uniform(0, 0.06))
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"the writer ended: {status}"
     mid_save += len({p for p in os.listdir(folders[i]) if p.endswith(".tmp")} - before)
     last[i] = complete_steps(folders[i], last[i])
@@ -195,7 +205,7 @@ def test_random_kills_leave_complete_steps_only(tmp_path):
     # round-robin over 4 folders: after each, the folder lists complete steps 1..last only and its last step
     # loads; the next writer resumes from it. "killed inside a save" counts the kills that left a hidden
     # temporary folder (a save begun and not published): the kills did land mid-save.
-    proc = run_python(KILLER, str(tmp_path), "200", "45")
+    proc = run_python(KILL_WHILE + KILLER, str(tmp_path), "200", "45")
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(out.splitlines()[-1])
@@ -225,29 +235,19 @@ def resumed():
     return model, PostHocEMA(model, folder, snapshot_every=1, updates=listed[-1].step if listed else 0)
 
 
+def train(told):
+    model, ema = resumed()
+    os.write(told, b"1")
+    while True:  # train and update; every update saves a step
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        ema.update(model)
+
+
 last = []
 for kill in range(kills):
-    ready, told = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            model, ema = resumed()
-            os.write(told, b"1")
-            while True:  # train and update; every update saves a step
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(0.01)
-                ema.update(model)
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-        os._exit(1)
-    os.read(ready, 1)  # the run is training (or dead: then waitpid below says so)
-    os.close(ready)
-    os.close(told)
-    time.sleep(rng.uniform(0, 0.2))
-    os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
+    status = kill_while(train, rng.uniform(0, 0.2))
     assert os.WIFSIGNALED(status), f"the run ended by itself: {status}"
     _, ema = resumed()  # refused before, in 6 of 20 kills, when a step had one profile's file
     last.append(ema.updates)
@@ -259,7 +259,7 @@ print(json.dumps({"kills": kills, "resumed at": last}))
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the kill test forks its runs (POSIX only)")
 def test_a_post_hoc_run_killed_at_random_resumes_from_its_last_step(tmp_path):
-    proc = run_python(RESUMER, str(tmp_path), "20", "7")
+    proc = run_python(KILL_WHILE + RESUMER, str(tmp_path), "20", "7")
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     resumed_at = json.loads(out.splitlines()[-1])["resumed at"]
