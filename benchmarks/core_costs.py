@@ -35,7 +35,7 @@ from ema_lab.bench.timing import time_candidates
 PROFILES = {2: (0.05, 0.10), 4: (0.05, 0.075, 0.10, 0.15)}
 
 
-def _updates(
+def warmed_updates(
     base: nn.Module, makers: dict[str, Callable], before: Callable[[], object] = lambda: None
 ) -> dict:
     """One update of each EMA on its own copy of ``base``, ``before()`` run first."""
@@ -58,11 +58,14 @@ def profile_costs(base: nn.Module, folder: str, main: object | None) -> dict[str
         )
     if main is not None:
         makers["main: ModelEMA"] = main.ModelEMA
-    fns = _updates(base, makers)
+    return warmed_updates(base, makers) | floor(base)
+
+
+def floor(base: nn.Module) -> dict[str, Callable]:
+    """One ``lerp_`` over two flat buffers of the size of ``base``'s EMA (its float entries)."""
     n = sum(t.numel() for t in base.state_dict().values() if t.is_floating_point())
     (a,), (b,) = flatten_tensors([torch.rand(n)]), flatten_tensors([torch.rand(n)])
-    fns["floor: one lerp_ of the EMA's size"] = lambda: a.lerp_(b, 1e-4)
-    return fns
+    return {"floor: one lerp_ of the EMA's size": lambda: a.lerp_(b, 1e-4)}
 
 
 def built_module_costs(base: nn.Module, main: object | None) -> dict[str, Callable]:
@@ -71,10 +74,10 @@ def built_module_costs(base: nn.Module, main: object | None) -> dict[str, Callab
     def build_loss() -> nn.Module:
         return nn.BCEWithLogitsLoss(pos_weight=torch.ones(3))
 
-    fns = _updates(base, {"ModelEMA": ModelEMA})
-    fns |= _updates(base, {"ModelEMA, a loss built each step": ModelEMA}, build_loss)
+    fns = warmed_updates(base, {"ModelEMA": ModelEMA})
+    fns |= warmed_updates(base, {"ModelEMA, a loss built each step": ModelEMA}, build_loss)
     if main is not None:
-        fns |= _updates(base, {"main: ModelEMA, a loss built each step": main.ModelEMA}, build_loss)
+        fns |= warmed_updates(base, {"main: ModelEMA, a loss built each step": main.ModelEMA}, build_loss)
     return fns
 
 

@@ -5,7 +5,7 @@
 
 ``--out`` writes ``schedule-costs-<date>.json`` and ``.md`` into FOLDER, by default ``docs/results/``. Each
 candidate updates its own copy of the model (after two warm-up updates); ``floor`` is one ``lerp_`` over two
-flat buffers of the EMA's size, what the second EMA of ``PostHocEMA`` should cost at most.
+flat buffers of the EMA's size, about what the second EMA of ``PostHocEMA`` costs.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import sys
 import tempfile
 from copy import deepcopy
 
-import torch
+from core_costs import floor, warmed_updates
 from result_homes import add_study_out, write_study
 
-from ema_lab import ModelEMA, PostHocEMA, flatten_tensors
+from ema_lab import ModelEMA, PostHocEMA
 from ema_lab.bench import models
 from ema_lab.bench.timing import time_candidates
 from ema_lab.schedules import power, warmup
@@ -33,20 +33,11 @@ def candidates(name: str, folder: str) -> dict[str, object]:
         "power schedule": lambda m: ModelEMA(m, decay=power(sigma_rel=0.05)),
         "PostHocEMA (two power EMAs, one read)": lambda m: PostHocEMA(m, folder, snapshot_every=10**9),
     }
-    fns = {}
-    for label, make in emas.items():
-        model = deepcopy(base)
-        ema = make(model)
-        for _ in range(2):
-            ema.update(model)
-        fns[label] = lambda ema=ema, model=model: ema.update(model)
+    fns = warmed_updates(base, emas)
     model = deepcopy(base)
     pair = [ModelEMA(model, decay=power(sigma_rel=s)) for s in (0.05, 0.10)]
     fns["two ModelEMAs (two reads)"] = lambda: [e.update(model) for e in pair]
-    n = sum(t.numel() for t in base.state_dict().values() if t.is_floating_point())
-    (a,), (b,) = flatten_tensors([torch.rand(n)]), flatten_tensors([torch.rand(n)])
-    fns["floor: one lerp_ of the EMA's size"] = lambda: a.lerp_(b, 1e-4)
-    return fns
+    return fns | floor(base)
 
 
 def main(argv: list[str] | None = None) -> int:
