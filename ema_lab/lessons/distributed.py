@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -128,11 +128,12 @@ def loopback_interface() -> str | None:
     return next((n for n in names if n.startswith("lo")), None)
 
 
-def shard_model(model: nn.Module, mesh: object) -> nn.Module:
-    """FSDP2 recipe: one ``fully_shard`` group per transformer block, then the root (embeddings, head)."""
+def shard_model(model: nn.Module, mesh: object, groups: Iterable[nn.Module] | None = None) -> nn.Module:
+    """FSDP2 recipe: one ``fully_shard`` group per module of ``groups`` (default: per transformer block),
+    then the root (the rest: embeddings, head)."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in getattr(getattr(model, "blocks", None), "layers", []):
+    for block in getattr(getattr(model, "blocks", None), "layers", []) if groups is None else groups:
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
@@ -372,13 +373,9 @@ def buffers_run(rank: int, world: int, steps: int = 5) -> dict[str, object]:
     out["ddp_rebuilds"] = ema.rebuilds
     if torch.__version__ >= FSDP2_CPU_MIN:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         model = batchnorm_model()
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in (model[0], model[3]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_model(model, init_device_mesh("cpu", (world,)), groups=(model[0], model[3]))
         sharded = ShardedModelEMA(model, decay=0.9, tau=2)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -150,13 +150,9 @@ def _train_uneven(model: nn.Module, ema: ModelEMA | ShardedModelEMA, part: slice
 def uneven_rank(rank: int, world: int) -> dict[str, object]:
     """FSDP2 + ShardedModelEMA on the uneven model: each rank's shard rows and the gathered EMA."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     model = _uneven_model()
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    dist_demo.shard_model(model, init_device_mesh("cpu", (world,)), groups=(model[0], model[2]))
     ema = ShardedModelEMA(model, decay=0.9, tau=2)
     part = slice(rank * UNEVEN_BATCH, (rank + 1) * UNEVEN_BATCH)
     _train_uneven(model, ema, part, UNEVEN_BATCH * world, torch.float32)
