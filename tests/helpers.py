@@ -36,16 +36,21 @@ def tolerance(dtype: torch.dtype, steps: int) -> float:
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+def load_file(path: Path, name: str) -> ModuleType:
+    """The Python file ``path`` (not in a package: a script, notebooks/execute.py) as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_script(name: str) -> ModuleType:
     """``benchmarks/<name>.py`` as a module, with ``benchmarks/`` on ``sys.path`` as when it runs (a script
     imports its sibling ``result_homes.py``)."""
     if str(BENCHMARKS) not in sys.path:
         sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # a dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_file(BENCHMARKS / f"{name}.py", name)
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks")

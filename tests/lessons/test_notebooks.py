@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -14,16 +13,11 @@ import pytest
 jupytext = pytest.importorskip("jupytext", reason="jupytext is not installed (the notebooks extra)")
 import nbformat  # jupytext depends on it
 
+from ..helpers import load_file
+
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 PAIRS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
-
-
-def _execute_module():
-    spec = importlib.util.spec_from_file_location("nb_execute", NOTEBOOKS / "execute.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _cells(nb: nbformat.NotebookNode) -> list[tuple[str, str, list[str], dict]]:
@@ -100,7 +94,7 @@ def test_nbval_fails_on_a_wrong_stored_count_and_ignores_stderr(tmp_path: Path) 
 
 
 def test_execute_writes_the_pair_in_order_and_never_a_failure(tmp_path: Path, capsys) -> None:
-    execute = _execute_module()
+    execute = load_file(NOTEBOOKS / "execute.py", "nb_execute")
     good = tmp_path / "01_good.py"
     cells = ["import os\nprint(os.getcwd())", "import ema_lab\nema_lab.__name__", "os.getpid()"]
     good.write_text("".join(f"# %%\n{c}\n\n" for c in cells))

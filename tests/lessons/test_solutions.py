@@ -13,7 +13,6 @@ the notebook top to bottom, so any error in a solution fails that cell; its outp
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -24,18 +23,14 @@ import pytest
 
 nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (the notebooks extra)")
 
+from ..helpers import load_file  # noqa: E402
+
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 
 
-def _conftest():
-    spec = importlib.util.spec_from_file_location("nb_conftest", NOTEBOOKS / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-EXERCISE_CELL = _conftest().EXERCISE_CELL  # what nbval's run recognises as an exercise cell
+# What nbval's run recognises as an exercise cell:
+EXERCISE_CELL = load_file(NOTEBOOKS / "conftest.py", "nb_conftest").EXERCISE_CELL
 EXERCISE = re.compile(r"^\*\*Exercise (\d+)\.\*\*", re.MULTILINE)
 PREDICT = re.compile(r"\*[Pp]redict\*")
 SOLUTION = re.compile(
