@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -150,3 +151,24 @@ def clear_thop_buffers(module: nn.Module) -> None:
     for mod in module.modules():
         for name in ("total_ops", "total_params"):
             mod._buffers.pop(name, None)
+
+
+def thop_buffers(module: nn.Module) -> list[str]:
+    """The names of the buffers an in-place ``thop.profile`` left on ``module`` and its submodules."""
+    return [
+        k
+        for k, _ in module.named_buffers(remove_duplicate=False)
+        if k.rsplit(".", 1)[-1] in ("total_ops", "total_params")
+    ]
+
+
+@contextmanager
+def kept_clean(shared: nn.Module) -> Iterator[None]:
+    """Fail if ``shared`` (a module every instance of a class holds) leaks thop buffers in the block, or
+    already had; clean it either way."""
+    assert not thop_buffers(shared), f"{type(shared).__name__} already held thop buffers before this test"
+    try:
+        yield
+        assert not thop_buffers(shared), f"this test leaked thop buffers onto {type(shared).__name__}"
+    finally:
+        clear_thop_buffers(shared)

@@ -23,7 +23,7 @@ from ema_lab.bench.models import Conv, tiny_cnn, yolo
 from ema_lab.bench.seed import seed_after, seed_before
 from ema_lab.lessons.profiling import THOP_BUFFERS, import_thop, profile_flops
 
-from ..helpers import changes, clear_thop_buffers, fingerprint
+from ..helpers import changes, clear_thop_buffers, fingerprint, kept_clean
 
 THOP_PIN = "0.1.1.post2209072238"
 D = 0.9  # far from 1: one step and two steps differ clearly
@@ -59,10 +59,6 @@ def train_step(model: nn.Module, seed: int = 0) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _thop_bufs(module: nn.Module) -> list[str]:
-    return [n for n in ("total_ops", "total_params") if n in module._buffers]
-
-
 def _thop_rules() -> set[type]:
     thop = import_thop()
     return set(thop.profile.__globals__["register_hooks"])
@@ -71,12 +67,8 @@ def _thop_rules() -> set[type]:
 @pytest.fixture(autouse=True)
 def _shared_act_stays_clean():
     """Conv.default_act is process-wide: fail if a test leaks onto it, and clean it either way."""
-    assert not _thop_bufs(Conv.default_act), "Conv.default_act was already leaked before this test"
-    try:
+    with kept_clean(Conv.default_act):
         yield
-        assert not _thop_bufs(Conv.default_act), "this test leaked thop buffers onto Conv.default_act"
-    finally:
-        clear_thop_buffers(Conv.default_act)
 
 
 def _leaky_setup() -> tuple[nn.Module, nn.Module]:

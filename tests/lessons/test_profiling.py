@@ -15,28 +15,16 @@ from hypothesis import strategies as st
 from ema_lab.bench.models import Conv, tiny_cnn
 from ema_lab.lessons.profiling import import_thop, profile_flops
 
-from ..helpers import changes, clear_thop_buffers, fingerprint
+from ..helpers import changes, clear_thop_buffers, fingerprint, kept_clean, thop_buffers
 
 C = 4  # channels every random tree keeps, so any composition has a valid forward
 
 
-def _thop_keys(model: nn.Module) -> list[str]:
-    return [
-        k
-        for k, _ in model.named_buffers(remove_duplicate=False)
-        if k.rsplit(".", 1)[-1] in ("total_ops", "total_params")
-    ]
-
-
 @pytest.fixture(autouse=True)
 def _shared_act_stays_clean():
-    """Conv.default_act is process-wide: fail loudly if a test leaks onto it, and clean up either way."""
-    assert not _thop_keys(Conv.default_act), "Conv.default_act was already leaked before this test"
-    try:
+    """Conv.default_act is process-wide: fail if a test leaks onto it, and clean it either way."""
+    with kept_clean(Conv.default_act):
         yield
-        assert not _thop_keys(Conv.default_act), "this test leaked thop buffers onto Conv.default_act"
-    finally:
-        clear_thop_buffers(Conv.default_act)
 
 
 def _conv_block_macs(cin: int, cout: int, k: int, h: int, w: int) -> int:
@@ -114,7 +102,7 @@ def test_profile_flops_rejects_bad_models():
     model.cache = torch.ones(2, requires_grad=True) * 2  # a non-leaf tensor: deepcopy refuses it
     with pytest.raises(TypeError, match="cannot be deep-copied"):
         profile_flops(model, torch.randn(1, 2))
-    assert _thop_keys(model) == []
+    assert thop_buffers(model) == []
 
 
 # --- inspection helpers -----------------------------------------------------------------------------------
