@@ -329,7 +329,8 @@ print(
 # conversion). Casting the EMA copy itself, `ema.ema.half()`, breaks cached lists the same way; a
 # [validator](../docs/glossary.md#validator) (the code that scores the model on held-out data during
 # training) may cast the copy like that.
-#
+
+# %% [markdown]
 # ## Summary
 #
 # - The EMA step is `ema.lerp_(model, 1 - d)` per float tensor, with `d(n) = decay * (1 - exp(-n / tau))`:
