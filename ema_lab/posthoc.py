@@ -15,7 +15,7 @@ The snapshot files (:mod:`ema_lab.snapshots`) hold every profile of a saved upda
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from copy import deepcopy
 
 import torch
@@ -165,12 +165,17 @@ class PostHocEMA(ModelEMA):
         self,
         model: nn.Module,
         folder: str | os.PathLike,
-        sigma_rels: Sequence[float] = (0.05, 0.10),
+        sigma_rels: Iterable[float] = (0.05, 0.10),
         snapshot_every: int = 1000,
         updates: int = 0,
     ) -> None:
-        if isinstance(sigma_rels, (str, bytes)) or not isinstance(sigma_rels, Sequence) or not sigma_rels:
+        try:  # a list, a tuple, a NumPy array: any non-empty run of numbers
+            lengths = [] if isinstance(sigma_rels, (str, bytes)) else list(sigma_rels)
+        except TypeError:
+            lengths = []
+        if not lengths:
             raise ValueError(f"sigma_rels must be a non-empty sequence of lengths, got {sigma_rels!r}")
+        sigma_rels = lengths
         schedules = [power(sigma_rel=s) for s in sigma_rels]
         gammas = [s.gamma for s in schedules]
         if len(set(gammas)) != len(gammas):

@@ -206,6 +206,8 @@ def test_synthesis_between_the_two_lengths_is_close_to_the_ema_tracked_directly(
     [
         ({"sigma_rels": ()}, "sigma_rels must be a non-empty sequence of lengths"),
         ({"sigma_rels": 0.05}, "sigma_rels must be a non-empty sequence of lengths"),
+        ({"sigma_rels": "0.05"}, "sigma_rels must be a non-empty sequence of lengths"),
+        ({"sigma_rels": torch.tensor(0.05)}, "sigma_rels must be a non-empty sequence of lengths"),
         ({"sigma_rels": (0.05, 0.05)}, "sigma_rels must be distinct profiles"),
         ({"sigma_rels": (0.05, 0.5)}, "sigma_rel must be in"),
         ({"snapshot_every": 0}, "snapshot_every must be an int >= 1"),
@@ -216,6 +218,15 @@ def test_bad_arguments_are_one_line_errors(kwargs: dict, message: str, tmp_path)
         PostHocEMA(torch.nn.Linear(2, 2), tmp_path / "run", **kwargs)
     assert "\n" not in str(info.value)
     assert not (tmp_path / "run").exists()  # refused before anything was made
+
+
+def test_sigma_rels_may_be_any_run_of_numbers(tmp_path) -> None:
+    """A NumPy array or a generator of lengths gives the same profiles as the tuple."""
+    np = pytest.importorskip("numpy")
+    want = [s.gamma for s in PostHocEMA(torch.nn.Linear(2, 2), tmp_path / "a", (0.05, 0.1)).schedules]
+    for lengths in (np.array([0.05, 0.1]), (s for s in (0.05, 0.1))):
+        got = PostHocEMA(torch.nn.Linear(2, 2), tmp_path / "b", lengths).schedules
+        assert [s.gamma for s in got] == want and all(type(s.gamma) is float for s in got)
 
 
 def test_the_second_ema_follows_its_own_tensors_being_replaced(tmp_path) -> None:
