@@ -84,7 +84,7 @@ def _parser() -> _Parser:
     comp = sub.add_parser("compare", help="plot several result files side by side")
     comp.add_argument(
         "files",
-        nargs="+",
+        nargs="*",
         help="result JSON files, or folders: a folder stands for the bench runs in it and one level down "
         "(e.g. results, with the GPU runs in results/gpu-*/)",
     )
@@ -112,17 +112,29 @@ def writable_folder(out: str, name: str | None = None) -> Path:
     """Create the folder ``out`` if needed and write a scratch file there; any failure is a ValueError.
 
     Run before any measuring, so that a folder the run cannot write to costs nothing but one line.
-    ``name`` is how errors call the folder (default: ``--out '<out>'``).
+    ``name`` is how errors call the folder (default: ``--out '<out>'``); the error names the folder at
+    fault: ``out`` itself when it exists, else the nearest folder above it that exists.
     """
     path, name = Path(out), name or f"--out {out!r}"
     if path.exists() and not path.is_dir():
         raise ValueError(f"{name} exists and is not a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        above = next(p for p in path.absolute().parents if p.exists())
+        why = (
+            "is a file, not a folder"
+            if not above.is_dir()
+            else f"takes no new folders ({exc.strerror or exc})"
+        )
+        raise ValueError(f"cannot create {name}: {above} {why}") from None
+    try:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as exc:
-        raise ValueError(f"cannot write to {name}: {exc.strerror or exc}") from None
+        raise ValueError(
+            f"cannot write to {name}: the folder takes no new files ({exc.strerror or exc})"
+        ) from None
     return path
 
 
@@ -144,6 +156,8 @@ def _result_files(args: list[str]) -> list[Path]:
     """compare's arguments as files: a folder becomes the bench runs in it and one level down."""
     from .results import bench_files
 
+    if not args:
+        raise ValueError("name the runs to compare: result files or folders, e.g. `compare results`")
     files = []
     for arg in map(Path, args):
         found = bench_files(arg) if arg.is_dir() else [arg]

@@ -24,15 +24,21 @@ def _never(*args, **kwargs):
     "cmd, out, message",
     [
         ("bench", "{tmp}/a_file", "--out '{tmp}/a_file' exists and is not a folder"),
-        ("bench", "{tmp}/a_file/sub", "cannot write to --out '{tmp}/a_file/sub': Not a directory"),
+        (
+            "bench",
+            "{tmp}/a_file/sub",
+            "cannot create --out '{tmp}/a_file/sub': {tmp}/a_file is a file, not a folder",
+        ),
         pytest.param(
             "bench",
             "/proc/forbidden",
-            "cannot write to --out '/proc/forbidden': No such file or directory",
+            "cannot create --out '/proc/forbidden': /proc takes no new folders (No such file or directory)",
             marks=linux,
         ),
         # A folder that exists but takes no files, even for root (permission denied, or a read-only mount).
-        pytest.param("bench", "/sys", "cannot write to --out '/sys': ", marks=linux),
+        pytest.param(
+            "bench", "/sys", "cannot write to --out '/sys': the folder takes no new files (", marks=linux
+        ),
     ],
 )
 def test_an_unwritable_out_is_one_line_and_exit_2_before_any_work(
@@ -55,7 +61,8 @@ def test_an_unwritable_out_is_one_line_and_exit_2_before_any_work(
         ("{tmp}/a_file/runs.png", "the folder of --plot '{tmp}/a_file/runs.png' exists and is not a folder"),
         pytest.param(
             "/proc/forbidden/runs.png",
-            "cannot write to the folder of --plot '/proc/forbidden/runs.png': No such file or directory",
+            "cannot create the folder of --plot '/proc/forbidden/runs.png': "
+            "/proc takes no new folders (No such file or directory)",
             marks=linux,
         ),
     ],
@@ -69,6 +76,14 @@ def test_a_bad_plot_file_is_one_line_and_exit_2_before_any_work(
     assert cli.main(["compare", str(RUN), "--plot", plot.format(tmp=tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"compare: error: {message.format(tmp=tmp_path)}" in err and err.count("\n") == 1, err
+
+
+def test_compare_with_no_runs_says_what_it_takes(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(sweep, "compare", _never)
+    assert cli.main(["compare"]) == 2
+    err = capsys.readouterr().err
+    assert "compare: error: name the runs to compare: result files or folders, e.g. `compare results`" in err
+    assert err.count("\n") == 1, err
 
 
 def test_a_new_out_is_created_and_left_empty(tmp_path) -> None:
