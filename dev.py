@@ -10,29 +10,53 @@
                                   keep your edits)
     python3 dev.py demo           a short demo of every EMA strategy on a built-in model
     python3 dev.py gpu-check      on a CUDA machine: bench, kernels, CUDA tests, peers (benchmarks/)
+    python3 dev.py lock [args]    rewrite constraints.txt, the pinned set every install takes (uv);
+                                  --upgrade: move every pin to its newest release
 
 Only the standard library is used here, so it runs on a bare Python >= 3.10.
-lab, bench, compare and demo install the readers' extra (`notebooks`); test, notebooks and gpu-check the
-developers' (`dev`, a superset).
-Set EMA_LAB_TORCH to choose the torch requirement installed first (default: torch==2.13.0,
-whose CPU wheel the project's CI machine has on disk); set it to "" to keep whatever torch pip picks.
-Set EMA_LAB_VENV to an existing environment to run in that one as it is (nothing is created or installed).
+lab, bench, compare and demo install the readers' extra (`notebooks`); test, notebooks, gpu-check and
+lock the developers' (`dev`, a superset). Every package, torch included, comes at the version that
+constraints.txt pins, so an install made on any later day is the same.
+Run inside an active virtual or conda environment that holds this checkout's ema_lab (environment.yml
+makes one), dev.py uses that environment as it is; so it does with EMA_LAB_VENV=<environment folder>.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-GIVEN_VENV = os.environ.get("EMA_LAB_VENV")
+CONSTRAINTS = ROOT / "constraints.txt"  # the pinned set (python3 dev.py lock)
+# What the set pins besides the extras: torch, whose CPU wheel the project's CI machine has on disk, and
+# setuptools, which pip's isolated build of ema_lab itself would otherwise take at its newest release.
+LOCK_INPUT = "torch==2.13.0\nsetuptools>=64\n"
+
+
+def active_environment() -> Path | None:
+    """The active virtual or conda environment, when this checkout's ema_lab is installed in it."""
+    prefix = Path(sys.prefix)
+    active = sys.prefix != sys.base_prefix or os.environ.get("CONDA_PREFIX") == sys.prefix
+    if not active or prefix == ROOT / ".venv":
+        return None
+    from importlib import metadata
+
+    site = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    for dist in metadata.distributions(name="ema_lab", path=site):
+        if json.loads(dist.read_text("direct_url.json") or "{}").get("url") == ROOT.as_uri():
+            return prefix
+    return None
+
+
+GIVEN_VENV = os.environ.get("EMA_LAB_VENV") or active_environment()
 VENV = Path(GIVEN_VENV).absolute() if GIVEN_VENV else ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PY = BIN / ("python.exe" if os.name == "nt" else "python")
@@ -45,9 +69,9 @@ NBVAL_ARGS = [
 ]
 
 
-JOBS = ("bench", "compare", "demo", "test", "gpu-check", "notebooks", "lab")
+JOBS = ("bench", "compare", "demo", "test", "gpu-check", "notebooks", "lock", "lab")
 # Which extra each job needs; "dev" includes "notebooks" (pyproject.toml).
-EXTRAS = {"test": "dev", "notebooks": "dev", "gpu-check": "dev"}  # others: "notebooks", the readers' extra
+EXTRAS = {"test": "dev", "notebooks": "dev", "gpu-check": "dev", "lock": "dev"}  # others: the readers' extra
 
 
 def run(*cmd: str | Path, env: dict | None = None) -> int:
@@ -78,30 +102,44 @@ def replace_process(*cmd: str | Path, env: dict) -> int:
     return 1  # not reached: execve returns only by raising
 
 
+def installed_from() -> str:
+    """What an install depends on: pyproject.toml and the pinned set."""
+    return hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + CONSTRAINTS.read_bytes()).hexdigest()
+
+
 def ensure_venv(extra: str = "notebooks") -> None:
-    """Create .venv and install the project with ``extra``, once per pyproject.toml change."""
+    """Create .venv and install the project with ``extra`` from the pinned set, once per change of either."""
     if GIVEN_VENV:
-        return  # the caller's environment, used as it is
+        print(f"[dev] using the environment {VENV} as it is (nothing installed)", flush=True)
+        return
     if not PY.exists():
         print(f"[dev] creating {VENV}", flush=True)
         venv.EnvBuilder(with_pip=True).create(VENV)
-    wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    wanted = installed_from()
     # The stamp is "<hash> <extra>"; a stamp without an extra predates the readers' extra: it was dev.
     done, _, installed = (STAMP.read_text() if STAMP.exists() else "").partition(" ")
     covered = {"dev": {"dev", "notebooks"}, "notebooks": {"notebooks"}}.get(installed or "dev", set())
     if done == wanted and extra in covered:
         return
-    pip = [PY, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    torch_req = os.environ.get("EMA_LAB_TORCH", "torch==2.13.0")
-    has_torch = subprocess.call([str(PY), "-c", "import torch"], stderr=subprocess.DEVNULL) == 0
-    if torch_req and not has_torch:
-        print(f"[dev] installing {torch_req}", flush=True)
-        if run(*pip, *shlex.split(torch_req)):
-            sys.exit("[dev] torch install failed")
-    print(f"[dev] installing ema_lab[{extra}] (editable)", flush=True)
-    if run(*pip, "-e", f".[{extra}]"):
-        sys.exit("[dev] project install failed")
+    # pip prints a line per package, so a long first install shows where it is. PIP_CONSTRAINT, unlike -c,
+    # reaches pip's isolated build of ema_lab too (its setuptools).
+    print(f"[dev] installing ema_lab[{extra}] (editable) and torch, pinned by {CONSTRAINTS.name}", flush=True)
+    pip = [PY, "-m", "pip", "install", "--disable-pip-version-check", "-e", f".[{extra}]"]
+    if run(*pip, env=dict(os.environ, PIP_CONSTRAINT=str(CONSTRAINTS))):
+        sys.exit("[dev] install failed (pip's message above)")
     STAMP.write_text(f"{wanted} {extra}")
+
+
+def lock(args: list[str]) -> int:
+    """Rewrite constraints.txt: every extra's packages pinned, for Python 3.10+ on Linux, macOS and Windows.
+
+    uv keeps the pins already in the file unless told otherwise (``--upgrade``), so a run with nothing
+    changed rewrites it byte for byte.
+    """
+    cmd = [PY, "-m", "uv", "pip", "compile", "pyproject.toml", "-", "--all-extras", "--universal"]
+    cmd += ["--python-version", "3.10", "--custom-compile-command", "python3 dev.py lock", "--quiet"]
+    cmd += ["--output-file", str(CONSTRAINTS), *args]
+    return subprocess.run([str(c) for c in cmd], input=LOCK_INPUT, text=True, cwd=ROOT).returncode
 
 
 def notebook_dir(args: list[str]) -> tuple[list[str], Path | None]:
@@ -176,6 +214,8 @@ def main(argv: list[str]) -> int:
         env["EMA_LAB_QUICK"] = env.get("EMA_LAB_QUICK", "1")
         rc |= run(PY, "-m", "pytest", "tests", "notebooks", *NBVAL_ARGS, *rest, env=env)
         return rc
+    if job == "lock":
+        return lock(rest)
     if job == "gpu-check":
         return replace_process(PY, ROOT / "benchmarks" / "gpu_check.py", *rest, env=env)
     if job == "notebooks":

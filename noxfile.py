@@ -1,12 +1,21 @@
-"""The core tests on every torch ema_lab supports: ``nox`` (all versions) or ``nox -s "core(2.1.2)"``.
+"""Test sessions beyond ``python3 dev.py test``, each in its own venv.
 
-Each session installs torch first, then ema_lab with no extras (what ``pip install ema_lab`` gives a user)
-plus pytest and hypothesis, and runs the test files that need torch alone. The venvs are 4-7 GB each for
-the PyPI torch wheels with their CUDA libraries, so they are kept between runs (pip's cache serves the
-wheels again). docs/compat.md records the last result.
+- ``nox`` / ``nox -s "core(2.1.2)"``: the core tests on every torch ema_lab supports.
+- ``nox -s pairs``: the notebooks' pair test on several jupytext releases.
+- ``nox -s latest``: the whole suite with every dependency at its newest release (not in CI).
+- ``nox -s peer_schedules -- --out``: ema_lab's schedules against the peers' code.
+
+Every session takes its packages at the versions of constraints.txt (the pinned set), but for the one it
+varies (torch, jupytext), and but ``latest``. The core session installs torch first, then ema_lab with no
+extras (what ``pip install ema_lab`` gives a user) plus pytest and hypothesis, and runs the test files that
+need torch alone. The venvs are 4-7 GB each for the PyPI torch wheels with their CUDA libraries, so they
+are kept between runs (pip's cache serves the wheels again). docs/compat.md records the last result.
 """
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import nox
 
@@ -22,13 +31,30 @@ nox.options.sessions = ["core"]
 nox.options.reuse_venv = "yes"
 
 
+def pins(session: nox.Session, *leave_out: str) -> str:
+    """constraints.txt (the pinned set) without the packages named, as a file in the session's tmp folder.
+
+    A session that installs its own torch leaves out torch and what that torch alone brings (triton and
+    the nvidia-* libraries); every other package keeps its pinned version.
+    """
+    pattern = re.compile(rf"^({'|'.join(map(re.escape, leave_out))})\S*==")
+    kept = [ln for ln in Path("constraints.txt").read_text().splitlines() if not pattern.match(ln)]
+    path = Path(session.create_tmp()) / "constraints.txt"
+    path.write_text("\n".join(kept) + "\n")
+    return str(path)
+
+
+TORCH_FAMILY = ("torch", "triton", "nvidia-")
+
+
 # torch 2.1 has wheels for Python 3.8-3.11 only: one interpreter that every version in the list supports.
 @nox.session(python="3.11")
 @nox.parametrize("torch", TORCH_VERSIONS, ids=TORCH_VERSIONS)
 def core(session: nox.Session, torch: str) -> None:
     """Install torch==<version>, then ema_lab without extras, and run the core tests."""
-    session.install(f"torch=={torch}")
-    session.install("-e", ".", "pytest>=8", "hypothesis>=6")
+    constraints = pins(session, *TORCH_FAMILY)
+    session.install(f"torch=={torch}", "-c", constraints)
+    session.install("-e", ".", "pytest", "hypothesis", "-c", constraints)
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *CORE_TESTS, *session.posargs)
 
@@ -44,3 +70,32 @@ def peer_schedules(session: nox.Session) -> None:
     """Run benchmarks/peer_schedules.py against the peers: ``nox -s peer_schedules -- --out [--edm2 DIR]``."""
     session.install("torch==2.14.1", "torchvision==0.29.1", *PEERS)
     session.run("python", "benchmarks/peer_schedules.py", *session.posargs, env={"PYTHONPATH": "."})
+
+
+# The pair test on the oldest jupytext that pyproject.toml admits and on the last two releases: what the
+# committed .py pairs hold must not depend on which of them a reader has. Not a default session.
+JUPYTEXT_VERSIONS = ["1.16.0", "1.19.6", "1.19.7"]
+
+
+@nox.session(python="3.11")
+@nox.parametrize("jupytext", JUPYTEXT_VERSIONS, ids=JUPYTEXT_VERSIONS)
+def pairs(session: nox.Session, jupytext: str) -> None:
+    """The notebooks' jupytext pair test with jupytext==<version>, everything else from the pinned set."""
+    session.install("-e", ".", "pytest", f"jupytext=={jupytext}", "-c", pins(session, "jupytext"))
+    session.run(
+        "python", "-m", "pytest", "-p", "no:cacheprovider", "tests/lessons/test_notebooks.py", "-k", "the_pair_is"
+    )
+
+
+@nox.session(python="3.11")
+def latest(session: nox.Session) -> None:
+    """The whole suite, nbval included, with every dependency at its newest release (the set ignored).
+
+    Not part of CI: run it (``nox -s latest``) to find the next drift before a reader does, then
+    ``python3 dev.py lock --upgrade`` once it passes.
+    """
+    session.install("--upgrade", "-e", ".[dev]")
+    session.run("python", "-m", "pip", "list", "--format=freeze")
+    session.run(
+        "python", "dev.py", "test", *session.posargs, env={"EMA_LAB_VENV": session.virtualenv.location}
+    )

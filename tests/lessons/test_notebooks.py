@@ -12,6 +12,7 @@ import pytest
 
 jupytext = pytest.importorskip("jupytext", reason="jupytext is not installed (the notebooks extra)")
 import nbformat  # jupytext depends on it
+from jupytext.config import load_jupytext_config
 
 from ..helpers import load_file
 
@@ -52,7 +53,7 @@ def test_the_pair_is_in_sync(ipynb: Path) -> None:
     assert stored.metadata.kernelspec == text.metadata.kernelspec
     # JupyterLab's jupytext opens a copy whose .ipynb is the newer file only when what it would write from
     # the .ipynb reads back as the .py: the same cells and the same header (notebooks/jupytext.toml's filter).
-    config = jupytext.config.load_jupytext_config(str(NOTEBOOKS))
+    config = load_jupytext_config(str(NOTEBOOKS))
     again = jupytext.reads(jupytext.writes(stored, "py:percent", config=config), "py:percent")
     assert _cells(again) == _cells(text) and again.metadata == text.metadata, (
         f"{source.name}'s header is not what jupytext writes: run `jupytext --sync notebooks/{ipynb.name}`"

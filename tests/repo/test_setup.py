@@ -59,15 +59,71 @@ def test_no_requirement_asks_for_torch_newer_than_the_cap() -> None:
             assert (int(major), int(minor)) <= (2, 14), path
 
 
-def test_environment_yml_installs_the_project_with_its_dev_extra() -> None:
+def _pinned() -> dict[str, set[str]]:
+    """constraints.txt as {normalized name: pinned versions} (a package can have one per Python or OS)."""
+    pins: dict[str, set[str]] = {}
+    for name, version in re.findall(r"^([\w.-]+)==([^\s;]+)", (ROOT / "constraints.txt").read_text(), re.M):
+        pins.setdefault(_normal(name), set()).add(version)
+    return pins
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_environment_yml_installs_the_readers_extra_from_the_pinned_set() -> None:
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     assert env["channels"] == ["conda-forge"]
     deps = env["dependencies"]
     assert any(str(d).startswith("python") for d in deps) and "pip" in deps
     pip_section = next(d["pip"] for d in deps if isinstance(d, dict))
-    # pip installs the repo itself, so conda users get exactly what pyproject.toml names.
-    assert pip_section == ["-e .[dev]"]
-    assert "dev" in _pyproject()["project"]["optional-dependencies"]
+    # conda runs pip in environment.yml's folder (the repository root), whatever the caller's folder.
+    assert "-c constraints.txt" in pip_section and "-e .[notebooks]" in pip_section
+    assert not any(line.startswith("-e") and line != "-e .[notebooks]" for line in pip_section)
+    # Everything the readers' extra installs is pinned: its requirements, followed down, as installed here.
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    pins, seen = _pinned(), set()
+    todo = [Requirement(r) for r in _pyproject()["project"]["dependencies"]]
+    todo += [Requirement(r) for r in _pyproject()["project"]["optional-dependencies"]["notebooks"]]
+    while todo:
+        req = todo.pop()
+        name = _normal(req.name)
+        if name in seen or (req.marker and not req.marker.evaluate({"extra": ""})):
+            continue
+        seen.add(name)
+        if name == "ema-lab":  # ema_lab[bench]
+            todo += [
+                Requirement(r)
+                for e in req.extras
+                for r in _pyproject()["project"]["optional-dependencies"][e]
+            ]
+            continue
+        assert name in pins, (
+            f"{name} (needed by the readers' extra) is not in constraints.txt: python3 dev.py lock"
+        )
+        todo += [Requirement(r) for r in metadata.requires(req.name) or []]
+    assert {"torch", "jupyterlab", "jupytext", "thop", "matplotlib"} <= seen
+
+
+def test_the_pinned_set_holds_every_package_dev_py_installed() -> None:
+    """pip freeze of the environment dev.py made lists only what constraints.txt pins (torch too)."""
+    if not (Path(sys.prefix) / ".ema_lab-installed").exists():
+        pytest.skip(f"{sys.prefix} was not made by dev.py (it has no .ema_lab-installed stamp)")
+    freeze = subprocess.run(
+        [sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    pins = _pinned()
+    installed = dict(re.findall(r"^([\w.-]+)==([^\s+]+)", freeze, re.M))  # 2.13.0+cpu pinned as 2.13.0
+    installed.pop("ema_lab", None)  # this checkout, whichever way pip reports it
+    assert "torch" in installed
+    unpinned = {n: v for n, v in installed.items() if v not in pins.get(_normal(n), set())}
+    assert not unpinned, f"installed at versions constraints.txt does not pin: {unpinned}"
 
 
 def test_readme_starts_a_newcomer_with_clone_and_lab_and_ci_runs_its_test_command() -> None:
@@ -202,28 +258,30 @@ def test_dev_installs_the_readers_extra_for_reading_and_the_dev_extra_for_testin
         ("{h} dev", "notebooks", False),  # dev includes the readers' extra
         ("{h} notebooks", "notebooks", False),
         ("{h} notebooks", "dev", True),
-        ("0123 dev", "notebooks", True),  # pyproject.toml changed since
+        ("0123 dev", "notebooks", True),  # pyproject.toml or constraints.txt changed since
         (None, "notebooks", True),
     ],
 )
 def test_dev_installs_an_extra_only_when_the_stamp_does_not_cover_it(
     stamp, extra, installs, monkeypatch, tmp_path
 ) -> None:
-    import hashlib
-
     dev = _dev()
     monkeypatch.setattr(dev, "GIVEN_VENV", None)
-    monkeypatch.setattr(dev, "PY", Path(sys.executable))  # exists, and has torch: no torch install
+    monkeypatch.setattr(dev, "PY", Path(sys.executable))  # exists: no venv is made
     monkeypatch.setattr(dev, "STAMP", tmp_path / "stamp")
     if stamp is not None:
-        wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-        dev.STAMP.write_text(stamp.format(h=wanted))
-    pips = []
-    monkeypatch.setattr(dev, "run", lambda *cmd, env=None: pips.append([str(c) for c in cmd]) or 0)
+        dev.STAMP.write_text(stamp.format(h=dev.installed_from()))
+    pips, envs = [], []
+    monkeypatch.setattr(
+        dev, "run", lambda *cmd, env=None: pips.append([str(c) for c in cmd]) or envs.append(env)
+    )
     dev.ensure_venv(extra)
     assert [c[-1] for c in pips] == ([f".[{extra}]"] if installs else [])
     if installs:
         assert dev.STAMP.read_text().endswith(f" {extra}")
+        # Every package at its pinned version, ema_lab's own build requirements too (pip passes the
+        # environment variable to its isolated build; a -c option it does not).
+        assert envs[0]["PIP_CONSTRAINT"] == str(ROOT / "constraints.txt")
 
 
 def test_dev_lab_copies_the_notebooks_once_and_keeps_the_readers_edits(monkeypatch, tmp_path) -> None:
