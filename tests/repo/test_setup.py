@@ -360,3 +360,26 @@ def test_the_readmes_compare_command_selects_every_bench_run_and_nothing_else(tm
     assert (
         capsys.readouterr().err.strip().endswith(f"{tmp_path}: no bench run in this folder or one level down")
     )
+
+
+@pytest.mark.parametrize("checkout, used", [("this", True), ("another", False)])
+def test_dev_uses_an_active_environment_that_holds_this_checkout(
+    checkout, used, monkeypatch, tmp_path
+) -> None:
+    """A conda env made from environment.yml, or any venv with this checkout installed editable, is used."""
+    import json
+
+    site = tmp_path / "env" / "site-packages"
+    info = site / "ema_lab-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ema_lab\nVersion: 0.1.0\n")
+    url = (ROOT if checkout == "this" else tmp_path / "other").as_uri()
+    (info / "direct_url.json").write_text(json.dumps({"url": url, "dir_info": {"editable": True}}))
+    dev = _dev()
+    monkeypatch.setattr(dev.sysconfig, "get_paths", lambda: {"purelib": str(site), "platlib": str(site)})
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "env"))
+    monkeypatch.setenv("CONDA_PREFIX", str(tmp_path / "env"))  # conda's envs are not venvs: no base_prefix
+    assert dev.active_environment() == (tmp_path / "env" if used else None)
+    monkeypatch.delenv("CONDA_PREFIX")
+    monkeypatch.setattr(sys, "base_prefix", sys.prefix)  # no environment active: dev.py makes .venv
+    assert dev.active_environment() is None
