@@ -89,8 +89,8 @@ for name, stmt in [
 print(f"the loop takes {first['loop over 1024'] / first['one flat lerp_']:.1f}x the flat lerp_'s time")
 
 # %% [markdown]
-# One `Timer` run can catch a busy moment of your computer, so time in turns instead: each round times every way once, and each keeps its median
-# over the rounds and its range.
+# One `Timer` run can catch a busy moment of your computer, so time in turns instead: each round
+# times every way once, and each keeps its median over the rounds and its range.
 
 
 # %% tags=["nbval-ignore-output"]
@@ -146,7 +146,7 @@ for (name, ms), color in zip(sweep.items(), ["C3", "C0", "C2"]):
     )
 ax.set(xscale="log", yscale="log", xlabel="number of tensors (2^18 numbers in all)", ylabel="ms per update")
 ax.set_title("Same work, split into more tensors")
-ax.set_xlim(0.7, 4096 * 6)
+ax.set_xlim(0.7, 4096 * 10)
 ax.set_xticks(TENSORS, [str(n) for n in TENSORS])
 ax.minorticks_off()
 ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # 0.01, 0.02, 0.05, 0.1, ...
@@ -174,7 +174,8 @@ plt.show()
 # autograd layer once per list (bottom row); its CPU kernel then calls `lerp_` per tensor, and each call
 # goes through the dispatcher again, below autograd: its line climbs, less steeply.
 #
-# **Count the ops.** A `TorchDispatchMode` is a Python hook that sees every op reaching the dispatcher. Ten lines count them:
+# **Count the ops.** A `TorchDispatchMode` is a Python hook that sees every op reaching the
+# dispatcher. Ten lines count them:
 
 # %%
 from collections import Counter
@@ -438,12 +439,12 @@ for label, values in table.items():
 # %% [markdown]
 # Read each column down: each is another machine, and even one VM kind differs from run to run.
 #
-# A loop's op costs a few times a tensor inside `_foreach_lerp_` on a CPU, about 20 times on the H200,
-# where each op is a kernel launch. The before-code pays the first price three times per tensor, the
+# A loop's op costs about 3 times a tensor inside `_foreach_lerp_` on the reference CPU, about 20 times
+# on the H200, where each op is a kernel launch. The before-code pays the first price three times per tensor, the
 # after-code the second once: from the prices alone, about 64x on the H200. Measured: 5.8x. Most of the
 # after-code's time is the two `state_dict()` walks, which the before-code pays too (compare
-# `ModelEMA`'s update, which keeps its lists). They dilute every gain of the update itself; only code that keeps its lists
-# (notebooks 02 and 05) escapes them.
+# `ModelEMA`'s update, which keeps its lists). They dilute every gain of the update itself; only code
+# that keeps its lists (notebooks 02 and 05) escapes them.
 
 # %% [markdown]
 # ## Summary

@@ -325,9 +325,9 @@ print(
 )
 
 # %% [markdown]
-# It follows the model (`rebuilds`: its first use, then after the conversion). Casting the EMA copy itself, `ema.ema.half()`, breaks cached lists the same way; a
-# [validator](../docs/glossary.md#validator) (the code that scores the model on held-out data during
-# training) may cast the copy like that.
+# It follows the model (`rebuilds`: its first use, then after the conversion). Casting the EMA copy
+# itself, `ema.ema.half()`, breaks cached lists the same way; a [validator](../docs/glossary.md#validator)
+# (the code that scores the model on held-out data during training) may cast the copy like that.
 
 # %% [markdown]
 # ## Summary

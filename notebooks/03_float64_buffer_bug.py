@@ -104,7 +104,8 @@ rules = set(thop.profile.__globals__["register_hooks"])
 for label, root in (("block", block), ("net", net)):
     for name, m in root.named_modules():
         kept = "total_ops" in m._buffers
-        print(f"{label}.{name or '':<5} {type(m).__name__:<12} rule: {type(m) in rules!s:<5}  kept: {kept}")
+        path = f"{label}.{name}" if name else label
+        print(f"{path:<10} {type(m).__name__:<12} rule: {type(m) in rules!s:<5}  kept: {kept}")
 print("leaked keys:", leaked_keys(block))
 
 # %% [markdown]
@@ -359,14 +360,14 @@ torch.testing.assert_close({k: got[k] for k in floats}, {k: want[k] for k in flo
 
 # %% [markdown]
 # `modes` lists how each group of tensors is updated: `cat` concatenates the small float32 tensors into
-# one buffer, then one `lerp_`; `cast` converts
-# thop's float64 ones ([all modes](../docs/glossary.md#strategies-and-modes)). The EMA agrees with the
+# one buffer, then one `lerp_`; `cast` converts thop's float64 ones ([all modes](../docs/glossary.md#strategies-and-modes)). The EMA agrees with the
 # loop to float32 rounding, yet is far from the model and from its start: an EMA that skipped steps, or
 # copied the model, would fail the last line.
 
 # %% [markdown]
-# **The fix in the PR: profile a deep copy.** `deepcopy(block)` gets its own `SiLU` (deepcopy copies the module the instance points to), so thop
-# can touch neither the block nor the shared activation. Clean section 1's leak first:
+# **The fix in the PR: profile a deep copy.** `deepcopy(block)` gets its own `SiLU` (deepcopy copies
+# the module the instance points to), so thop can touch neither the block nor the shared activation.
+# Clean section 1's leak first:
 
 # %%
 del Conv.default_act.total_ops, Conv.default_act.total_params
