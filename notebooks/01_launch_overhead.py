@@ -38,8 +38,7 @@ print(f"torch {env['torch']} on {env['cpu']} ({env['cpu_count']} cores), 1 threa
 #
 # An [EMA](../docs/glossary.md#ema) update moves each weight `e` of an averaged copy a fraction `w`
 # towards the model's weight `m`: `e += w * (m - e)`, a [lerp](../docs/glossary.md#lerp) (linear
-# interpolation), in place: `e.lerp_(m, w)`. Notebook 02 writes `w = 1 − d` (`d`: the
-# [decay](../docs/glossary.md#decay-and-weight)). Here are 2^18 numbers in `n` tensors:
+# interpolation), in place: `e.lerp_(m, w)`. Here are 2^18 numbers in `n` tensors:
 
 
 # %%
@@ -90,9 +89,8 @@ for name, stmt in [
 print(f"the loop takes {first['loop over 1024'] / first['one flat lerp_']:.1f}x the flat lerp_'s time")
 
 # %% [markdown]
-# The ratio shows the loop's cost for the same work. One `Timer` run can catch a busy moment of your
-# computer, so time in turns instead: each round times every way once, and each keeps its median
-# over the rounds and its range.
+# One `Timer` run can catch a busy moment of your computer, so time in turns instead: each round
+# times every way once, and each keeps its median over the rounds and its range.
 
 
 # %% tags=["nbval-ignore-output"]
@@ -148,7 +146,7 @@ for (name, ms), color in zip(sweep.items(), ["C3", "C0", "C2"]):
     )
 ax.set(xscale="log", yscale="log", xlabel="number of tensors (2^18 numbers in all)", ylabel="ms per update")
 ax.set_title("Same work, split into more tensors")
-ax.set_xlim(0.7, 4096 * 6)
+ax.set_xlim(0.7, 4096 * 10)
 ax.set_xticks(TENSORS, [str(n) for n in TENSORS])
 ax.minorticks_off()
 ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # 0.01, 0.02, 0.05, 0.1, ...
@@ -167,17 +165,17 @@ plt.show()
 # ![A loop pays Python, dispatcher and kernel per tensor; _foreach_lerp_ pays Python once per list](figures/op_path.svg)
 #
 # Python reads the arguments; the [dispatcher](../docs/glossary.md#dispatcher) (PyTorch's C++ layer) runs
-# the autograd layer and picks a kernel for the device and dtype; the kernel does the arithmetic. The
-# first two cost the same for one number or a million.
+# the autograd layer (it records the op for `backward()` when a tensor requires a gradient; here it only
+# checks that none does) and picks a kernel for the device and dtype; the kernel does the arithmetic.
+# The first two cost the same for one number or a million.
 
 # %% [markdown]
 # On a CPU nothing is "launched": the kernel is a function call. `_foreach_lerp_` pays Python and the
 # autograd layer once per list (bottom row); its CPU kernel then calls `lerp_` per tensor, and each call
 # goes through the dispatcher again, below autograd: its line climbs, less steeply.
 #
-# ## 3. Count the ops
-#
-# A `TorchDispatchMode` is a Python hook that sees every op reaching the dispatcher. Ten lines count them:
+# **Count the ops.** A `TorchDispatchMode` is a Python hook that sees every op reaching the
+# dispatcher. Ten lines count them:
 
 # %%
 from collections import Counter
@@ -210,7 +208,7 @@ print(f"{'flat':<8} {dict(counter.counts)}")
 # runs, so it misses the `lerp_` calls inside `_foreach_lerp_`. `ema_lab.bench.counting.count_ops` is
 # this counter, packaged.
 #
-# ## 4. The price of one op
+# ## 3. The price of one op
 #
 # If each op has a fixed price, the loop's time is a line in the number of ops:
 # `time = price × ops + work`. `numpy.polyfit` fits it to the sweep (weighted by `1 / time`, so that
@@ -233,7 +231,7 @@ print(
 # The slope is one op's price on your machine; the work should be near one flat `lerp_`'s time, and the
 # line near the sweep. Inside `_foreach_lerp_` a tensor costs less: Python and autograd are paid once.
 #
-# ## 5. The real change: ultralytics PR #25315
+# ## 4. The real change: ultralytics PR #25315, on a CPU and a GPU
 #
 # [The PR](https://github.com/ultralytics/ultralytics/pull/25315) changed ultralytics' EMA update, from
 # this to this (the after-code first checks the torch version and device: notebook 02's gate):
@@ -288,20 +286,26 @@ for fn in (ema_before, ema_after):
 # The before-code dispatches 3 ops per float tensor (`mul_`, `mul`, `add_`); the after-code one
 # `_foreach_lerp_`. Both also dispatch a `detach` for every entry of the two `state_dict()` walks
 # (2 x 708 = 1416), and the before-code one per tensor. Time both, the walks alone, the after-code's
-# `_foreach_lerp_` alone (lists collected once), and one flat `lerp_` over as many numbers (the floor):
+# `_foreach_lerp_` alone (lists collected once), `ModelEMA(model, strategy="foreach")` (notebook 02's EMA:
+# it keeps its lists and checks them) and one flat `lerp_` (the floor):
 
 # %% tags=["nbval-ignore-output"]
+from ema_lab import ModelEMA
+
 numbers = models.describe(model).float_elements
 flat_e, flat_m = torch.zeros(numbers), torch.ones(numbers)
 msd = model.state_dict()
 kept = [(v, msd[k]) for k, v in ema.state_dict().items() if v.dtype.is_floating_point]
 kept_e, kept_m = [e for e, _ in kept], [m for _, m in kept]
+kept_ema = ModelEMA(model, strategy="foreach")
+kept_ema.update(model)  # its first update collects the lists
 pr = time_candidates(
     {
         "before": lambda: ema_before(ema, model, 0.9999),
         "after": lambda: ema_after(ema, model, 0.9999),
         "two state_dict() walks": lambda: (ema.state_dict(), model.state_dict()),
         "after, lists kept": lambda: torch._foreach_lerp_(kept_e, kept_m, 1e-4),
+        'ModelEMA "foreach"': lambda: kept_ema.update(model),
         "one flat lerp_": lambda: flat_e.lerp_(flat_m, 1e-4),
     },
     rounds=3 if quick_mode() else 9,
@@ -317,7 +321,7 @@ def ratio(before, after):  # median ratio, and its range from the quartiles of b
 print("before / after: {:.1f}x (range {:.1f}x to {:.1f}x)".format(*ratio(pr["before"], pr["after"])))
 
 # %% [markdown]
-# The walks take much of the after-code's time (section 6 comes back to it). The ratio is your
+# The walks take much of the after-code's time (the table below comes back to it). The ratio is your
 # machine's version of the PR's 2.2x (12.8 -> 5.8 ms, yolo26n, Apple M-series). Yours, beside saved
 # runs (a bar spans the ratios that the quartiles of both times allow):
 
@@ -367,9 +371,7 @@ plt.show()
 # On the 2-core CPU the speed-up was 1.4x one day and 1.8x the next; on the H200, 4.2x in a short run
 # and 5.8x in a full one.
 #
-# ## 6. On a GPU
-#
-# On a GPU the kernel step is a launch: the CPU queues work for the device. A loop launches one kernel
+# **On a GPU** the kernel step is a launch: the CPU queues work for the device. A loop launches one kernel
 # per op; on CUDA, `_foreach_lerp_` packs many tensors into each launch. With a CUDA device, the
 # profiler counts them:
 
@@ -383,9 +385,8 @@ for name, fn in [("loop over 600", loop), ("foreach over 600", foreach)]:
     print(f"{device}, {name}:", k if isinstance(k, str) else f"{sum(k.values())} kernel launches")
 
 # %% [markdown]
-# Without CUDA the cell says why there is no count: on a CPU, ops are function calls. The H200 run
-# above counted the launches of one update, for the bench's yolo-sized model (594 float tensors) and
-# its model of 2,000 tiny tensors:
+# Without CUDA the cell says why. The H200 run above counted the launches of one update, on the
+# yolo-sized model and on 2,000 tiny tensors:
 
 # %%
 h200 = ref["NVIDIA H200"]
@@ -403,7 +404,7 @@ for m in ("yolo", "tiny_tensors"):
 # The after-code's `_foreach_lerp_` took 10 launches for 594 tensors and 32 for 2,000: in that build
 # one launch carries at most 64 tensors. One flat `lerp_` is one launch.
 #
-# Why does the GPU gain more? Not cheaper arithmetic: the prices differ. The bench fits section 4's
+# Why does the GPU gain more? Not cheaper arithmetic: the prices differ. The bench fits section 3's
 # line on each machine:
 
 # %% tags=["nbval-ignore-output"]
@@ -415,7 +416,7 @@ def fit(name):  # a price the bench fitted in a saved run: us per op (loop) or p
     return [run["cost_model"][device]["fits"][name]["overhead_per_op_us"] for run, device in runs]
 
 
-def yolo_ms(yours, candidate):  # your time above, then the saved runs' ("foreach": ModelEMA's, lists kept)
+def yolo_ms(yours, candidate):  # your time above, then the saved runs'; the bench calls ModelEMA's "foreach"
     return [pr[yours].median_s * 1e3] + [yolo_row(run, candidate).median_s * 1e3 for run, _ in runs]
 
 
@@ -426,7 +427,7 @@ table = {
     "one tensor inside _foreach_lerp_ (us)": tensor_us,
     f"one flat lerp_ of {numbers / 1e6:.1f}M numbers (ms)": yolo_ms("one flat lerp_", "floor"),
     "after-code (ms)": after,
-    "  its _foreach_lerp_ alone, lists kept (ms)": yolo_ms("after, lists kept", "foreach"),
+    '  ModelEMA "foreach", lists kept (ms)': yolo_ms('ModelEMA "foreach"', "foreach"),
     "speed-up the two prices predict (3 x row 1 / row 2)": [3 * a / b for a, b in zip(loop_us, tensor_us)],
     "speed-up measured (before / after)": [b / a for b, a in zip(before, after)],
 }
@@ -436,15 +437,14 @@ for label, values in table.items():
     print(f"{label:<52}" + "".join(f"{v:>{w}.{3 if v < 1 else 2}f}" for v, w in zip(values, (10, 12, 8))))
 
 # %% [markdown]
-# Read each column down, not across: each is another machine, and even one VM kind differs from run to
-# run (the two saved CPU runs above).
+# Read each column down: each is another machine, and even one VM kind differs from run to run.
 #
-# A loop's op costs a few times a tensor inside `_foreach_lerp_` on a CPU, about 20 times on the H200,
-# where each op is a kernel launch. The before-code pays the first price three times per tensor, the
+# A loop's op costs about 3 times a tensor inside `_foreach_lerp_` on the reference CPU, about 20 times
+# on the H200, where each op is a kernel launch. The before-code pays the first price three times per tensor, the
 # after-code the second once: from the prices alone, about 64x on the H200. Measured: 5.8x. Most of the
-# after-code's time is the two `state_dict()` walks, which the before-code pays too (compare its
-# `_foreach_lerp_` alone). They dilute every gain of the update itself; only code that keeps its lists
-# (notebooks 02 and 05) escapes them.
+# after-code's time is the two `state_dict()` walks, which the before-code pays too (compare
+# `ModelEMA`'s update, which keeps its lists). They dilute every gain of the update itself; only code
+# that keeps its lists (notebooks 02 and 05) escapes them.
 
 # %% [markdown]
 # ## Summary
@@ -459,7 +459,8 @@ for label, values in table.items():
 # %% [markdown]
 # ## Exercises
 #
-# Try each one before you open its solution.
+# Try each exercise in the empty cell below it before you open its solution; to run a solution,
+# paste it into that cell.
 #
 # **Exercise 1.** `tiny = models.build("tiny_tensors")` has 2,000 float tensors and no integer ones.
 # *Predict* how many ops `ema_before` dispatches on it, then count them:
@@ -511,7 +512,7 @@ for label, values in table.items():
 
 # %% [markdown]
 # **Exercise 3.** *Predict* the loop's time over 2,000 tensors of 136 numbers from the line of section
-# 4 (`price_ms` per op, plus `work_ms` per 2^18 numbers), then measure it with `Timer`.
+# 3 (`price_ms` per op, plus `work_ms` per 2^18 numbers), then measure it with `Timer`.
 
 # %%
 # Exercise 3: your code here

@@ -130,25 +130,26 @@ x_train, y_train = data(300 * 32, noise=0.5, seed=2)  # 300 batches of 32
 x_test, y_test = data(1024, noise=0.0, seed=4)
 
 # %% [markdown]
-# The training loop, with the EMA's three lines numbered:
+# The training loop, with the EMA's three lines numbered. It takes each of the 300 batches once and
+# tests both models every 20 steps:
 
 
 # %%
-def train(ema_class, decay=0.99, tau=50, epochs=15, steps=20, lr=0.2):
+def train(ema_class, decay=0.99, tau=50, tests=15, steps=20, lr=0.2):
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(8, 64), nn.BatchNorm1d(64), nn.SiLU(), nn.Linear(64, 64), nn.SiLU(), nn.Linear(64, 1)
     )
     ema = ema_class(model, decay=decay, tau=tau)  # 1. copy the model
     opt, raw, avg = torch.optim.SGD(model.parameters(), lr=lr), [], []
-    for i in range(epochs * steps):
+    for i in range(tests * steps):
         x, y = x_train[32 * i : 32 * (i + 1)], y_train[32 * i : 32 * (i + 1)]
         model.train()
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         ema.update(model)  # 2. step the copy after each optimizer step
-        if (i + 1) % steps == 0:  # end of an epoch: 3. evaluate the copy beside the model
+        if (i + 1) % steps == 0:  # every 20 steps: 3. evaluate the copy beside the model
             with torch.no_grad():
                 raw.append(nn.functional.mse_loss(model.eval()(x_test), y_test).item())
                 avg.append(nn.functional.mse_loss(ema.ema(x_test), y_test).item())
@@ -157,18 +158,18 @@ def train(ema_class, decay=0.99, tau=50, epochs=15, steps=20, lr=0.2):
 
 # %% tags=["nbval-ignore-output"]
 raw, avg, hand = train(HandEMA)
-epochs = range(1, len(raw) + 1)
+tested_at = [20 * (i + 1) for i in range(len(raw))]  # the SGD step after which each test ran
 fig, ax = plt.subplots(figsize=(6.5, 3.6))
-ax.plot(epochs, raw, "o-", color="C3", label="raw model")
-ax.plot(epochs, avg, "s-", color="C0", label="EMA")
+ax.plot(tested_at, raw, "o-", color="C3", label="raw model")
+ax.plot(tested_at, avg, "s-", color="C0", label="EMA")
 ax.legend(loc="upper right")
-ax.set(xlabel="epoch (20 SGD steps each)", ylabel="test loss (MSE)", ylim=(0, None))
+ax.set(xlabel="SGD step (one batch of 32 each)", ylabel="test loss (MSE)", ylim=(0, None))
 ax.set_title("Raw weights against their EMA (decay 0.99, tau 50)")
 ax.grid(alpha=0.3)
 plt.show()
 
 # %% [markdown]
-# At a large step size SGD bounces around the minimum: the raw loss jumps from epoch to epoch, the
+# At a large step size SGD bounces around the minimum: the raw loss jumps from test to test, the
 # EMA's hardly does. When an EMA beats the weights it averages, and how long its window should be, is
 # notebook 07's subject.
 #
@@ -187,11 +188,11 @@ print("same ramp:", all(packaged.decay(n) == ramp(n, 0.99, 50) for n in range(0,
 # ModelEMA also unwraps models wrapped for multi-GPU training (DDP) or by `torch.compile`, copies the
 # integer BatchNorm counters, and applies the step in fewer ops, the subject of the next section.
 #
-# ## 3. Three ways to apply one step
+# ## 3. Three ways to apply one step, and the gate
 #
 # ema_lab has the step three ways: `loop_update` (the arithmetic before ultralytics PR #25315, one
 # tensor at a time), `foreach_update` (the after-code's one `torch._foreach_lerp_`) and `gated_update`
-# (the same call behind the PR's gate, section 4, plus a fallback of ema_lab's own). Take the float
+# (the same call behind the PR's gate, below, plus a fallback of ema_lab's own). Take the float
 # tensors of a model shaped like the yolo26n detector:
 
 # %%
@@ -203,8 +204,8 @@ model_t = [v for v in model.state_dict().values() if v.is_floating_point()]
 print(len(model.state_dict()), "state_dict entries,", len(model_t), "of them float")
 
 # %% [markdown]
-# Ten random steps of the model (a stand-in for training), each followed by an EMA update with each
-# strategy, and by the same update in float64 as the reference:
+# Ten random steps of the model, each followed by an update with each strategy and, as the reference,
+# in float64:
 
 # %%
 emas = {f.__name__: [t.clone() for t in model_t] for f in (loop_update, foreach_update, gated_update)}
@@ -234,12 +235,11 @@ for f in (loop_update, foreach_update, gated_update):
     print(f"{f.__name__:<15}", dict(count_ops(f, emas[f.__name__], model_t, 0.9)))
 
 # %% [markdown]
-# The loop calls several ops per tensor; the other two, one `_foreach_lerp_` for the whole list. Each
-# op called from Python has a fixed price (notebook 01), so the foreach versions pay most of it once.
+# The loop calls four ops per tensor: `mul_`, `mul`, `add_` and `detach` (the before-code's
+# `m.detach()`: no arithmetic, yet it passes the dispatcher). The other two call one `_foreach_lerp_`
+# per list, so they pay an op's fixed price (notebook 01) once.
 #
-# ## 4. The gate
-#
-# `_foreach_lerp_` does not exist before torch 2.0, and on Apple GPUs (MPS) it raised
+# **The gate.** `_foreach_lerp_` does not exist before torch 2.0, and on Apple GPUs (MPS) it raised
 # `NotImplementedError` up to torch 2.2; it works from 2.4 (2.3 was never tested). The PR checks both
 # before calling it, and otherwise runs the loop. `ema_lab.foreach_lerp_supported` is that check:
 
@@ -261,7 +261,7 @@ for version in ["1.13", "2.0", "2.3", "2.4", "2.13"]:
 print(f"torch {torch.__version__}, cpu:", "foreach" if foreach_lerp_supported(None, "cpu") else "loop")
 
 # %% [markdown]
-# ## 5. Lists collected once, and how they go stale
+# ## 4. Lists collected once, and how they go stale
 #
 # The PR's code walks `state_dict()` twice per update to find the tensors, which notebook 01 found
 # costly. ultralytics 8.4.190 collects the two lists once and reuses them. In a few lines:
@@ -325,10 +325,9 @@ print(
 )
 
 # %% [markdown]
-# It follows the model (`rebuilds` counts the times it built its lists: first use, then after the
-# conversion). Casting the EMA copy itself, `ema.ema.half()`, breaks cached lists the same way; a
-# [validator](../docs/glossary.md#validator) (the code that scores the model on held-out data during
-# training) may cast the copy like that.
+# It follows the model (`rebuilds`: its first use, then after the conversion). Casting the EMA copy
+# itself, `ema.ema.half()`, breaks cached lists the same way; a [validator](../docs/glossary.md#validator)
+# (the code that scores the model on held-out data during training) may cast the copy like that.
 
 # %% [markdown]
 # ## Summary
@@ -343,10 +342,11 @@ print(
 # %% [markdown]
 # ## Exercises
 #
-# Try each one before you open its solution.
+# Try each exercise in the empty cell below it before you open its solution; to run a solution,
+# paste it into that cell.
 #
-# **Exercise 1.** Train with `tau=5` instead of 50: `train(HandEMA, tau=5)`. *Predict* in which epochs
-# the EMA's test loss is worse than the raw model's, and why; then compare its two lists of losses.
+# **Exercise 1.** Train with `tau=5` instead of 50: `train(HandEMA, tau=5)`. *Predict* after which
+# steps the EMA's test loss is worse than the raw model's, and why; then compare its two lists of losses.
 
 # %%
 # Exercise 1: your code here
@@ -355,7 +355,7 @@ print(
 # <details><summary>Solution 1</summary>
 #
 # ```python
-# def early_share_below(tau, limit=0.1):  # the step at which epoch 1's weights hold under 10 % of the EMA
+# def early_share_below(tau, limit=0.1):  # the step at which steps 1-20 hold under 10 % of the EMA
 #     share, n = 1.0, 20
 #     while share > limit:
 #         n += 1
@@ -365,25 +365,24 @@ print(
 #
 # for tau in (5, 50):
 #     raw_t, avg_t, _ = train(HandEMA, tau=tau)
-#     worse = [e for e, r, a in zip(epochs, raw_t, avg_t) if a > r]
-#     n = early_share_below(tau)
-#     print(f"tau = {tau:>2}: EMA worse than raw in epochs {worse}")
-#     print(f"          epoch 1's weights hold over 10 % of the EMA until step {n} (epoch {math.ceil(n / 20)})")
+#     worse = [step for step, r, a in zip(tested_at, raw_t, avg_t) if a > r]
+#     print(f"tau = {tau:>2}: EMA worse than raw after steps {worse}")
+#     print(f"          the EMA of steps 1-20 keeps over 10 % of it until step {early_share_below(tau)}")
 # ```
 #
-# With `tau=5` the EMA is worse than the raw model for many more of the first epochs than with
-# `tau=50` (the exact epochs depend on your torch's random numbers). With `tau=5` the decay is near 0.99
-# within a few updates, so epoch 1's weights, far from the minimum, keep over 10 % of the EMA until step
-# 241 (epoch 13): the EMA drags them along while the model improves. With `tau=50` the decay is still
-# small after epoch 1, and their share falls below 10 % at step 23, in epoch 2.
+# With `tau=5` the EMA is worse than the raw model at many more of the first tests than with `tau=50`
+# (the exact steps depend on your torch's random numbers). With `tau=5` the decay is near 0.99 within a
+# few updates, so the weights of the first 20 steps, far from the minimum, keep over 10 % of the EMA
+# until step 241: the EMA drags them along while the model improves. With `tau=50` the decay is still
+# small after step 20, and their share falls below 10 % at step 23.
 #
 # </details>
 
 # %% [markdown]
-# **Exercise 2.** Section 5 converted the model with `model.double()`. *Predict*: after
+# **Exercise 2.** Section 4 converted the model with `model.double()`. *Predict*: after
 # `model.bfloat16()` instead, does `CachedListEMA` follow the model? Does `ModelEMA`? Check: copy
 # `gap_after_conversion` with `model.bfloat16()` in place of `model.double()`, and run it on both as
-# section 5 did.
+# section 4 did.
 
 # %%
 # Exercise 2: your code here
@@ -410,8 +409,7 @@ print(
 # ```
 #
 # A gap near 1 for `CachedListEMA` and near 0 for `ModelEMA`: any conversion to another dtype gives
-# the parameters new memory, so the cached lists freeze again, while `ModelEMA` notices, rebuilds its
-# lists and follows.
+# the parameters new memory, so the cached lists freeze again; `ModelEMA` notices and rebuilds them.
 #
 # </details>
 

@@ -51,10 +51,9 @@ print("after:", list(net.state_dict()))
 
 # %% [markdown]
 # Two new entries appeared in the [`state_dict()`](../docs/glossary.md#state_dict) (the dict of
-# parameters and buffers that a checkpoint saves and the EMA update walks). Where they come from, and
-# where they go, in one picture:
+# parameters and buffers that a checkpoint saves and the EMA update walks). Their path, in one picture:
 #
-# ![thop's float64 buffers: from an in-place profile into the model and the failing EMA update; a deep copy keeps them out](figures/03_thop_path.svg)
+# ![thop's buffers travel from an in-place profile to the EMA update; a deep copy stops them](figures/03_thop_path.svg)
 
 # %% [markdown]
 # ## 1. What `thop.profile` leaves behind
@@ -92,7 +91,7 @@ for k, v in block.state_dict().items():
     print(f"  {k:<22} {v.dtype}")
 
 # %% [markdown]
-# Four new float64 entries. Which modules kept them?
+# Four new float64 entries. Which modules kept them, here and in the first cell's `net`?
 
 
 # %%
@@ -102,15 +101,17 @@ def leaked_keys(model):  # thop's entries in a state_dict
 
 # thop's private rule table (module type -> counting rule), read from the module that defines profile
 rules = set(thop.profile.__globals__["register_hooks"])
-for name, m in block.named_modules():
-    print(
-        f"{name or '<block>':<8} {type(m).__name__:<12} rule: {type(m) in rules!s:<5}  kept: {'total_ops' in m._buffers}"
-    )
+for label, root in (("block", block), ("net", net)):
+    for name, m in root.named_modules():
+        kept = "total_ops" in m._buffers
+        path = f"{label}.{name}" if name else label
+        print(f"{path:<10} {type(m).__name__:<12} rule: {type(m) in rules!s:<5}  kept: {kept}")
 print("leaked keys:", leaked_keys(block))
 
 # %% [markdown]
-# `conv` and `bn` have rules and were cleaned; the block (a custom class) and `SiLU` (no rule in thop
-# 0.1.1) were not. The count follows thop's rules: 16 × 32 × 32 outputs × 27 MACs each for the
+# Modules with a rule were cleaned: `Conv2d`, `BatchNorm2d` and `nn.Sequential` (its rule counts
+# nothing; thop adds up its children). The block and `SiLU` have no rule in thop 0.1.1 and kept theirs,
+# as does `nn.ModuleList`. The count follows thop's rules: 16 × 32 × 32 outputs × 27 MACs each for the
 # convolution, plus the 4 per output element thop charges BatchNorm, make 507,904 (SiLU adds nothing).
 #
 # thop has no `try/finally` either. When the profiled forward raises (a 1-channel input into a
@@ -182,7 +183,8 @@ plt.show()
 # %% [markdown]
 # Nobody profiled the middle two models, yet each carries 228 stray entries: two for each of its 114
 # `Conv` modules, whose `act` is the shared `SiLU`; even the one built *before* the profile. Profiled in
-# place, yolo adds two on each module without a rule: each `Conv`, other blocks, containers.
+# place, yolo adds two on each module without a rule: each `Conv` and other custom block, each
+# `nn.ModuleList`.
 #
 # ## 3. A cast EMA copy makes `_foreach_lerp_` fail halfway
 #
@@ -234,10 +236,10 @@ print("already updated:", updated)
 
 # %% [markdown]
 # `end` is the model's float64 ("double") tensor. On a CPU the call works through the pairs in order,
-# so the five tensors before the first bad pair were already moved: a failed `_foreach_lerp_` is **not
+# so the five tensors before the bad pair were already moved: a failed `_foreach_lerp_` is **not
 # atomic**.
 #
-# The obvious repair, which the PR did *not* make: catch the error, run the old per-tensor loop. It
+# A tempting repair, not the PR's: catch the error, run the old per-tensor loop. It
 # promotes to float64 and casts back, so it succeeds, and moves those five tensors again:
 
 # %%
@@ -286,7 +288,7 @@ plt.show()
 # Red: moved twice, by 1 − d² = 0.19 (to float32 rounding) instead of 0.1. The mismatch stays, so
 # this would happen at *every* step, silently halving those tensors' averaging window (about 1 / (1 − d) steps).
 #
-# ## 4. Check every pair before touching any
+# ## 4. Two fixes: check every pair first, profile a deep copy
 #
 # The update's fix: look at all pairs first, and refuse before anything moves. A few lines:
 
@@ -324,7 +326,7 @@ print("EMA unchanged:", all(torch.equal(esd[k], start[k]) for k in esd))
 # %% [markdown]
 # `ema_lab.ModelEMA`'s default strategy accepts mixed pairs: it groups tensors by dtype and casts the
 # model's float64 values first. Check it against the PR's before-code loop over ten training steps,
-# both with the ramp `d_n = decay × (1 − exp(−n / tau))`; decay 0.9 and tau 3 make every step count:
+# both with notebook 02's ramp (decay 0.9, tau 3: every step counts):
 
 # %% tags=["nbval-ignore-output"]
 from ema_lab import ModelEMA
@@ -358,16 +360,14 @@ torch.testing.assert_close({k: got[k] for k in floats}, {k: want[k] for k in flo
 
 # %% [markdown]
 # `modes` lists how each group of tensors is updated: `cat` concatenates the small float32 tensors into
-# one buffer, then one `lerp_`; `cast` converts
-# thop's float64 ones ([all modes](../docs/glossary.md#strategies-and-modes)). The EMA agrees with the
+# one buffer, then one `lerp_`; `cast` converts thop's float64 ones ([all modes](../docs/glossary.md#strategies-and-modes)). The EMA agrees with the
 # loop to float32 rounding, yet is far from the model and from its start: an EMA that skipped steps, or
 # copied the model, would fail the last line.
 
 # %% [markdown]
-# ## 5. The fix in the PR: profile a deep copy
-#
-# `deepcopy(block)` gets its own `SiLU` (deepcopy copies the module the instance points to), so thop
-# can touch neither the block nor the shared activation. Clean section 1's leak first:
+# **The fix in the PR: profile a deep copy.** `deepcopy(block)` gets its own `SiLU` (deepcopy copies
+# the module the instance points to), so thop can touch neither the block nor the shared activation.
+# Clean section 1's leak first:
 
 # %%
 del Conv.default_act.total_ops, Conv.default_act.total_params
@@ -402,8 +402,7 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 #
 # The `ultralytics-thop` fork removes the buffers from every module from 2.0.21, adds `try/finally` in
 # 2.0.22 and keeps plain numbers from 2.1 (its release notes; it installs the same `thop` import, so
-# never install both). A later ultralytics PR dropped the deep copy once it required the fixed fork.
-# Or count without thop: torch's `FlopCounterMode` stores nothing on the model
+# never install both). Or count without thop: torch's `FlopCounterMode` stores nothing on the model
 # ([compared](../docs/flop_counters.md)).
 # </details>
 #
@@ -426,7 +425,8 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 # %% [markdown]
 # ## Exercises
 #
-# Try each one before you open its solution.
+# Try each exercise in the empty cell below it before you open its solution; to run a solution,
+# paste it into that cell.
 #
 # **Exercise 1.** Profile `resnet = models.build("resnet50")` in place: `thop.profile(resnet,
 # (torch.randn(1, 3, 64, 64),), verbose=False)`. *Predict*: does it keep more or fewer of thop's keys

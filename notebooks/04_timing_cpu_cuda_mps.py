@@ -27,6 +27,7 @@ from functools import partial
 
 import torch
 
+from ema_lab import ModelEMA
 from ema_lab.bench import models, seed  # seed: the PR's code as first written (seed_before, seed_after)
 
 torch.set_num_threads(1)  # one intra-op thread below, unless a cell says otherwise
@@ -41,10 +42,10 @@ for call in range(1, 6):  # the PR's after-code (notebook 01), timed by hand
 
 # %% [markdown]
 # Five calls of the PR's after-code (one `_foreach_lerp_`, notebook 01), five different times. Which one
-# is *the* time? This lesson builds a timer that can answer, one step at a time.
+# is *the* time? Each section answers one question on the way to a timer that can say.
 
 # %% [markdown]
-# ## 1. A clock of your own: warm up, then synchronise
+# ## 1. What does one reading include? Warm-up and the GPU's queue
 #
 # A first call often pays once (memory allocated, caches filled, CUDA set up), so throw a **warm-up**
 # call away. On a GPU, a call only *queues* kernels (the programs the GPU runs) and returns.
@@ -74,18 +75,16 @@ def clock_ms(fn, device: str, synced: bool) -> float:
 
 
 # %% [markdown]
-# Time a 128 MiB `lerp_` and the after-code both ways, alternating the two, on every device you have:
+# Time a 128 MiB `lerp_` and `ModelEMA`'s update (ema_lab's EMA, notebook 02) both ways, alternating
+# the two, on every device you have:
 
 # %% tags=["nbval-ignore-output"]
 present = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
 for device in [d for d, ok in present.items() if ok]:
     a, b = torch.rand(2**25, device=device), torch.rand(2**25, device=device)  # 128 MiB each
     net = models.build("yolo").to(device)
-    net_ema = deepcopy(net).eval()
-    work = {
-        "one lerp_ of 128 MiB": partial(a.lerp_, b, 0.1),
-        "PR after-code": partial(seed.seed_after, net_ema, net, 0.9999),
-    }
+    net_ema = ModelEMA(net)
+    work = {"one lerp_ of 128 MiB": partial(a.lerp_, b, 0.1), "ModelEMA update": partial(net_ema.update, net)}
     for name, step in work.items():
         step()  # warm-up
         runs = {False: [], True: []}
@@ -97,31 +96,70 @@ for device in [d for d, ok in present.items() if ok]:
 print("not present:", ", ".join(d for d, ok in present.items() if not ok) or "none")
 
 # %% [markdown]
-# On a CPU the two differ only by noise: a call returns when its work is done (section 5 shows a GPU).
-#
+# On a CPU the two differ only by noise: a call returns when its work is done. An NVIDIA H200 (torch
+# 2.11, one host thread) ran an earlier version of this cell on the same two jobs;
+# [a results file](../docs/results/h200-update-costs-2026-12-04.md) keeps its medians:
+
+# %%
+import json
+from pathlib import Path
+
+h200_costs = json.loads(
+    (Path(seed.__file__).parents[2] / "docs" / "results" / "h200-update-costs-2026-12-04.json").read_text()
+)
+print(h200_costs["machine"]["gpu"], "| torch", h200_costs["machine"]["torch"])
+for work, ms in h200_costs["sync"]["ms"].items():
+    print(f"cuda, {work}: without sync {ms['without_sync']:.3f} ms, with sync {ms['with_sync']:.3f} ms")
+lerp_ms = h200_costs["sync"]["ms"]["one lerp_ of 128 MiB"]["with_sync"]
+print(
+    f"the lerp_ reads a and b and writes a: 3 x 128 MiB in {lerp_ms} ms = {3 * 2**27 / lerp_ms / 1e9:.1f} TB/s"
+)
+
+# %% [markdown]
+# With sync the `lerp_` takes 13x longer: the host queues one kernel in 0.008 ms, and the GPU moves
+# 384 MiB at 3.8 TB/s, near the 4.8 TB/s peak of an H200's memory. For the update, sync hardly matters: the host
+# works on it for about 0.29 ms and the GPU's small part is nearly done when the call returns. The
+# update is **host-bound**: the CPU sets its time.
+
+# %% [markdown]
 # Any line that needs a value on the host waits for the GPU: `x.item()`, `print(x)`, `x.cpu()`,
-# `float(x)`, `if x > 0:`. Such a hidden wait is a **sync point**. On CUDA,
-# `torch.cuda.set_sync_debug_mode("warn")` warns at each one.
+# `if x > 0:`. Such a hidden wait is a **sync point**; on CUDA, `torch.cuda.set_sync_debug_mode("warn")`
+# warns at each one.
 #
 # ![x.item() waits until the queued kernels are done](figures/04_sync_points.svg)
-
-# %% [markdown]
-# `torch.utils.benchmark.Timer` is this clock, packaged by PyTorch: `timeit(n)` first runs a short
-# warm-up (n/100 calls, at least 2), then n calls. Before each reading of the clock it synchronises
-# CUDA, but MPS only since pytorch PR #157131 (July 2025) made it wait for any accelerator. Section 3's
-# timer, `time_candidates`, synchronises CUDA and MPS itself on every torch.
-
-# %% [markdown]
-# ## 2. One measurement is not enough
 #
-# Now time the library's `ModelEMA` (ema_lab's EMA of a whole model; notebook 02) 40 times in a row.
-# `Timer.timeit(5)` times 5 updates and returns the mean per call: one *measurement*.
+# `torch.utils.benchmark.Timer` is this clock, packaged by PyTorch: `timeit(n)` first runs a short
+# warm-up (n/100 calls, at least 2), then n calls. It synchronises CUDA, and MPS only since pytorch PR
+# #157131 (July 2025); section 3's timer, `time_candidates`, synchronises both on every torch.
+
+# %% [markdown]
+# Host-bound means that fewer kernels need not be faster. The H200 also timed ultralytics' own EMA
+# (8.4.190: one `_foreach_lerp_` over lists it keeps and never checks) beside ema_lab's default, on the
+# five models of the results file, and counted kernels on three:
+
+# %%
+for name, row in h200_costs["ms_per_update"].items():
+    kernels = h200_costs["kernels_per_update"].get(name)
+    counts = f"; kernels {kernels['ultralytics']} vs {kernels['default']}" if kernels else ""
+    print(f"{row['model']} ({row['float_tensors']} float tensors)")
+    print(f"    ms per update: ultralytics {row['ultralytics']:.3f} vs ema_lab {row['default']:.3f}{counts}")
+
+# %% [markdown]
+# ultralytics' class was faster on all five, with more kernels wherever they were counted. The
+# default's extra time is host work: it checks that the model's tensors have not moved, gathers the
+# small ones, copies the counters. Without that check, ultralytics' lists go stale (notebook 02, section
+# 4). `yolo26n` is the real detector, built by ultralytics; the yolo-like model is a simpler stand-in (99
+# Conv+BN+SiLU blocks, 495 tensors), and neither is the zoo's `yolo` timed above.
+
+# %% [markdown]
+# ## 2. How much do times spread?
+#
+# Time `ModelEMA`'s update 40 times in a row. `Timer.timeit(5)` times 5 updates and returns the mean
+# per call: one *measurement*.
 
 # %% tags=["nbval-ignore-output"]
 import matplotlib.pyplot as plt
 from torch.utils.benchmark import Timer
-
-from ema_lab import ModelEMA
 
 model_ema = ModelEMA(model)
 timer = Timer("e.update(m)", globals={"e": model_ema, "m": model}, num_threads=1)
@@ -146,17 +184,14 @@ ax.set(
 plt.show()
 
 # %% [markdown]
-# The times *spread*: other programs share the cores, and caches and clock speeds change. The
-# **median** (the middle measurement) and the **IQR** (interquartile range: the width of the middle
-# half, shaded) describe them without being pulled by outliers.
+# See how the black points scatter: other programs share the cores, and caches and clock speeds change.
+# The **median** (blue line) and the **IQR** (interquartile range: the middle half, shaded) describe
+# them without being pulled by outliers. Where the orange running median (of the last 8) rises or falls
+# over a stretch, the times **drift**, and a version timed in that stretch looks slower or faster than
+# it is.
 
 # %% [markdown]
-# If a stretch of points sits above the rest (the printed ranges, the orange running median), the times
-# **drift**: a trend slows a whole stretch, and a version timed in it looks slower than it is. So the
-# rest of this lesson alternates versions.
-
-# %% [markdown]
-# ## 3. Compare two versions: alternate them
+# ## 3. Is one version faster? Alternate them, and compare with the noise
 #
 # Time the PR's before-code (a Python loop of three ops per tensor) and after-code (one
 # `torch._foreach_lerp_`) in alternating *rounds*, so that a drift hits both:
@@ -180,10 +215,9 @@ print(
 
 # %% [markdown]
 # Your machine's counterpart of the PR's 2.2x (Apple M-series); the range shows how far one round
-# could mislead.
-#
-# `ema_lab.bench.timing.time_candidates` is this loop, packaged: a warm-up, measurements of about 20 ms,
-# the order rotated every round. Add `ModelEMA(model, strategy="foreach")`: one `_foreach_lerp_` too.
+# could mislead. `ema_lab.bench.timing.time_candidates` is this loop, packaged: a warm-up, measurements
+# of about 20 ms, the order rotated every round. Add `ModelEMA(model, strategy="foreach")`, one
+# `_foreach_lerp_` over lists it keeps:
 
 # %% tags=["nbval-ignore-output"]
 from ema_lab.bench.timing import time_candidates
@@ -204,16 +238,41 @@ for name, r in packaged.items():
     print(f"{name:<19} {1e3 * r.median_s:6.2f} ms, IQR {1e3 * r.iqr_s:5.2f}, {base / r.median_s:5.1f}x")
 
 # %% [markdown]
-# Both run one `_foreach_lerp_`; the after-code also rebuilds its lists from two `state_dict()` walks
-# on every call (notebook 01 times them); `ModelEMA` keeps them. The after-code's time differs from the
-# first cell's (section 2's drift): compare ratios within one run.
+# The after-code rebuilds its lists from two `state_dict()` walks on every call (notebook 01 times
+# them); `ModelEMA` keeps them. Cross-check with a second instrument: `Timer.blocked_autorange` picks
+# its own number of calls per measurement, and `torch.utils.benchmark.Compare` tabulates the results:
+
+# %% tags=["nbval-ignore-output"]
+from torch.utils.benchmark import Compare
+
+checks = [
+    Timer(
+        stmt,
+        globals={"seed": seed, "cached": cached, **args},
+        label="EMA update, yolo",
+        sub_label=name,
+        description="1 thread",
+    ).blocked_autorange(min_run_time=1)
+    for name, stmt in [
+        ("PR before", "seed.seed_before(e, m, d)"),
+        ("PR after", "seed.seed_after(e, m, d)"),
+        ('ModelEMA "foreach"', "cached.update(m)"),
+    ]
+]
+Compare(checks).print()
+for (name, r), c in zip(packaged.items(), checks):
+    print(
+        f"{name:<19} time_candidates {1e3 * r.median_s:6.2f} ms, blocked_autorange {1e3 * c.median:6.2f} ms"
+    )
 
 # %% [markdown]
-# ## 4. Threads: which ops can use a second core?
+# Two instruments, two sets of calls: the medians should agree within the IQRs above. If they do not, the
+# machine changed between the two cells, and only ratios measured in one run can be trusted.
 #
-# `torch.set_num_threads(n)` lets one op split its elements over n threads, but ATen (PyTorch's C++
-# tensor library) splits an element-wise op only above 32,768 elements. Time 2,000 tiny tensors and
-# one of 2.6M elements at 1 and 2 threads, and 1 thread twice: those two differ by chance alone.
+# The same rule answers another question: does a second thread help? `torch.set_num_threads(n)` lets
+# one op split its elements over n threads, but ATen (PyTorch's C++ tensor library) splits an
+# element-wise op only above 32,768 elements. Time 2,000 tiny tensors and one of 2.6M at 1 and 2
+# threads, and 1 thread twice: the noise.
 
 # %% tags=["nbval-ignore-output"]
 small = {"e": [torch.rand(136) for _ in range(2000)], "m": [torch.rand(136) for _ in range(2000)]}
@@ -244,100 +303,29 @@ for op in stmts:
 # be slower.
 
 # %% [markdown]
-# ## 5. On a GPU: what an H200 measured
-#
-# An NVIDIA H200 (torch 2.11, one host thread) ran the sync cell above on ema_lab's default `ModelEMA`
-# update; [a results file](../docs/results/h200-update-costs-2026-12-04.md) keeps its medians:
-
-# %%
-import json
-from collections import Counter
-from pathlib import Path
-
-import ema_lab
-from ema_lab.bench.results import bench_files, load, results_dir
-
-h200_costs = json.loads(
-    (Path(ema_lab.__file__).parents[1] / "docs" / "results" / "h200-update-costs-2026-12-04.json").read_text()
-)
-print(h200_costs["machine"]["gpu"], "| torch", h200_costs["machine"]["torch"])
-for work, ms in h200_costs["sync"]["ms"].items():
-    print(f"cuda, {work}: without sync {ms['without_sync']:.3f} ms, with sync {ms['with_sync']:.3f} ms")
-
-# %% [markdown]
-# Sync matters 13x for the `lerp_`: the host queues one kernel in 0.008 ms, the GPU needs until
-# 0.107 ms to move 384 MiB. It hardly matters for the update: the host works on it for about 0.29 ms,
-# and the GPU's small part is nearly done when the call returns. The update is **host-bound**: the CPU
-# sets its time. The H200 also counted each update's CUDA kernels (`torch.profiler`); name them by op:
-
-
-# %%
-def kernel_op(name: str) -> str:
-    """The op behind a CUDA kernel's name, as torch.profiler reports it."""
-    ops = {
-        "MulFunctor": "mul",
-        "CUDAFunctor_add": "add_",
-        "LerpFunctor": "_foreach_lerp_",
-        "lerp_scalar": "lerp_",
-        "OpaqueType<4u>": "cat of floats",
-        "OpaqueType<8u>": "cat of int64 counters",
-    }
-    return next((op for key, op in ops.items() if key in name), name)
-
-
-h200 = results_dir() / "gpu-linux-intel-xeon-16c-nvidia-h200"
-launches = json.loads((h200 / "kernel-launches.json").read_text())
-for model, tensors in (("yolo", 594), ("tiny_tensors", 2000)):
-    print(f"{model} ({tensors} float tensors), kernels per ModelEMA update:")
-    for strategy in ("loop", "foreach", "auto"):
-        ops = Counter()
-        for name, n in launches[model][strategy]["kernels"].items():
-            ops[kernel_op(name)] += n
-        total = launches[model][strategy]["total"]
-        print(f"  {strategy:<8} {total:>4} =", " + ".join(f"{n} {op}" for op, n in ops.items()))
-
-# %% [markdown]
-# `loop` launches `mul_`, `mul` and `add_` per tensor. `foreach` is one `_foreach_lerp_`, at most 64
-# tensors a launch in that build. The default, `auto` (notebook 05), gathers the small tensors (under
-# 2,048 elements) with one `cat`, at most 128 a launch, and moves them with one `lerp_`; one
-# `_foreach_lerp_` moves the large ones. Each copies BatchNorm's integer counters with one `cat`.
-#
-# Few kernels: is the default fast? ultralytics' own `ModelEMA` (8.4.190: one `_foreach_lerp_` over lists
-# it keeps and never checks), on the same H200:
-
-# %%
-for model in ("yolo_like", "yolo26n", "tiny_tensors"):
-    ms, kernels = h200_costs["ms_per_update"][model], h200_costs["kernels_per_update"][model]
-    print(
-        f"{model:<13} ultralytics {ms['ultralytics']:.3f} ms, {kernels['ultralytics']:>2} kernels;"
-        f" ema_lab default {ms['default']:.3f} ms, {kernels['default']:>2} kernels"
-    )
-
-# %% [markdown]
-# More kernels, less time: ultralytics' class was faster on all five models of the results file. The
-# default's extra time is host work, not launches: it checks that the model's tensors have not moved,
-# gathers the small ones, copies the counters. Without the check, ultralytics' class keeps averaging the
-# old tensors after `model.half()` (notebook 05, section 3). On a GPU, time the host, not only launches.
-
-# %% [markdown]
-# ## 6. Compare machines by their speed-ups
+# ## 4. How do two machines compare? By their speed-ups
 #
 # `python3 dev.py bench` times every EMA strategy on models of ema_lab's zoo and saves a results file
-# in `results/`; `bench_files` lists the saved runs, `load` reads one:
+# in `results/`. The committed runs this section discusses, then yours (any other run there):
 
 # %% tags=["nbval-ignore-output"]
-saved = sorted(((load(f), f) for f in bench_files(results_dir())), key=lambda x: x[0]["created"])[::-1]
+from ema_lab.bench.results import results_dir
+from ema_lab.lessons.runs import discussed_runs, own_runs, run_name
+
+committed = discussed_runs(results_dir())  # the committed runs this section discusses, by name
+yours = own_runs(results_dir())  # every other run in results/: yours, newest first
 reference_name = "linux-amd-epyc-2c_2026-12-03T093048Z_full_t1_cpu.json"  # the CPU reference of notebook 01
+reference = next(rec for f, rec in committed if f.name == reference_name)
 
 
 def measured(rec: dict) -> list[str]:
     return [d for d, s in rec["devices"].items() if s["status"] == "measured"]
 
 
-for rec, f in saved:
-    quick = "quick" if rec["settings"]["quick"] else "full"
-    print(f"{rec['created'][:16]}  {rec['machine']:<34} {'+'.join(measured(rec)):<5} {quick:<5}", end=" ")
-    print(f"torch {rec['environment']['torch']}", "<- reference" if f.name == reference_name else "")
+for _, rec in committed + yours:
+    mode = "quick" if rec["settings"]["quick"] else "full"
+    print(f"{rec['created'][:16]}  {rec['machine']:<34} {'+'.join(measured(rec)):<5} {mode:<5}", end=" ")
+    print(f"torch {rec['environment']['torch']}", "<- reference" if rec is reference else "")
 
 # %% [markdown]
 # Plot each run's speed-ups on `tiny_tensors` (2,000 tensors) over the before-code; a line spans the
@@ -345,9 +333,6 @@ for rec, f in saved:
 
 
 # %% tags=["nbval-ignore-output"]
-from ema_lab.lessons.runs import discussed_runs, own_runs, run_name
-
-
 def speedup(rec: dict, cand: str, device: str, threads: int = 1) -> tuple[float, float, float] | None:
     """(low, median, high) speed-up of ``cand`` over the before-code on tiny_tensors, or None."""
     key = ("tiny_tensors", device, threads)
@@ -369,10 +354,8 @@ def rows_of(runs: list, thread_counts: tuple | None = None) -> list:
     ]
 
 
-committed = discussed_runs(results_dir())  # the committed runs this section discusses, by name
-reference = next(rec for f, rec in committed if f.name == reference_name)
 committed_rows = rows_of(committed, (1,))
-your_rows = rows_of(own_runs(results_dir()))  # every other run in results/: yours, newest first
+your_rows = rows_of(yours)
 shown = committed_rows + your_rows[:8]
 
 fig, axes = plt.subplots(1, 2, figsize=(9.5, 0.8 + 0.42 * len(shown)), sharey=True, layout="constrained")
@@ -401,13 +384,13 @@ if len(your_rows) > 8:
     print(f"{len(your_rows) - 8} older rows of your runs are not drawn")
 
 # %% [markdown]
+# See the green rows far to the right of the others, and the CPU rows apart from each other.
 # The three plotted `linux-amd-epyc-2c` runs (the fourth timed 2 threads only) are the same kind of
-# 2-core VM, yet `foreach` gained 11.8x, 8.3x and 7.0x. The figure always draws these committed runs,
-# at 1 thread; any run of yours in `results/` comes below them in purple, labelled with its time (UTC),
-# mode and threads. Put the two full runs side by side:
+# 2-core VM, yet `foreach` gained 11.8x, 8.3x and 7.0x. Any run of yours comes below them in purple. Put the two full
+# runs of that VM side by side:
 
 # %%
-earlier = next(r for r, f in saved if f.name == "linux-amd-epyc-2c_2026-12-02.json")
+earlier = next(rec for f, rec in committed if f.name == "linux-amd-epyc-2c_2026-12-02.json")
 for rec in (earlier, reference):
     rows = {r["candidate"]: r for r in rec["results"] if (r["model"], r["threads"]) == ("tiny_tensors", 1)}
     cells = [
@@ -417,17 +400,16 @@ for rec in (earlier, reference):
     print(rec["created"][:10], " | ".join(cells), f"| {speedup(rec, 'foreach', 'cpu')[1]:.1f}x")
 
 # %% [markdown]
-# On 12-03 every time was longer and the quartiles wider (most likely a busier host), and the short
-# `foreach` calls lost more than the loop. Interleaving protects a ratio from drift within a run, not
+# On 12-03 every time was longer and the quartiles wider, and the short `foreach` calls lost more than
+# the loop; the runs do not record why. Interleaving protects a ratio from drift within a run, not
 # between runs: compare runs with their spreads, and keep one reference (the 12-03 run, as in notebook
 # 01; 8.3x was a 3-round quick run).
-
-# %% [markdown]
-# The H200's speed-ups are several times the CPUs'. The cost model (notebook 01) explains why: the
-# price of a loop's op against that of a tensor inside `_foreach_lerp_`. Each run fitted both:
+#
+# Why are the H200's speed-ups several times the CPUs'? The cost model (notebook 01): the price of a
+# loop's op against that of a tensor inside `_foreach_lerp_`. Each run fitted both:
 
 # %%
-h200_full = load(h200 / "linux-intel-xeon-16c-nvidia-h200_2026-12-04T154528Z_full_t1_cuda.json")
+h200_full = committed[-1][1]  # the H200's full run
 for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_full, "cuda")]:
     fits = rec["cost_model"][device]["fits"]
     per_op, per_tensor = fits["loop"]["overhead_per_op_us"], fits["foreach"]["overhead_per_op_us"]
@@ -444,15 +426,16 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 # ## Summary
 #
 # - Warm up; on a GPU, synchronise before reading the clock, and watch for hidden sync points.
+# - A small update on a GPU is host-bound: fewer kernels need not mean less time.
 # - Times spread and drift: report median and IQR at a fixed, recorded thread count.
 # - Compare versions in alternating rounds; a difference counts only outside the noise.
-# - On a GPU a small update is host-bound: time the host, not only the launches.
 # - Compare machines by speed-ups, with their spreads.
 
 # %% [markdown]
 # ## Exercises
 #
-# Try each one before you open its solution; paste a solution into the empty cell to run it.
+# Try each exercise in the empty cell below it before you open its solution; to run a solution,
+# paste it into that cell.
 
 # %% [markdown]
 # **Exercise 1.** Time ten `update(net)` calls of a fresh `ModelEMA(net)` on
@@ -483,7 +466,7 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 
 # %% [markdown]
 # **Exercise 2.** For each zoo model (`yolo`, `resnet50`, `gpt2`, `tiny_tensors`), compute from
-# `state_dict()` the share of float elements in tensors above 32,768 elements (section 4). *Predict*
+# `state_dict()` the share of float elements in tensors above 32,768 elements (section 3). *Predict*
 # which model has the largest share.
 
 # %%
@@ -505,7 +488,7 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 # </details>
 
 # %% [markdown]
-# **Exercise 3.** Print `speedup_vs_seed_before` of each row of `reference["results"]` (section 6) whose
+# **Exercise 3.** Print `speedup_vs_seed_before` of each row of `reference["results"]` (section 4) whose
 # `candidate` is `foreach`. *Predict* on which model `foreach` gains most.
 
 # %%
