@@ -188,8 +188,7 @@ print("after model.half():", all_views_of(M, model_flat), "| parameter dtype:", 
 
 # %% [markdown]
 # So run the check before every update, and rebuild the buffers when it fails.
-
-# %% [markdown]
+#
 # ## 4. Keep the EMA in fp32
 #
 # Should the EMA of a bf16 model be bf16 too? A float keeps a few significant bits, its *mantissa*
@@ -248,13 +247,16 @@ print("flattened:", ema_fused.modes, dict(count_ops(ema_fused.update, net_flat))
 # You choose a *strategy* (`ModelEMA(model, strategy="auto")`, the default); `ema.modes` names what
 # each group of tensors then got ([glossary table](../docs/glossary.md#strategies-and-modes)). Here:
 #
-# | mode | the model | one update |
+# | mode | the model's tensors | one update |
 # |---|---|---|
-# | `cat+foreach` | scattered | one `cat` gathers the small tensors, one `_foreach_lerp_` |
+# | `cat` | scattered, all small | one `cat` gathers them, one `lerp_` |
+# | `foreach` | scattered, all large | one `_foreach_lerp_` over views of the EMA's buffer |
+# | `cat+foreach` | scattered, small and large | one `cat` gathers the small ones, one `_foreach_lerp_` |
 # | `fused` | flattened | one `lerp_` |
 # | `cast` | another dtype | one `_foreach_copy_` into fp32, one `lerp_` |
 #
-# The second `cat` and the `copy_` carry BatchNorm's integer counters. Time all six ways in turns:
+# *Small*: under 2,048 elements. The second `cat` and the `copy_` carry BatchNorm's integer counters. Time
+# all six ways in turns:
 
 # %% tags=["nbval-ignore-output"]
 import matplotlib.pyplot as plt
@@ -287,8 +289,7 @@ plt.show()
 # Gray: built here; blue: `ema_lab`. The flattened model's `ModelEMA` runs the floor's `lerp_` plus the
 # counters' `copy_` and the check, so it cannot beat the floor (where IQR lines overlap, the difference is
 # noise). The default reads the scattered tensors like our foreach, plus the check and the counters.
-
-# %% [markdown]
+#
 # The check, packaged: make the flattened model fp16 and update once. With decay 0 the EMA must equal
 # the model:
 
@@ -337,8 +338,12 @@ for name, cand in [
 # ([results](../docs/results/h200-update-costs-2026-12-04.md)). Flattening the model leaves 2 kernels
 # and a check whose cost does not grow with the tensor count: about 4x the floor.
 #
-# (That run's ema_lab gave the gathered tensors a `lerp_` of their own; yours moves them inside the
-# `_foreach_lerp_`, as section 5 counted.)
+# <details><summary>Why a kernel count is not section 5's op count</summary>
+#
+# One op can launch several kernels: on CUDA, `_foreach_lerp_` packs a limited number of tensors into each
+# launch. And the ema_lab of that run updated the gathered small tensors with a `lerp_` of their own, where
+# the one you run adds them to the `_foreach_lerp_` (section 5's count).
+# </details>
 
 # %% [markdown]
 # A *CUDA graph* takes any number of launches down to one: record an update's kernels once
@@ -347,9 +352,11 @@ for name, cand in [
 # ![Eager: the host launches each kernel. A graph: one launch replays them all](figures/05_cuda_graph.svg)
 #
 # A replay reuses the recorded addresses and numbers, so the addresses must be checked before each
-# replay and the decay must live in a device tensor. `ModelEMA(model, cuda_graph=True)` does both. On the
-# H200 one `_foreach_lerp_`, captured by hand, replayed in 0.023 ms on a yolo-like model (ultralytics'
-# eager update: 0.179 ms); no timing of `cuda_graph=True` is published yet: time it as notebook 04 does.
+# replay and the decay must live in a device tensor. `ModelEMA(model, cuda_graph=True)` is written to do
+# both, but it has never run on a GPU in a published run, and on a CPU it raises a `ValueError`. What the
+# H200 run measured on a yolo-like model, with graphs captured by hand: the default update replayed in
+# 0.085 ms, one `_foreach_lerp_` in 0.023 ms (ultralytics' eager update: 0.179 ms). Time `cuda_graph=True`
+# on your GPU as notebook 04 does.
 #
 # <details><summary>CUDA graph machinery, torch.compile and a tensor decay</summary>
 #
@@ -368,9 +375,8 @@ for name, cand in [
 # %% [markdown]
 # ## Exercises
 #
-# Try each one before you open its solution; paste a solution into the empty cell to run it.
-
-# %% [markdown]
+# Try each exercise in the empty cell below it before you open its solution; to run a solution, paste it into that cell.
+#
 # **Exercise 1.** `models.build("tiny_tensors")` holds 2,000 float tensors (1,000 of 256 elements, 1,000
 # of 16). Flatten one and its EMA copy with `flatten`, and time `foreach` against one `lerp_` with
 # `timed`. *Predict*: does one `lerp_` gain more over foreach there than on the yolo-sized model?
@@ -401,9 +407,10 @@ for name, cand in [
 # </details>
 
 # %% [markdown]
-# **Exercise 2.** Time one training step of `models.build("yolo")`: input `torch.randn(8, 3, 256, 256)`,
-# loss `sum(o.square().mean() for o in net(images))`, backward, an SGD step with momentum. Compare it
-# with section 5's `times`. *Predict*: what share of step plus update does the EMA update take?
+# **Exercise 2.** Time one training step of `models.build("yolo")`: input `torch.randn(8, 3, 256, 256)`
+# (in quick mode, `QUICK`: 2 images of 64x64, a shorter run), loss `sum(o.square().mean() for o in
+# net(images))`, backward, an SGD step with momentum. Compare it with section 5's `times`. *Predict*: what
+# share of step plus update does the EMA update take?
 
 # %%
 # Exercise 2: your code here
@@ -433,9 +440,10 @@ for name, cand in [
 #     print(f"  {k:<25} {times[k]:6.2f} ms = {times[k] / (step_ms + times[k]):6.2%} of the step")
 # ```
 #
-# Small on a CPU at batch 8 of 256x256 (the printed shares): the passes work on every image, the update
-# touches each weight once. The step grows with batch and image size, the update does not: the smaller
-# the step (quick mode: 2 images of 64x64), the larger the EMA's share.
+# At batch 8 of 256x256 the share is small on a CPU (the printed shares: a few percent for the loop, less for
+# the others): forward and backward work on every pixel of every image, the update touches each weight
+# once. The step grows with batch and image size, the update does not: quick mode's 2 images of 64x64
+# make the step about ten times shorter, and every share about ten times larger.
 #
 # </details>
 

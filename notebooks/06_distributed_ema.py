@@ -30,6 +30,7 @@ from ema_lab.lessons import scratch_dir
 from ema_lab.lessons.distributed import skip_reason, torchrun
 
 torch.set_num_threads(1)
+workdir = scratch_dir("ema_lab_06_")  # a temporary folder for the scripts, deleted when the kernel stops
 print(
     f"torch {torch.__version__}, Python {platform.python_version()}, {platform.system()} {platform.machine()}"
 )
@@ -90,6 +91,69 @@ print("shards of the update == update of the whole:", torch.equal(torch.cat(shar
 # buffers differ by rank.
 
 # %% [markdown]
+# A *broadcast* fixes that: a collective that copies one rank's tensor into the same tensor on every other
+# rank. Build the sync by hand: on two ranks, give each rank's BatchNorm its own batch, update an EMA, then
+# broadcast each of the EMA's buffers from rank 0. `%%writefile` saves the cell as a script in the temporary
+# folder made in the first cell:
+
+# %% tags=["nbval-ignore-output"]
+# %%writefile {workdir}/sync_by_hand.py
+"""Two ranks' EMAs of a BatchNorm differ; a broadcast of each buffer from rank 0 makes them equal."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ema_lab import ModelEMA
+
+
+def gathered(value: object) -> list:
+    """Every rank's ``value``, on every rank (a collective: to print them on rank 0)."""
+    copies = [None] * dist.get_world_size()
+    dist.all_gather_object(copies, value)
+    return copies
+
+
+def rounded(t: torch.Tensor) -> list[float]:
+    return [round(v, 3) for v in t.tolist()]
+
+
+dist.init_process_group("gloo")  # torchrun told each process its rank and where to find the others
+rank = dist.get_rank()
+bn = nn.BatchNorm1d(3)
+by_hand, packaged = ModelEMA(bn), ModelEMA(bn)
+bn(torch.randn(8, 3, generator=torch.Generator().manual_seed(rank)) + rank)  # this rank's own batch
+by_hand.update(bn, decay=0.0)  # decay 0: the EMA copies the model, to see the difference clearly
+packaged.update(bn, decay=0.0)
+before = gathered(rounded(by_hand.ema.running_mean))
+
+for buffer in by_hand.ema.buffers():  # the sync by hand: every rank calls it, rank 0 sends
+    dist.broadcast(buffer, src=0)
+packaged.sync_buffers()  # ema_lab's version
+
+after = gathered(rounded(by_hand.ema.running_mean))
+same = gathered(all(torch.equal(a, b) for a, b in zip(by_hand.ema.buffers(), packaged.ema.buffers())))
+if rank == 0:
+    print("the EMA's running_mean on rank 0, rank 1, after update():", before)
+    print("after the broadcast from rank 0:                       ", after)
+    print("sync_buffers() gives the same buffers, on each rank:", same)
+dist.barrier()
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # see the training script below: torch's communication threads can outlive the group
+
+# %% tags=["nbval-ignore-output"]
+print(skip_reason() or torchrun(2, workdir / "sync_by_hand.py"))
+
+# %% [markdown]
+# Before: each rank's own statistics. After: rank 0's everywhere. `ema.sync_buffers()` packages this loop
+# for the float buffers (the integer counter is equal on every rank), and sends the buffers of each dtype
+# as one flat tensor: one broadcast instead of one per buffer.
+
+# %% [markdown]
 # ## 3. The training script
 #
 # One script trains a small MLP with a BatchNorm, with DDP and `ModelEMA`, then with FSDP2 and
@@ -97,13 +161,6 @@ print("shards of the update == update of the whole:", torch.equal(torch.cat(shar
 # the same model alone, in float64, with each rank's part of the batch through BatchNorm on its own,
 # and checks the EMA of the parameters against it. It runs on the CPU over *gloo*, PyTorch's CPU
 # communication backend (GPUs use `nccl`).
-
-# %% [markdown]
-# `%%writefile` saves the cell as a file, here in a temporary folder that is deleted when this
-# notebook's kernel stops:
-
-# %%
-workdir = scratch_dir("ema_lab_06_")
 
 # %% tags=["nbval-ignore-output"]
 # %%writefile {workdir}/train_ema.py
@@ -353,9 +410,8 @@ plt.show()
 # %% [markdown]
 # ## Exercises
 #
-# Each solution is folded under its exercise: click *Solution* to open it.
-
-# %% [markdown]
+# Try each exercise in the empty cell below it before you open its solution; to run a solution, paste it into that cell.
+#
 # **Exercise 1.** Without running the script, work out the EMA bytes each of 3 ranks holds under
 # FSDP2: split the first dimension of each entry of the script's `make_model()` like `torch.chunk`,
 # keep the BatchNorm's buffers whole on every rank, and count 4 bytes a float (8 for the integer
