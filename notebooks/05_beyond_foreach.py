@@ -221,8 +221,8 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
 # %% [markdown]
 # ## 5. What ema_lab packages
 #
-# `ema_lab.ModelEMA` packages sections 2-4: it flattens its EMA copy, checks the views before every
-# update (rebuilding when they moved), and casts a bf16 model's values into an fp32 buffer when you keep
+# `ema_lab.ModelEMA` packages sections 2-4: it flattens its EMA copy, checks before every update that no
+# tensor moved (rebuilding when one did), and casts a bf16 model's values into an fp32 buffer when you keep
 # the EMA in fp32 (`ema.ema.float()`: it starts in the model's dtype). `ema_lab.flatten_model` is our
 # `flatten` for the model; `count_ops`, notebook 01's op counter, packaged, shows what an update calls:
 
