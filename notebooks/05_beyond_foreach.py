@@ -85,18 +85,17 @@ first = timed({"loop": ema_loop, "foreach": ema_foreach})
 print(f"foreach over loop: {first['loop'] / first['foreach']:.1f}x")
 
 # %% [markdown]
-# Here the lists are built once; the PR's code rebuilds them from two `state_dict()` walks on every
-# call, which dilutes its gain (notebook 01 measures by how much). Yet on a CPU `_foreach_lerp_` still
-# runs one `lerp_` per tensor inside.
+# Here the lists are built once; the PR's code rebuilds them from two `state_dict()` walks per call
+# (notebook 01 measures the cost). And on a CPU `_foreach_lerp_` still runs one `lerp_` per tensor inside.
 
 # %% [markdown]
 # ## 2. One buffer, many views
 #
-# The *floor*, the fastest an update can be, is one `lerp_` over all 2.6 million elements at once: they
-# must sit in one contiguous buffer. Copy every EMA tensor into one flat buffer, then re-point the tensor
-# at its slice: a *view*, a tensor that reads and writes another tensor's memory.
+# The *floor*, the fastest an update can be, is one `lerp_` over all 2.6 million elements at once, which
+# must sit in one contiguous buffer. Copy every EMA tensor into one flat buffer and re-point it at its
+# slice: a *view*, a tensor that reads and writes another's memory.
 #
-# ![EMA tensors as views into one flat buffer, and one lerp_ between two buffers](figures/05_flat_views.svg)
+# ![Tensors as views of one flat buffer](figures/05_flat_views.svg)
 
 
 # %%
@@ -188,17 +187,14 @@ print("after model.half():", all_views_of(M, model_flat), "| parameter dtype:", 
 
 # %% [markdown]
 # So run the check before every update, and rebuild the buffers when it fails.
-
-# %% [markdown]
+#
 # ## 4. Keep the EMA in fp32
 #
-# Should the EMA of a bf16 model be bf16 too? A float keeps a few significant bits, its *mantissa*
-# ([glossary](../docs/glossary.md#mantissa-bits)):
-# bf16 (bfloat16: 16 bits, float32's range) keeps 7 of them, so near 1.0 its values are 2^-7 apart.
-# That spacing is one *ulp* (unit in the last place). A result closer to 1.0 than half an ulp rounds
-# back to 1.0:
+# Should the EMA of a bf16 model be bf16 too? bf16 (bfloat16: 16 bits, float32's range) keeps 7
+# significant bits, its [*mantissa*](../docs/glossary.md#mantissa-bits), so near 1.0 its values are 2^-7
+# apart: one *ulp* (unit in the last place). A result closer to 1.0 than half an ulp rounds back to 1.0:
 #
-# ![Near 1.0 a bf16 step of 8e-7 ends nearer 1.0 than the next value, so it rounds back](figures/05_ulp.svg)
+# ![A bf16 step of 8e-7 from 1.0 rounds back to 1.0](figures/05_ulp.svg)
 #
 # Move a one-element EMA at 1.0 towards 1.01, 1,000 times:
 
@@ -225,8 +221,8 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
 # %% [markdown]
 # ## 5. What ema_lab packages
 #
-# `ema_lab.ModelEMA` packages sections 2-4: it flattens its EMA copy, checks the views before every
-# update (rebuilding when they moved), and casts a bf16 model's values into an fp32 buffer when you keep
+# `ema_lab.ModelEMA` packages sections 2-4: it flattens its EMA copy, checks before every update that no
+# tensor moved (rebuilding when one did), and casts a bf16 model's values into an fp32 buffer when you keep
 # the EMA in fp32 (`ema.ema.float()`: it starts in the model's dtype). `ema_lab.flatten_model` is our
 # `flatten` for the model; `count_ops`, notebook 01's op counter, packaged, shows what an update calls:
 
@@ -248,13 +244,16 @@ print("flattened:", ema_fused.modes, dict(count_ops(ema_fused.update, net_flat))
 # You choose a *strategy* (`ModelEMA(model, strategy="auto")`, the default); `ema.modes` names what
 # each group of tensors then got ([glossary table](../docs/glossary.md#strategies-and-modes)). Here:
 #
-# | mode | the model | one update |
+# | mode | the model's tensors | one update |
 # |---|---|---|
-# | `cat+foreach` | scattered | one `cat` gathers the small tensors, one `_foreach_lerp_` |
+# | `cat` | scattered, all small | one `cat` gathers them, one `lerp_` |
+# | `foreach` | scattered, all large | one `_foreach_lerp_` |
+# | `cat+foreach` | scattered, small and large | one `cat` of the small ones, one `_foreach_lerp_` |
 # | `fused` | flattened | one `lerp_` |
 # | `cast` | another dtype | one `_foreach_copy_` into fp32, one `lerp_` |
 #
-# The second `cat` and the `copy_` carry BatchNorm's integer counters. Time all six ways in turns:
+# *Small*: under 2,048 elements. The second `cat` and the `copy_` carry BatchNorm's integer counters. Time
+# all six ways in turns:
 
 # %% tags=["nbval-ignore-output"]
 import matplotlib.pyplot as plt
@@ -284,12 +283,11 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Gray: built here; blue: `ema_lab`. The flattened model's `ModelEMA` runs the floor's `lerp_` plus the
-# counters' `copy_` and the check, so it cannot beat the floor (where IQR lines overlap, the difference is
-# noise). The default reads the scattered tensors like our foreach, plus the check and the counters.
-
-# %% [markdown]
-# The check, packaged: make the flattened model fp16 and update once. With decay 0 the EMA must equal
+# Gray: built here; blue: `ema_lab`. The flattened model's `ModelEMA` adds the counters' `copy_` and the
+# check to the floor's `lerp_`, so it cannot beat the floor (overlapping IQR lines: noise). The default
+# reads the scattered tensors like our foreach, plus the check and the counters.
+#
+# The check, packaged: make the flattened model fp16 and update once with decay 0. The EMA must equal
 # the model:
 
 # %%
@@ -330,32 +328,30 @@ for name, cand in [
     print(f"{name:<25} {ms:7.3f} ms = {ms / floor_ms:5.0f}x the floor, {n:>5} kernels")
 
 # %% [markdown]
-# The default's 8 kernels (notebook 04, section 5, names them) take about 30x the floor's time, though
-# they move nearly the same bytes. The time is the host's: each update first checks that the model's
-# tensors have not moved, gathers the small ones and copies the counters. ultralytics' class, with more
-# kernels and no check, was faster on the same GPU
+# The default's 8 kernels take about 30x the floor's time for nearly the same bytes. The time is the
+# host's: it checks that the model's tensors have not moved, gathers the small ones, copies the counters.
+# ultralytics' class, with more kernels and no check, was faster on the same GPU
 # ([results](../docs/results/h200-update-costs-2026-12-04.md)). Flattening the model leaves 2 kernels
 # and a check whose cost does not grow with the tensor count: about 4x the floor.
 #
-# (That run's ema_lab gave the gathered tensors a `lerp_` of their own; yours moves them inside the
-# `_foreach_lerp_`, as section 5 counted.)
+# <details><summary>Why 8 kernels, not section 5's 3 ops</summary>
+#
+# On CUDA one `_foreach_lerp_` launches a kernel per batch of tensors, and the ema_lab of that run gave the
+# gathered tensors a `lerp_` of their own.
+# </details>
 
 # %% [markdown]
 # A *CUDA graph* takes any number of launches down to one: record an update's kernels once
 # (*capture*), then launch them all at once (*replay*).
 #
-# ![Eager: the host launches each kernel. A graph: one launch replays them all](figures/05_cuda_graph.svg)
+# ![One launch replays all the kernels](figures/05_cuda_graph.svg)
 #
-# A replay reuses the recorded addresses and numbers, so the addresses must be checked before each
-# replay and the decay must live in a device tensor. `ModelEMA(model, cuda_graph=True)` does both. On the
-# H200 one `_foreach_lerp_`, captured by hand, replayed in 0.023 ms on a yolo-like model (ultralytics'
-# eager update: 0.179 ms); no timing of `cuda_graph=True` is published yet: time it as notebook 04 does.
-#
-# <details><summary>CUDA graph machinery, torch.compile and a tensor decay</summary>
-#
-# How `cuda_graph=True` records, checks and re-records, why `torch.compile` recompiles for a float decay
-# and why a tensor decay causes no host sync: [Beyond foreach: the details](../docs/beyond_foreach_details.md).
-# </details>
+# A replay reuses the recorded addresses and numbers: check the addresses before each replay, and keep
+# the decay in a device tensor. `ModelEMA(model, cuda_graph=True)` is written to do
+# both, but has never run on a GPU in a published run (on a CPU it raises a `ValueError`). On the H200,
+# graphs captured by hand replayed the real yolo26n's default update in 0.17 ms (0.385 ms eager) and one
+# `_foreach_lerp_` in 0.070 ms (ultralytics, eager: 0.250 ms). Time `cuda_graph=True` on your GPU as
+# notebook 04 does; [the details](../docs/beyond_foreach_details.md) say how it records and re-records.
 
 # %% [markdown]
 # ## Summary
@@ -368,9 +364,8 @@ for name, cand in [
 # %% [markdown]
 # ## Exercises
 #
-# Try each one before you open its solution; paste a solution into the empty cell to run it.
-
-# %% [markdown]
+# Try each exercise in the empty cell below it before you open its solution; to run a solution, paste it into that cell.
+#
 # **Exercise 1.** `models.build("tiny_tensors")` holds 2,000 float tensors (1,000 of 256 elements, 1,000
 # of 16). Flatten one and its EMA copy with `flatten`, and time `foreach` against one `lerp_` with
 # `timed`. *Predict*: does one `lerp_` gain more over foreach there than on the yolo-sized model?
@@ -401,9 +396,10 @@ for name, cand in [
 # </details>
 
 # %% [markdown]
-# **Exercise 2.** Time one training step of `models.build("yolo")`: input `torch.randn(8, 3, 256, 256)`,
-# loss `sum(o.square().mean() for o in net(images))`, backward, an SGD step with momentum. Compare it
-# with section 5's `times`. *Predict*: what share of step plus update does the EMA update take?
+# **Exercise 2.** Time one training step of `models.build("yolo")`: input `torch.randn(8, 3, 256, 256)`
+# (quick mode: 2 images of 64x64), loss `sum(o.square().mean() for o in
+# net(images))`, backward, an SGD step with momentum. Compare it with section 5's `times`. *Predict*: what
+# share of step plus update does the EMA update take?
 
 # %%
 # Exercise 2: your code here
@@ -433,9 +429,9 @@ for name, cand in [
 #     print(f"  {k:<25} {times[k]:6.2f} ms = {times[k] / (step_ms + times[k]):6.2%} of the step")
 # ```
 #
-# Small on a CPU at batch 8 of 256x256 (the printed shares): the passes work on every image, the update
-# touches each weight once. The step grows with batch and image size, the update does not: the smaller
-# the step (quick mode: 2 images of 64x64), the larger the EMA's share.
+# Small at batch 8 of 256x256 (a few percent for the loop, less for the others): the passes touch every
+# pixel of every image, the update each weight once. The step grows with the batch and the images, the
+# update does not: in quick mode every share is several times larger.
 #
 # </details>
 

@@ -30,6 +30,7 @@ from ema_lab.lessons import scratch_dir
 from ema_lab.lessons.distributed import skip_reason, torchrun
 
 torch.set_num_threads(1)
+workdir = scratch_dir("ema_lab_06_")  # a temporary folder for the scripts, deleted when the kernel stops
 print(
     f"torch {torch.__version__}, Python {platform.python_version()}, {platform.system()} {platform.machine()}"
 )
@@ -69,41 +70,96 @@ print("shards of the update == update of the whole:", torch.equal(torch.cat(shar
 # with the sum of everyone's tensors).
 #
 # - **DDP** (`DistributedDataParallel`) keeps the full model on every rank and all-reduces the
-#   gradients in backward. Every rank takes the same step, so the EMA of the *parameters* is the same on
-#   every rank, with no collective.
-# - **FSDP2** (`fully_shard`) keeps a row-slice (*shard*) of every parameter on each rank, as a DTensor:
-#   a tensor from `torch.distributed.tensor` that knows it is one shard of a larger tensor. Full weights
-#   exist only briefly, inside forward and backward. `ModelEMA` cannot deep-copy such a model and says
-#   so.
+#   gradients in backward: every rank takes the same step, so the EMA of the *parameters* is the same
+#   everywhere, with no collective.
+# - **FSDP2** (`fully_shard`) keeps a row-slice (*shard*) of every parameter on each rank, as a DTensor
+#   (a tensor that knows it is one shard of a larger one). Full weights exist only inside forward and
+#   backward. `ModelEMA` cannot deep-copy such a model and says so.
 
 # %% [markdown]
-# ![FSDP2 splits 5 rows over 4 ranks as 2/2/1/0; each rank updates the EMA of its own rows](figures/06_fsdp_rows.svg)
+# ![FSDP2 splits 5 rows over 4 ranks as 2/2/1/0](figures/06_fsdp_rows.svg)
 #
 # `ema_lab.ShardedModelEMA` is section 1's update, packaged: it copies each rank's local shards and
 # updates them with one `_foreach_lerp_`, with no message to the other ranks.
 
 # %% [markdown]
-# Buffers are another matter. BatchNorm keeps `running_mean` and `running_var`, updated in every
-# training forward from the batch it sees, and each rank sees its own part of the batch. DDP (by
-# default) copies rank 0's buffers to the others at the start of each forward, then each rank's
-# BatchNorm moves them again; FSDP2 never copies them. The EMA averages what its rank holds, so its
-# buffers differ by rank.
+# Buffers are another matter. BatchNorm's `running_mean` and `running_var` move in every training
+# forward, from the batch each rank sees: its own part. DDP (by default) copies rank 0's buffers to the
+# others at the start of each forward, then each rank's BatchNorm moves them again; FSDP2 never copies
+# them. So the EMA's buffers differ by rank.
+
+# %% [markdown]
+# A *broadcast*, a collective that copies one rank's tensor into the same tensor on every other rank,
+# fixes that. By hand: give each of two ranks' BatchNorm its own batch, update an EMA, then broadcast each
+# EMA buffer from rank 0. `%%writefile` saves the cell as a script in the first cell's temporary folder;
+# `torchrun(2, script)` runs it on two ranks (`python -m torch.distributed.run --standalone
+# --nproc-per-node=2`) and returns what rank 0 printed:
+
+# %% tags=["nbval-ignore-output"]
+# %%writefile {workdir}/sync_by_hand.py
+"""Two ranks' EMAs of a BatchNorm differ; a broadcast of each buffer from rank 0 makes them equal."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ema_lab import ModelEMA
+
+
+def gathered(value: object) -> list:
+    """Every rank's ``value``, on every rank (a collective: to print them on rank 0)."""
+    copies = [None] * dist.get_world_size()
+    dist.all_gather_object(copies, value)
+    return copies
+
+
+def rounded(t: torch.Tensor) -> list[float]:
+    return [round(v, 3) for v in t.tolist()]
+
+
+dist.init_process_group("gloo")  # torchrun told each process its rank and where the others are
+rank = dist.get_rank()
+bn = nn.BatchNorm1d(3)
+by_hand, packaged = ModelEMA(bn), ModelEMA(bn)
+bn(torch.randn(8, 3, generator=torch.Generator().manual_seed(rank)) + rank)  # this rank's own batch
+by_hand.update(bn, decay=0.0)  # decay 0: the EMA copies the model, to see the difference clearly
+packaged.update(bn, decay=0.0)
+before = gathered(rounded(by_hand.ema.running_mean))
+
+for buffer in by_hand.ema.buffers():  # the sync by hand: every rank calls it, rank 0 sends
+    dist.broadcast(buffer, src=0)
+packaged.sync_buffers()  # ema_lab's version
+
+after = gathered(rounded(by_hand.ema.running_mean))
+same = gathered(all(torch.equal(a, b) for a, b in zip(by_hand.ema.buffers(), packaged.ema.buffers())))
+if rank == 0:
+    print("the EMA's running_mean on rank 0, rank 1, after update():", before)
+    print("after the broadcast from rank 0:                       ", after)
+    print("sync_buffers() gives the same buffers, on each rank:", same)
+dist.barrier()
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # see the training script below: torch's communication threads can outlive the group
+
+# %% tags=["nbval-ignore-output"]
+print(skip_reason() or torchrun(2, workdir / "sync_by_hand.py"))
+
+# %% [markdown]
+# Before: each rank's own statistics. After: rank 0's everywhere. `ema.sync_buffers()` packages this loop
+# for the float buffers (the integer counter is the same on every rank), sending each dtype's buffers as
+# one flat tensor: one broadcast, not one per buffer.
 
 # %% [markdown]
 # ## 3. The training script
 #
-# One script trains a small MLP with a BatchNorm, with DDP and `ModelEMA`, then with FSDP2 and
-# `ShardedModelEMA`. `CommDebugMode` counts the collectives inside `ema.update()`. Rank 0 then trains
-# the same model alone, in float64, with each rank's part of the batch through BatchNorm on its own,
-# and checks the EMA of the parameters against it. It runs on the CPU over *gloo*, PyTorch's CPU
-# communication backend (GPUs use `nccl`).
-
-# %% [markdown]
-# `%%writefile` saves the cell as a file, here in a temporary folder that is deleted when this
-# notebook's kernel stops:
-
-# %%
-workdir = scratch_dir("ema_lab_06_")
+# One script trains a small MLP with a BatchNorm with DDP and `ModelEMA`, then with FSDP2 and
+# `ShardedModelEMA`, counting the collectives inside `ema.update()` with `CommDebugMode`. Rank 0 then
+# trains the same model alone in float64, each rank's part of the batch through BatchNorm on its own, and
+# checks the EMA of the parameters against it. The ranks talk over *gloo*, PyTorch's CPU backend (GPUs
+# use `nccl`).
 
 # %% tags=["nbval-ignore-output"]
 # %%writefile {workdir}/train_ema.py
@@ -245,20 +301,17 @@ if __name__ == "__main__":
 
 
 # %% [markdown]
-# `torchrun` starts the ranks: `torchrun(2, script)` runs
-# `python -m torch.distributed.run --standalone --nproc-per-node=2 train_ema.py` and returns what rank 0
-# printed. `--standalone` picks a free local address and port where the ranks find each other; torchrun
-# passes it, with each rank's number (`RANK`) and the number of ranks (`WORLD_SIZE`), to
-# `init_process_group`. A run takes several seconds.
+# `--standalone` picks a free local port where the ranks find each other; torchrun passes it, with each
+# rank's number (`RANK`) and the number of ranks (`WORLD_SIZE`), to `init_process_group`. A run takes
+# several seconds:
 
 # %% tags=["nbval-ignore-output"]
 print(skip_reason() or torchrun(2, workdir / "train_ema.py", "memory_2.json"))
 
 # %% [markdown]
 # The EMA of the parameters matches the one-process float64 EMA on every rank, with zero collectives in
-# `update()`. The BatchNorm buffers do not: the ranks' EMAs differ until `sync_buffers()` (one
-# collective per EMA) gives every rank rank 0's. The gap is wider under FSDP2, which never copies
-# buffers. `ModelEMA` refuses the sharded model with a `TypeError`.
+# `update()`. The BatchNorm buffers differ until `sync_buffers()` (one collective per EMA) gives every
+# rank rank 0's, more under FSDP2, which never copies buffers. `ModelEMA` refuses the sharded model.
 
 # %% [markdown]
 # ## 4. Uneven shards
@@ -270,8 +323,8 @@ print(skip_reason() or torchrun(2, workdir / "train_ema.py", "memory_2.json"))
 print(skip_reason() or torchrun(4, workdir / "train_ema.py", "memory_4.json"))
 
 # %% [markdown]
-# 5 rows become 2/2/1/0 and 3 rows 1/1/1/0: rank 3 holds an *empty* shard, and its `_foreach_lerp_`
-# simply has nothing to do there. The result still matches. `torch.chunk` shows the same split:
+# 5 rows become 2/2/1/0 and 3 rows 1/1/1/0: rank 3 holds an *empty* shard, where its `_foreach_lerp_`
+# has nothing to do, and the result still matches. `torch.chunk` splits the same way:
 
 # %%
 for rows, world in [(64, 3), (5, 4), (3, 4)]:
@@ -322,10 +375,10 @@ plt.show()
 # ## 6. Evaluating and saving
 #
 # Before an evaluation or a checkpoint, every rank calls `ema.sync_buffers()`; then rank 0 alone may
-# evaluate or save. `update()` warns once where the buffers will differ, naming the call. The sync is not
-# inside `update()`: a collective there would cost a message on every step (1 to 6 ms on a CPU over gloo
-# in the [reference run](../docs/results/sync-costs-2026-12-05.md), a 2-core Xeon), for what is read once
-# an evaluation, and would break a run that keeps its EMA on rank 0 only: the other ranks never call it.
+# evaluate or save. `update()` warns once where the buffers will differ. The sync stays out of `update()`:
+# a collective there would cost a message every step (1 to 6 ms on a CPU over gloo in the
+# [reference run](../docs/results/sync-costs-2026-12-05.md), a 2-core Xeon) for what is read once an
+# evaluation, and would hang a run that keeps its EMA on rank 0 only.
 
 # %% [markdown]
 # `torch.distributed.checkpoint` (DCP) saves and loads sharded state, each rank writing its own part:
@@ -333,10 +386,10 @@ plt.show()
 # ```python
 # import torch.distributed.checkpoint as dcp
 #
-# ema.sync_buffers()  # every rank: the same buffers everywhere
+# ema.sync_buffers()  # on every rank
 # dcp.save({"ema": ema.sharded_state_dict()}, checkpoint_id="ckpt/step_1000")  # no gathering
-# full = ema.full_state_dict(cpu_offload=True)  # gathers to rank 0; call it on every rank
-# ema.copy_to(eval_model)  # shard to shard, into an FSDP2 model sharded the same way
+# full = ema.full_state_dict(cpu_offload=True)  # on every rank; gathers to rank 0
+# ema.copy_to(eval_model)  # shard to shard, into an FSDP2 model sharded alike
 # ```
 #
 # Call `update()` after `optimizer.step()`. Between forward and backward FSDP2 may hold gathered
@@ -353,9 +406,8 @@ plt.show()
 # %% [markdown]
 # ## Exercises
 #
-# Each solution is folded under its exercise: click *Solution* to open it.
-
-# %% [markdown]
+# Try each exercise in the empty cell below it before you open its solution; to run a solution, paste it into that cell.
+#
 # **Exercise 1.** Without running the script, work out the EMA bytes each of 3 ranks holds under
 # FSDP2: split the first dimension of each entry of the script's `make_model()` like `torch.chunk`,
 # keep the BatchNorm's buffers whole on every rank, and count 4 bytes a float (8 for the integer
@@ -370,7 +422,6 @@ plt.show()
 # ```python
 # from torch import nn
 #
-# torch.manual_seed(0)
 # layers = [nn.Linear(16, 64), nn.BatchNorm1d(64), nn.SiLU(), nn.Linear(64, 5), nn.SiLU(), nn.Linear(5, 3)]
 # model3 = nn.Sequential(*layers)
 # buffers = dict(model3.named_buffers())
@@ -387,8 +438,7 @@ plt.show()
 # ```
 #
 # Ranks 0 and 1 hold the most and the same: 64 rows split 22/22/20, 5 rows 2/2/1, 3 rows 1/1/1, so
-# rank 2 gets fewer rows. The BatchNorm's buffers are not sharded: every rank holds them whole.
-# `torchrun(3, workdir / "train_ema.py")` prints the same bytes.
+# rank 2 gets fewer rows. `torchrun(3, workdir / "train_ema.py")` prints the same bytes.
 #
 # </details>
 
@@ -412,9 +462,8 @@ plt.show()
 #     print(decay, torch.equal(torch.cat(shards2), ema_w.clone().lerp_(model_w, 1 - decay)))
 # ```
 #
-# `False` for both: the top rows moved by one decay and the bottom rows by another, so the gathered
-# tensor is no EMA of the whole. The ranks must still agree on the update count (`ema.updates`), for
-# example by loading one checkpoint.
+# `False` for both: the rows moved by two decays, so the gathered tensor is no EMA of the whole. The
+# ranks must agree on the update count (`ema.updates`), for example by loading one checkpoint.
 #
 # </details>
 
@@ -454,8 +503,8 @@ plt.show()
 #     dist.destroy_process_group()
 # ```
 #
-# 0, 0 and 1. The update reads only this rank's tensors. `sync_buffers()` broadcasts from rank 0, but a
-# group of one has no other rank, so it skips the call; with more ranks it is one collective, as the
-# script showed. An all-reduce is a collective even alone.
+# 0, 0 and 1. The update reads only this rank's tensors. `sync_buffers()` skips its broadcast in a group
+# of one (with more ranks it is one collective, as the script showed). An all-reduce is a collective even
+# alone.
 #
 # </details>
