@@ -223,8 +223,9 @@ def test_results_holds_only_files_its_index_names() -> None:
 def test_the_docs_name_only_result_files_that_exist() -> None:
     for doc in (ROOT / "README.md", ROOT / "results" / "README.md", *(ROOT / "docs").glob("*.md")):
         text = doc.read_text()
-        for name in re.findall(r"(?:\.\./)?results/([\w.+-]+\.(?:json|md|png))", text):
-            assert any((d / name).exists() for d in (doc.parent / "results", ROOT / "results")), (doc, name)
+        for where, name in re.findall(r"((?:\.\./|docs/)?)results/([\w.+-]+\.(?:json|md|png))", text):
+            folders = (doc.parent / where / "results", ROOT / "results")
+            assert any((d / name).exists() for d in folders), (doc, where, name)
         for stem, parts in re.findall(r"results/([\w.+-]+)-\{([\w,-]+)\}\.md", text):
             for part in parts.split(","):
                 assert (doc.parent / "results" / f"{stem}-{part}.md").exists(), (doc, stem, part)
