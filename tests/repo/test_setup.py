@@ -224,7 +224,7 @@ def test_the_docs_name_only_result_files_that_exist() -> None:
     for doc in (ROOT / "README.md", ROOT / "results" / "README.md", *(ROOT / "docs").glob("*.md")):
         text = doc.read_text()
         for where, name in re.findall(r"((?:\.\./|docs/)?)results/([\w.+-]+\.(?:json|md|png))", text):
-            folders = (doc.parent / where / "results", ROOT / "results")
+            folders = (doc.parent / where / "results", ROOT / where / "results", ROOT / "results")
             assert any((d / name).exists() for d in folders), (doc, where, name)
         for stem, parts in re.findall(r"results/([\w.+-]+)-\{([\w,-]+)\}\.md", text):
             for part in parts.split(","):
