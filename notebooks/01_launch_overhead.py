@@ -158,7 +158,7 @@ plt.show()
 # The flat `lerp_` stays level: the work is the same at every `n`. The loop climbs: past a few dozen
 # tensors its time is mostly the fixed price of each op, called [launch
 # overhead](../docs/glossary.md#kernel-launch) (on a CPU, per-op overhead). `_foreach_lerp_` climbs too,
-# less steeply.
+# below the loop.
 #
 # ## 2. What an op goes through
 #
@@ -172,7 +172,7 @@ plt.show()
 # %% [markdown]
 # On a CPU nothing is "launched": the kernel is a function call. `_foreach_lerp_` pays Python and the
 # autograd layer once per list (bottom row); its CPU kernel then calls `lerp_` per tensor, and each call
-# goes through the dispatcher again, below autograd: its line climbs, less steeply.
+# goes through the dispatcher again, below autograd: so its line climbs too.
 #
 # **Count the ops.** A `TorchDispatchMode` is a Python hook that sees every op reaching the
 # dispatcher. Ten lines count them:
@@ -428,7 +428,7 @@ table = {
     f"one flat lerp_ of {numbers / 1e6:.1f}M numbers (ms)": yolo_ms("one flat lerp_", "floor"),
     "after-code (ms)": after,
     '  ModelEMA "foreach", lists kept (ms)': yolo_ms('ModelEMA "foreach"', "foreach"),
-    "speed-up the two prices predict (3 x row 1 / row 2)": [3 * a / b for a, b in zip(loop_us, tensor_us)],
+    "speed-up the two prices predict (4 x row 1 / row 2)": [4 * a / b for a, b in zip(loop_us, tensor_us)],
     "speed-up measured (before / after)": [b / a for b, a in zip(before, after)],
 }
 print(f"your CPU: {env['cpu']}; the reference run's: {cpu_run['environment']['cpu']}, 2 cores\n")
@@ -440,8 +440,9 @@ for label, values in table.items():
 # Read each column down: each is another machine, and even one VM kind differs from run to run.
 #
 # A loop's op costs about 3 times a tensor inside `_foreach_lerp_` on the reference CPU, about 20 times
-# on the H200, where each op is a kernel launch. The before-code pays the first price three times per tensor, the
-# after-code the second once: from the prices alone, about 64x on the H200. Measured: 5.8x. Most of the
+# on the H200, where its arithmetic ops launch kernels. The before-code pays the first price four times
+# per tensor (`detach` included), the after-code the second once: the prices predict about 86x on the
+# H200; measured: 5.8x. Most of the
 # after-code's time is the two `state_dict()` walks, which the before-code pays too (compare
 # `ModelEMA`'s update, which keeps its lists). They dilute every gain of the update itself; only code
 # that keeps its lists (notebooks 02 and 05) escapes them.
