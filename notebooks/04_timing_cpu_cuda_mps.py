@@ -273,6 +273,8 @@ for (name, r), c in zip(packaged.items(), checks):
 # threads, and 1 thread twice: the noise.
 
 # %% tags=["nbval-ignore-output"]
+import random
+
 small = {"e": [torch.rand(136) for _ in range(2000)], "m": [torch.rand(136) for _ in range(2000)]}
 big = {"e": torch.rand(2_600_144), "m": torch.rand(2_600_144)}
 stmts = {
@@ -280,15 +282,13 @@ stmts = {
     "1 x 2.6M elements": ("e.lerp_(m, 1e-4)", big),
 }
 settings = {"1 thread": 1, "1 thread again": 1, "2 threads": 2}
-timers = {
-    (op, r): Timer(s, globals=g, num_threads=n) for op, (s, g) in stmts.items() for r, n in settings.items()
-}
-times, keys = {key: [] for key in timers}, list(timers)
-for r in range(9):
-    for key in keys[r % 6 :] + keys[: r % 6]:  # one round: both ops, every setting, order rotated
-        times[key].append(1e3 * timers[key].timeit(10).mean)
-for op in stmts:
-    med = {r: statistics.median(times[op, r]) for r in settings}  # ms, median of the 9 rounds
+for op, (stmt, g) in stmts.items():  # each op alone: the large one would evict the small ones from the cache
+    timers = {r: Timer(stmt, globals=g, num_threads=n) for r, n in settings.items()}
+    times = {r: [] for r in settings}
+    for i in range(9):
+        for r in random.Random(i).sample(list(settings), k=3):  # one round, in a new order
+            times[r].append(1e3 * timers[r].timeit(10).mean)
+    med = {r: statistics.median(t) for r, t in times.items()}  # ms, median of the 9 rounds
     print(f"{op:<21}", ", ".join(f"{r} {ms:.3f} ms" for r, ms in med.items()))
     print(
         f"{'':<21} 1 thread / 2 threads: {med['1 thread'] / med['2 threads']:.2f}x;"
