@@ -321,9 +321,9 @@ def ratio(before, after):  # median ratio, and its range from the quartiles of b
 print("before / after: {:.1f}x (range {:.1f}x to {:.1f}x)".format(*ratio(pr["before"], pr["after"])))
 
 # %% [markdown]
-# The walks take much of the after-code's time (the table below comes back to it). The ratio is your
-# machine's version of the PR's 2.2x (12.8 -> 5.8 ms, yolo26n, Apple M-series). Yours, beside saved
-# runs (a bar spans the ratios that the quartiles of both times allow):
+# The walks take much of the after-code's time. The ratio is your machine's version of the PR's 2.2x
+# (12.8 -> 5.8 ms, yolo26n, Apple M-series). Yours, beside saved runs (a bar spans the ratios that
+# the quartiles of both times allow):
 
 # %% tags=["nbval-ignore-output"]
 import json
@@ -405,7 +405,7 @@ for m in ("yolo", "tiny_tensors"):
 # one launch carries at most 64 tensors. One flat `lerp_` is one launch.
 #
 # Why does the GPU gain more? Not cheaper arithmetic: the prices differ. The bench fits section 3's
-# line on each machine:
+# line on each machine, over the before-code's four ops per tensor (yours: over `lerp_`):
 
 # %% tags=["nbval-ignore-output"]
 cpu_run, h200 = ref["2-core AMD EPYC VM, Dec 3"], ref["NVIDIA H200"]
@@ -437,7 +437,7 @@ for label, values in table.items():
     print(f"{label:<52}" + "".join(f"{v:>{w}.{3 if v < 1 else 2}f}" for v, w in zip(values, (10, 12, 8))))
 
 # %% [markdown]
-# Read each column down: each is another machine, and even one VM kind differs from run to run.
+# Each column is another machine; even one VM kind differs from run to run.
 #
 # A loop's op costs about 3 times a tensor inside `_foreach_lerp_` on the reference CPU, about 20 times
 # on the H200, where its arithmetic ops launch kernels. The before-code pays the first price four times
