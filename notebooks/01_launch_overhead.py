@@ -158,7 +158,7 @@ plt.show()
 # The flat `lerp_` stays level: the work is the same at every `n`. The loop climbs: past a few dozen
 # tensors its time is mostly the fixed price of each op, called [launch
 # overhead](../docs/glossary.md#kernel-launch) (on a CPU, per-op overhead). `_foreach_lerp_` climbs too,
-# less steeply.
+# below the loop.
 #
 # ## 2. What an op goes through
 #
@@ -172,7 +172,7 @@ plt.show()
 # %% [markdown]
 # On a CPU nothing is "launched": the kernel is a function call. `_foreach_lerp_` pays Python and the
 # autograd layer once per list (bottom row); its CPU kernel then calls `lerp_` per tensor, and each call
-# goes through the dispatcher again, below autograd: its line climbs, less steeply.
+# goes through the dispatcher again, below autograd: so its line climbs too.
 #
 # **Count the ops.** A `TorchDispatchMode` is a Python hook that sees every op reaching the
 # dispatcher. Ten lines count them:
@@ -321,9 +321,9 @@ def ratio(before, after):  # median ratio, and its range from the quartiles of b
 print("before / after: {:.1f}x (range {:.1f}x to {:.1f}x)".format(*ratio(pr["before"], pr["after"])))
 
 # %% [markdown]
-# The walks take much of the after-code's time (the table below comes back to it). The ratio is your
-# machine's version of the PR's 2.2x (12.8 -> 5.8 ms, yolo26n, Apple M-series). Yours, beside saved
-# runs (a bar spans the ratios that the quartiles of both times allow):
+# The walks take much of the after-code's time. The ratio is your machine's version of the PR's 2.2x
+# (12.8 -> 5.8 ms, yolo26n, Apple M-series). Yours, beside saved runs (a bar spans the ratios that
+# the quartiles of both times allow):
 
 # %% tags=["nbval-ignore-output"]
 import json
@@ -405,7 +405,7 @@ for m in ("yolo", "tiny_tensors"):
 # one launch carries at most 64 tensors. One flat `lerp_` is one launch.
 #
 # Why does the GPU gain more? Not cheaper arithmetic: the prices differ. The bench fits section 3's
-# line on each machine:
+# line on each machine, over the before-code's four ops per tensor (yours: over `lerp_`):
 
 # %% tags=["nbval-ignore-output"]
 cpu_run, h200 = ref["2-core AMD EPYC VM, Dec 3"], ref["NVIDIA H200"]
@@ -428,7 +428,7 @@ table = {
     f"one flat lerp_ of {numbers / 1e6:.1f}M numbers (ms)": yolo_ms("one flat lerp_", "floor"),
     "after-code (ms)": after,
     '  ModelEMA "foreach", lists kept (ms)': yolo_ms('ModelEMA "foreach"', "foreach"),
-    "speed-up the two prices predict (3 x row 1 / row 2)": [3 * a / b for a, b in zip(loop_us, tensor_us)],
+    "speed-up the two prices predict (4 x row 1 / row 2)": [4 * a / b for a, b in zip(loop_us, tensor_us)],
     "speed-up measured (before / after)": [b / a for b, a in zip(before, after)],
 }
 print(f"your CPU: {env['cpu']}; the reference run's: {cpu_run['environment']['cpu']}, 2 cores\n")
@@ -437,11 +437,12 @@ for label, values in table.items():
     print(f"{label:<52}" + "".join(f"{v:>{w}.{3 if v < 1 else 2}f}" for v, w in zip(values, (10, 12, 8))))
 
 # %% [markdown]
-# Read each column down: each is another machine, and even one VM kind differs from run to run.
+# Each column is another machine; even one VM kind differs from run to run.
 #
 # A loop's op costs about 3 times a tensor inside `_foreach_lerp_` on the reference CPU, about 20 times
-# on the H200, where each op is a kernel launch. The before-code pays the first price three times per tensor, the
-# after-code the second once: from the prices alone, about 64x on the H200. Measured: 5.8x. Most of the
+# on the H200, where its arithmetic ops launch kernels. The before-code pays the first price four times
+# per tensor (`detach` included), the after-code the second once: the prices predict about 86x on the
+# H200; measured: 5.8x. Most of the
 # after-code's time is the two `state_dict()` walks, which the before-code pays too (compare
 # `ModelEMA`'s update, which keeps its lists). They dilute every gain of the update itself; only code
 # that keeps its lists (notebooks 02 and 05) escapes them.

@@ -71,7 +71,7 @@ fig, ax = plt.subplots(figsize=(6.5, 3.8))
 for tau, color in [(500, "C0"), (2000, "C1"), (5000, "C2")]:
     window = [1 / (1 - ramp(n, tau=tau)) for n in updates]
     ax.plot(updates, window, color=color)
-    at = next(i for i, w in enumerate(window) if w >= 200)  # label each curve where it is alone
+    at = next(i for i, w in enumerate(window) if w >= 100)  # label each curve where it is alone
     ax.annotate(
         f"tau = {tau}", (updates[at], window[at]), xytext=(8, -4), textcoords="offset points", color=color
     )

@@ -362,7 +362,7 @@ torch.testing.assert_close({k: got[k] for k in floats}, {k: want[k] for k in flo
 # `modes` lists how each group of tensors is updated: `cat` concatenates the small float32 tensors into
 # one buffer, then one `lerp_`; `cast` converts thop's float64 ones ([all modes](../docs/glossary.md#strategies-and-modes)). The EMA agrees with the
 # loop to float32 rounding, yet is far from the model and from its start: an EMA that skipped steps, or
-# copied the model, would fail the last line.
+# copied the model, would show a near-zero gap.
 
 # %% [markdown]
 # **The fix in the PR: profile a deep copy.** `deepcopy(block)` gets its own `SiLU` (deepcopy copies
