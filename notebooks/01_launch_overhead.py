@@ -120,7 +120,7 @@ print(f"loop / flat: {np.median(turns['loop over 1024']) / np.median(turns['one 
 # %% [markdown]
 # The range shows how much one measurement can move: when two ways' ranges overlap, their difference
 # is within the noise.
-# `ema_lab.bench.timing.time_candidates` is this timer, packaged: it also rotates the order from
+# `ema_lab.bench.timing.time_candidates` is this timer, packaged: it also shuffles the order from
 # round to round and reports the quartiles. It times the sweep of `n` from 1 to 4096 tensors:
 
 # %% tags=["nbval-ignore-output"]

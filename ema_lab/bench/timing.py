@@ -7,13 +7,14 @@ clock of this module's that synchronizes the device being timed, on every torch 
 kernels are paid for by the candidate that launched them. On top of it this module adds what a
 comparison needs: a warm-up per candidate, a per-candidate inner repeat count (``number``) sized
 so one measurement is long enough to read, and *rounds* that visit every candidate in turn (in
-a rotating order), so a noisy neighbour or a clock change hits all candidates alike instead of
+a shuffled order), so a noisy neighbour or a clock change hits all candidates alike instead of
 one.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import random
 import statistics
 import time
 import timeit
@@ -130,9 +131,11 @@ def time_candidates(
         }
         names = list(candidates)
         times: dict[str, list[float]] = {k: [] for k in names}
+        # A new order each round (seeded: a rerun repeats it), so no candidate always runs right after the
+        # same neighbour, whose memory traffic can leave the caches cold (a rotation keeps each predecessor).
+        order = random.Random(0)
         for r in range(rounds):
-            # Rotate the order each round so no candidate always runs right after the same neighbour.
-            for k in names[r % len(names) :] + names[: r % len(names)]:
+            for k in order.sample(names, len(names)):
                 times[k].append(timers[k].timeit(numbers[k]).mean)
             if on_round is not None:
                 on_round(r)

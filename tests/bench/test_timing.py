@@ -36,17 +36,22 @@ def test_quantiles_inclusive():
     assert quantiles([7.0]) == (7.0, 7.0, 7.0)
 
 
-def test_candidates_are_interleaved_with_rotating_order_and_threads_restored():
+def test_candidates_are_interleaved_in_a_new_order_each_round_and_threads_restored():
     calls: list[str] = []
     fns = {k: (lambda k=k: calls.append(k)) for k in "abc"}
     before = torch.get_num_threads()
-    res = time_candidates(fns, rounds=4, warmup=1, target_s=1e-9, threads=1)
+    res = time_candidates(fns, rounds=12, warmup=1, target_s=1e-9, threads=1)
     assert torch.get_num_threads() == before
     # target_s tiny -> one call per measurement; Timer.timeit adds 2 warm-up calls before each.
     measured = [calls[i] for i in range(len(calls)) if i >= 6 and (i - 6) % 3 == 2]
-    assert measured == list("abcbcacababc")
+    rounds = [measured[i : i + 3] for i in range(0, len(measured), 3)]
+    assert len(rounds) == 12 and all(sorted(r) == list("abc") for r in rounds)  # each candidate once a round
+    # Each candidate runs after each other one in some round (a rotation gives it one predecessor only).
+    assert {(r[i - 1], r[i]) for r in rounds for i in (1, 2)} == {
+        (x, y) for x in "abc" for y in "abc" if x != y
+    }
     for k, r in res.items():
-        assert (r.name, r.device, r.threads, r.number, r.rounds, len(r.times_s)) == (k, "cpu", 1, 1, 4, 4)
+        assert (r.name, r.device, r.threads, r.number, r.rounds, len(r.times_s)) == (k, "cpu", 1, 1, 12, 12)
         assert r.q1_s <= r.median_s <= r.q3_s and r.iqr_s == r.q3_s - r.q1_s
 
 
