@@ -1,4 +1,5 @@
-"""The core tests on every torch ema_lab supports: ``nox`` (all versions) or ``nox -s "core(2.1.2)"``.
+"""The core tests on every torch ema_lab supports: ``nox`` (all versions) or ``nox -s "core(2.1.2)"``;
+``nox -s trainers``: ema_lab inside timm, Lightning and accelerate (tests/trainers).
 
 Each session installs torch first, then ema_lab with no extras (what ``pip install ema_lab`` gives a user)
 plus pytest and hypothesis, and runs the test files that need torch alone. The venvs are 4-7 GB each for
@@ -44,3 +45,23 @@ def peer_schedules(session: nox.Session) -> None:
     """Run benchmarks/peer_schedules.py against the peers: ``nox -s peer_schedules -- --out [--edm2 DIR]``."""
     session.install("torch==2.14.1", "torchvision==0.29.1", *PEERS)
     session.run("python", "benchmarks/peer_schedules.py", *session.posargs, env={"PYTHONPATH": "."})
+
+
+# tests/trainers run the real trainers (pyproject's test-only extra "trainers", exact versions). torch 2.14.1,
+# as torchvision 0.29.1 (timm needs it) requires; not a default session (a 5.5 GB venv, about 5 minutes to
+# build from pip's cache, 1 minute to test).
+@nox.session(python="3.11")
+def trainers(session: nox.Session) -> None:
+    """Install torch, then ema_lab[trainers], and run tests/trainers."""
+    session.install("torch==2.14.1")
+    session.install("-e", ".[trainers]", "pytest>=8")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "tests/trainers",
+        *session.posargs,
+        env={"OMP_NUM_THREADS": "1"},
+    )

@@ -24,7 +24,7 @@ __all__ = ["EMACallback"]
 
 
 class EMACallback(Callback):
-    """An EMA of the LightningModule's weights (``ModelEMA(pl_module, **kwargs)``), made when ``fit`` starts."""
+    """The LightningModule's EMA, ``ModelEMA(pl_module, **kwargs)``, made when ``fit`` starts."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs

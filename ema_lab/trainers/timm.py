@@ -1,8 +1,8 @@
 """timm's ``ModelEmaV3``, run by ``ema_lab.ModelEMA``: change one import and timm's train.py uses it.
 
 ``from ema_lab.trainers.timm import ModelEmaV3`` in place of ``from timm.utils.model_ema import ModelEmaV3``
-(timm's ``timm/task/task.py`` makes train.py's EMA). The constructor's arguments keep timm's meaning: ``decay``
-is a constant, ``use_warmup`` with ``warmup_gamma``/``warmup_power``/``min_decay`` its warm-up, and
+(timm's ``timm/task/task.py`` makes train.py's EMA). The constructor's arguments keep timm's meaning:
+``decay`` is a constant, ``use_warmup`` with ``warmup_gamma``/``warmup_power``/``min_decay`` its warm-up, and
 ``update_after_step`` its delay; ``update(model, step=n)`` takes the decay of step ``n``, and without a step
 the constant ``decay`` (:class:`ema_lab.schedules.Warmup` and :class:`~ema_lab.schedules.Constant` are
 timm's ``get_decay``, bit for bit).
@@ -68,7 +68,8 @@ class ModelEmaV3(nn.Module):
         self.decay, self.min_decay, self.update_after_step = decay, min_decay, update_after_step
         self.use_warmup, self.warmup_gamma, self.warmup_power = use_warmup, warmup_gamma, warmup_power
         self.device, self.dtype, self.foreach, self.exclude_buffers = device, dtype, foreach, exclude_buffers
-        self.stochastic_rounding, self.stochastic_rounding_seed = stochastic_rounding, stochastic_rounding_seed
+        self.stochastic_rounding = stochastic_rounding
+        self.stochastic_rounding_seed = stochastic_rounding_seed
 
     def get_decay(self, step: int | None = None) -> float:
         """timm's decay of ``step``: the constant ``decay`` without one."""

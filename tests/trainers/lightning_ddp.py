@@ -34,7 +34,12 @@ class Net(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(
-            nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)
+            nn.Conv2d(3, 8, 3),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 4),
         )
 
     def training_step(self, batch: list, batch_idx: int) -> torch.Tensor:
@@ -51,7 +56,9 @@ class Net(pl.LightningModule):
 
 def data(n: int, seed: int) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
-    return DataLoader(TensorDataset(torch.randn(n, 3, 12, 12, generator=g), torch.randint(0, 4, (n,), generator=g)), 8)
+    return DataLoader(
+        TensorDataset(torch.randn(n, 3, 12, 12, generator=g), torch.randint(0, 4, (n,), generator=g)), 8
+    )
 
 
 def fit(callback: pl.Callback, out: Path, ckpt_path: str | None = None) -> pl.Trainer:

@@ -32,7 +32,10 @@ def ddp_runs(tmp_path_factory) -> Path:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     run = subprocess.run(
         [*command, str(Path(__file__).with_name("lightning_ddp.py")), str(out)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert not leftovers(mark), "torchrun left processes behind"
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -86,9 +89,18 @@ def test_once_per_optimizer_step_and_validation_leaves_the_weights(tmp_path: Pat
 
     callback = EMACallback(decay=constant(DECAY))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=2, val_check_interval=4,
-        num_sanity_val_steps=0, limit_val_batches=2, callbacks=[callback], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        val_check_interval=4,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         default_root_dir=tmp_path,
     )
     model = Checked()

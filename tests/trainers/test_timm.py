@@ -1,8 +1,9 @@
 """ema_lab.trainers.timm.ModelEmaV3 inside timm's own training pieces, beside timm's ModelEmaV3.
 
-Both train.py flows: timm <= 1.0.2x's (``model_ema = ModelEmaV3(model, ...)``, ``CheckpointSaver(model_ema=)``,
-``resume_checkpoint``, ``load_checkpoint(model_ema.module, ..., use_ema=True)``) and the task flow of timm
-1.0.31 (``task.setup_ema`` makes the EMA from the ``ModelEmaV3`` that timm/task/task.py imports, the one import
+Both train.py flows: timm <= 1.0.2x's (``model_ema = ModelEmaV3(model, ...)``,
+``CheckpointSaver(model_ema=)``, ``resume_checkpoint``,
+``load_checkpoint(model_ema.module, ..., use_ema=True)``) and the task flow of timm 1.0.31
+(``task.setup_ema`` makes the EMA from the ``ModelEmaV3`` that timm/task/task.py imports, the one import
 swapped here). Each run is compared with timm's class on the same model and batches: bitwise equal.
 """
 
@@ -12,15 +13,16 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-timm = pytest.importorskip("timm", reason="the trainers extra (pip install -e .[trainers]) is not installed")
+pytest.importorskip("timm", reason="the trainers extra (pip install -e .[trainers]) is not installed")
 
+import timm.task.task
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import timm.task.task
 from timm.models import create_model, load_checkpoint, resume_checkpoint
 from timm.optim import create_optimizer_v2
 from timm.task import ClassificationTask, load_task_ema_checkpoint, resume_task_checkpoint
@@ -98,7 +100,7 @@ def test_checkpoints_go_both_ways() -> None:
     assert_same(ours.state_dict(), theirs.state_dict())
 
 
-def classic_run(ema_class: type, folder: Path, stop_at: int | None = None, resume: str = "") -> dict:
+def classic_run(ema_class: type, folder: Path, stop_at: int | None = None, resume: str = "") -> Any:
     """timm <= 1.0.2x's train.py, its EMA calls in its order: the EMA after 2 * STEPS steps, or, with
     ``stop_at``, the path of the checkpoint saved after that epoch."""
     folder.mkdir()
@@ -148,7 +150,7 @@ def test_classic_train_py_saves_and_resumes(tmp_path, one_rank_group) -> None:
     assert_same(ours, classic_run(ModelEmaV3, tmp_path / "d", resume=checkpoint))
 
 
-def task_run(folder: Path, monkeypatch, ema_class: type, stop_at: int | None = None, resume: str = "") -> dict:
+def task_run(folder: Path, monkeypatch, ema_class: type, stop_at: int | None = None, resume: str = "") -> Any:
     """timm 1.0.31's train.py with the task: its EMA calls in its order (see classic_run)."""
     folder.mkdir()
     monkeypatch.setattr(timm.task.task, "ModelEmaV3", ema_class)  # the one import, swapped
@@ -160,7 +162,11 @@ def task_run(folder: Path, monkeypatch, ema_class: type, stop_at: int | None = N
     if resume:
         load_task_ema_checkpoint(task, resume)
     saver = CheckpointSaver(
-        task.get_trainable_module(), optimizer, task=task, checkpoint_dir=str(folder), recovery_dir=str(folder)
+        task.get_trainable_module(),
+        optimizer,
+        task=task,
+        checkpoint_dir=str(folder),
+        recovery_dir=str(folder),
     )
     num_updates = start * STEPS
     for epoch in range(start, 2):
@@ -191,7 +197,7 @@ def test_task_train_py_saves_and_resumes(tmp_path, monkeypatch) -> None:
 
 
 def test_a_module_assigned_to_module_moves() -> None:
-    """``model_ema.module = loaded`` (a module loaded elsewhere): the next update moves the new one, as timm."""
+    """``model_ema.module = loaded`` (loaded elsewhere): the next update moves the new one, as timm's does."""
     model = tiny_model()
     ours, theirs = ModelEmaV3(model, decay=0.5), TimmEmaV3(model, decay=0.5)
     optimizer = create_optimizer_v2(model, "sgd", lr=0.05)
@@ -225,4 +231,3 @@ def test_no_timm_at_import() -> None:
     """Importing ema_lab and its timm adapter leaves timm unimported."""
     code = "import sys, ema_lab.trainers.timm; assert 'timm' not in sys.modules, 'timm imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
-
