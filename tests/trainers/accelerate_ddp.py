@@ -18,33 +18,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from ema_lab import ModelEMA
-
-STEPS, SAVE_AT = 8, 4
-
-
-def net(seed: int) -> nn.Module:
-    """A convolution with BatchNorm: under DDP each rank's running statistics follow its own batches."""
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3),
-        nn.BatchNorm2d(8),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(8, 4),
-    )
+from tests.trainers.ddp_run import SAVE_AT, dataset, net
 
 
 def loader() -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    data = TensorDataset(
-        torch.randn(2 * 4 * STEPS, 3, 12, 12, generator=g), torch.randint(0, 4, (64,), generator=g)
-    )
-    return DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2))
+    """ddp_run.py's data, shuffled (accelerate restores the sampler's place)."""
+    return DataLoader(dataset(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2))
 
 
 def run(out: Path, seed: int, resume: Path | None = None) -> dict:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("accelerate", reason="the trainers extra (pip install -e .[trainers]) is not installed")
+pytest.importorskip(
+    "accelerate", reason="accelerate is not installed: the test-only extra trainers (nox -s trainers)"
+)
 
 import torch
 from accelerate import Accelerator
@@ -20,7 +22,8 @@ from accelerate.state import AcceleratorState
 from ema_lab import ModelEMA
 
 from ..processes import leftovers, marked_env
-from .accelerate_ddp import SAVE_AT, loader, net
+from .accelerate_ddp import loader
+from .ddp_run import SAVE_AT, net
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).with_name("accelerate_ddp.py"))

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lightning", reason="the trainers extra (pip install -e .[trainers]) is not installed")
+pytest.importorskip(
+    "lightning", reason="lightning is not installed: the test-only extra trainers (nox -s trainers)"
+)
 
 import lightning.pytorch as pl
 import torch

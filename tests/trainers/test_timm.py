@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("timm", reason="the trainers extra (pip install -e .[trainers]) is not installed")
+pytest.importorskip("timm", reason="timm is not installed: the test-only extra trainers (nox -s trainers)")
 
 import timm.task.task
 import torch
@@ -231,3 +231,16 @@ def test_no_timm_at_import() -> None:
     """Importing ema_lab and its timm adapter leaves timm unimported."""
     code = "import sys, ema_lab.trainers.timm; assert 'timm' not in sys.modules, 'timm imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_update_twice_per_step_as_timm() -> None:
+    """A loop that calls update() twice with one step: both classes apply that step's decay twice."""
+    model = tiny_model()
+    optimizer = create_optimizer_v2(model, "sgd", lr=0.05)
+    ours = ModelEmaV3(model, decay=0.99, use_warmup=True)
+    theirs = TimmEmaV3(model, decay=0.99, use_warmup=True)
+    for n, batch in enumerate(BATCHES[:3], 1):
+        train_step(model, optimizer, batch)
+        for ema in (ours, theirs, ours, theirs):
+            ema.update(model, step=n)
+    assert_same(ours.state_dict(), theirs.state_dict())
