@@ -26,12 +26,19 @@ from ..schedules import Constant, Warmup
 __all__ = ["ModelEmaV3"]
 
 
+def _on(actual: torch.device, wanted: torch.device) -> bool:
+    """Whether a tensor on ``actual`` is on ``wanted`` ("cuda" means any CUDA device)."""
+    return actual.type == wanted.type and wanted.index in (None, actual.index)
+
+
 class ModelEmaV3(nn.Module):
     """timm's ``ModelEmaV3`` (same arguments, attributes and state_dict), updated by ``ema_lab.ModelEMA``.
 
     ``foreach`` is kept but changes nothing: timm's two paths compute the same ``lerp`` as ema_lab's step.
     ``stochastic_rounding`` (timm's bfloat16 rounding) is not in ema_lab: a bfloat16 EMA with it on is
     refused; keep the EMA in float32 (``dtype=torch.float32``) or pass ``stochastic_rounding=False``.
+    ``device`` may only name the model's device: an EMA on another device (timm's ``--model-ema-force-cpu``)
+    is refused, as ema_lab's step reads the model where it lies.
     """
 
     def __init__(
@@ -55,9 +62,15 @@ class ModelEmaV3(nn.Module):
             schedule = Warmup(decay, warmup_gamma, warmup_power, min_decay, update_after_step)
         else:
             schedule = Constant(decay, update_after_step)
+        where = next(unwrap_model(model).parameters()).device
+        if device is not None and not _on(where, torch.device(device)):
+            raise ValueError(
+                f"ModelEmaV3: ema_lab keeps the EMA on the model's device ({where}), got device={device!r} "
+                "(timm's --model-ema-force-cpu): leave device unset"
+            )
         core = ModelEMA(model, decay=schedule)
-        if device is not None or dtype is not None:  # before the first update builds the step
-            core.ema.to(device=device, dtype=dtype)
+        if dtype is not None:  # before the first update builds the step
+            core.ema.to(dtype=dtype)
         if stochastic_rounding and any(t.dtype == torch.bfloat16 for t in core.ema.state_dict().values()):
             raise ValueError(
                 "ModelEmaV3: ema_lab has no stochastic rounding for a bfloat16 EMA; pass dtype=torch.float32 "

@@ -110,3 +110,21 @@ def test_once_per_optimizer_step_and_validation_leaves_the_weights(tmp_path: Pat
     assert trainer.global_step == 4 and callback.ema.updates == 4  # 8 batches, 2 per optimizer step
     assert model.validated == 2
     assert not torch.equal(callback.ema.ema.net[0].weight, model.net[0].weight)
+
+
+def test_a_checkpoint_of_another_schedule_is_refused(ddp_runs: Path, tmp_path: Path) -> None:
+    """fit(ckpt_path=) with an EMA of another decay: Lightning stops with ModelEMA's one-line error."""
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=3,
+        callbacks=[EMACallback(decay=constant(0.5))],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(ValueError, match="schedule") as error:
+        trainer.fit(Net(), data(64, 1), data(32, 2), ckpt_path=str(ddp_runs / "ckpt" / "epoch=0.ckpt"))
+    assert "\n" not in str(error.value)

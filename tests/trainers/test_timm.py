@@ -244,3 +244,13 @@ def test_update_twice_per_step_as_timm() -> None:
         for ema in (ours, theirs, ours, theirs):
             ema.update(model, step=n)
     assert_same(ours.state_dict(), theirs.state_dict())
+
+
+def test_another_device_is_refused_and_the_models_is_taken() -> None:
+    """timm's --model-ema-force-cpu (an EMA on another device than the model's) is refused in one line;
+    the model's own device, by any spelling, is taken."""
+    model = tiny_model()
+    with pytest.raises(ValueError, match="leave device unset"):
+        ModelEmaV3(model, device="meta")
+    for device in ("cpu", torch.device("cpu")):
+        ModelEmaV3(model, decay=0.9, device=device).update(model, step=2)
