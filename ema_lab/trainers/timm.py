@@ -88,7 +88,6 @@ class ModelEmaV3(nn.Module):
         """timm's decay of ``step``: the constant ``decay`` without one."""
         return self.decay if step is None else self.core.schedule(max(step, 1))  # 0 and 1 both copy
 
-    @torch.no_grad()
     def update(self, model: nn.Module, step: int | None = None) -> None:
         """Move the EMA one step towards ``model`` by the decay of ``step`` (timm's ``get_decay``)."""
         if self.core.ema is not self.module:  # a module assigned to .module (a loaded one): move that one
@@ -98,11 +97,9 @@ class ModelEmaV3(nn.Module):
         if self.exclude_buffers:  # timm averages the parameters only and copies the buffers
             torch._foreach_copy_(list(self.module.buffers()), list(unwrap_model(model).buffers()))
 
-    @torch.no_grad()
     def set(self, model: nn.Module) -> None:
-        """Copy ``model``'s state into the EMA, in place."""
-        for e, m in zip(self.module.state_dict().values(), unwrap_model(model).state_dict().values()):
-            e.copy_(m)
+        """Copy ``model``'s state into the EMA, in place (its keys checked)."""
+        self.module.load_state_dict(unwrap_model(model).state_dict())
 
     def forward(self, *args, **kwargs):
         """The EMA model's forward."""

@@ -254,3 +254,13 @@ def test_another_device_is_refused_and_the_models_is_taken() -> None:
         ModelEmaV3(model, device="meta")
     for device in ("cpu", torch.device("cpu")):
         ModelEmaV3(model, decay=0.9, device=device).update(model, step=2)
+
+
+def test_set_copies_the_model_as_timm() -> None:
+    model = tiny_model()
+    ours, theirs = ModelEmaV3(model, decay=0.9), TimmEmaV3(model, decay=0.9)
+    train_step(model, create_optimizer_v2(model, "sgd", lr=0.05), BATCHES[0])
+    ours.set(model)
+    theirs.set(model)
+    assert_same(ours.state_dict(), theirs.state_dict())
+    assert_same(ours.module.state_dict(), model.state_dict())
