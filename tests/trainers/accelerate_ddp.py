@@ -29,23 +29,34 @@ def loader() -> DataLoader:
     return DataLoader(dataset(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2))
 
 
-def run(out: Path, seed: int, resume: Path | None = None) -> dict:
-    """The recipe: the EMA made before prepare(), registered for checkpointing, updated after each optimizer
-    step, its buffers synced before saving."""
-    accelerator = Accelerator(cpu=True)
+def prepared(seed: int, **options: object) -> tuple:
+    """The recipe's start: the EMA made before prepare(), registered for checkpointing; returns
+    (accelerator, model, optimizer, data, ema)."""
+    accelerator = Accelerator(cpu=True, **options)
     model = net(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ema = ModelEMA(model, decay=0.99, tau=3)
     model, optimizer, data = accelerator.prepare(model, optimizer, loader())
     accelerator.register_for_checkpointing(ema)
+    return accelerator, model, optimizer, data, ema
+
+
+def train_step(accelerator: Accelerator, model, optimizer, ema: ModelEMA, x, y) -> None:
+    """One optimizer step, then the EMA's update."""
+    accelerator.backward(F.cross_entropy(model(x), y))
+    optimizer.step()
+    optimizer.zero_grad()
+    ema.update(model)
+
+
+def run(out: Path, seed: int, resume: Path | None = None) -> dict:
+    """The recipe: trained, saved after SAVE_AT (its buffers synced first), or resumed from that save."""
+    accelerator, model, optimizer, data, ema = prepared(seed)
     if resume is not None:
         accelerator.load_state(resume)
         data = accelerator.skip_first_batches(data, ema.updates)
     for x, y in data:
-        accelerator.backward(F.cross_entropy(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
-        ema.update(model)
+        train_step(accelerator, model, optimizer, ema, x, y)
         if ema.updates == SAVE_AT and resume is None:
             ema.sync_buffers()
             accelerator.save_state(out / "state")
@@ -66,17 +77,9 @@ def save(accelerator: Accelerator, ema: ModelEMA, root: Path) -> None:
 
 def killed_save(root: Path) -> None:
     """Train one process, save after each step, die in the third save's EMA (model and optimizer written)."""
-    accelerator = Accelerator(cpu=True)
-    model = net(0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ema = ModelEMA(model, decay=0.99, tau=3)
-    model, optimizer, data = accelerator.prepare(model, optimizer, loader())
-    accelerator.register_for_checkpointing(ema)
+    accelerator, model, optimizer, data, ema = prepared(0)
     for x, y in data:
-        accelerator.backward(F.cross_entropy(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
-        ema.update(model)
+        train_step(accelerator, model, optimizer, ema, x, y)
         if ema.updates == 3:
             ema.state_dict = lambda: os.kill(os.getpid(), signal.SIGKILL)
         save(accelerator, ema, root)

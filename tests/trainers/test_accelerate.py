@@ -16,13 +16,12 @@ pytest.importorskip(
 )
 
 import torch
-from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 from ema_lab import ModelEMA
 
 from ..processes import leftovers, marked_env
-from .accelerate_ddp import loader
+from .accelerate_ddp import prepared
 from .ddp_run import SAVE_AT, net
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,12 +72,7 @@ def test_resumed_run_equals_the_uninterrupted_one(ddp_runs: Path) -> None:
 
 def test_resumed_on_one_process(ddp_runs: Path, one_process: None) -> None:
     """The 2-rank state loads on 1 process: the EMA as saved, its update count, and it goes on."""
-    accelerator = Accelerator(cpu=True)
-    model = net(5)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ema = ModelEMA(model, decay=0.99, tau=3)
-    model, optimizer, data = accelerator.prepare(model, optimizer, loader())
-    accelerator.register_for_checkpointing(ema)
+    accelerator, model, _, _, ema = prepared(5)
     accelerator.load_state(ddp_runs / "state")
     saved = torch.load(ddp_runs / "state" / "custom_checkpoint_0.pkl", weights_only=True)
     assert ema.updates == SAVE_AT and different(ema.ema.state_dict(), saved["emas"][0]) == []
@@ -108,12 +102,7 @@ def test_killed_inside_save_state(tmp_path: Path, one_process: None) -> None:
     assert run.returncode == -9, run.stdout[-3000:] + run.stderr[-3000:]
     assert (tmp_path / "latest").read_text() == "step-2"
     assert not (tmp_path / "step-3" / "custom_checkpoint_0.pkl").exists()  # the killed save's folder
-    accelerator = Accelerator(cpu=True)
-    model = net(5)
-    ema = ModelEMA(model, decay=0.99, tau=3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(ema)
+    accelerator, _, _, _, ema = prepared(5)
     accelerator.load_state(tmp_path / (tmp_path / "latest").read_text())
     assert ema.updates == 2  # the EMA of the step whose model was loaded
 
@@ -121,11 +110,7 @@ def test_killed_inside_save_state(tmp_path: Path, one_process: None) -> None:
 def test_gradient_accumulation_updates_once_per_optimizer_step(one_process: None) -> None:
     """The recipe's ``if accelerator.sync_gradients: ema.update(model)``: 2 micro-batches per step, one update
     (without the guard the EMA would move on every micro-batch, twice per optimizer step)."""
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
-    model = net(0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ema = ModelEMA(model, decay=0.99, tau=3)
-    model, optimizer, data = accelerator.prepare(model, optimizer, loader())
+    accelerator, model, optimizer, data, ema = prepared(0, gradient_accumulation_steps=2)
     calls = 0
     for x, y in data:
         with accelerator.accumulate(model):
