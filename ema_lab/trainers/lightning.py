@@ -4,7 +4,8 @@
 number is ultralytics' ramp, a schedule from :mod:`ema_lab.schedules` anything else). It updates once per
 optimizer step (not per micro-batch under gradient accumulation), validates the EMA weights (copied into
 the model for the validation loop, the training weights copied back after), gives every DDP rank rank 0's
-EMA buffers before validating and saving (a collective: Lightning runs these hooks on every rank), and keeps
+EMA buffers before validating, saving and returning from ``fit`` (a collective: Lightning runs these hooks
+on every rank), and keeps
 the EMA in the checkpoint's callback state, so ``Trainer.fit(ckpt_path=...)`` resumes it bit for bit. At the
 end of ``fit`` the model keeps its own weights; ``callback.ema.ema`` is the EMA model.
 Lightning's own ``EMAWeightAveraging`` differs there: it saves the EMA as the checkpoint's ``state_dict``
@@ -55,6 +56,9 @@ class EMACallback(Callback):
         if self._kept is not None:
             torch._foreach_copy_(list(pl_module.state_dict().values()), self._kept)
             self._kept = None
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.ema.sync_buffers()  # equal on every rank when fit returns, validated or not
 
     def state_dict(self) -> dict[str, Any]:
         if self.ema is None:

@@ -2,7 +2,8 @@
 
 1. ``EMACallback`` (ema_lab), 2 epochs, a checkpoint after each epoch's validation;
 2. Lightning's own ``EMAWeightAveraging``, the same run;
-3. ``EMACallback`` resumed from run 1's first checkpoint (``fit(ckpt_path=...)``) to the same end.
+3. ``EMACallback`` resumed from run 1's first checkpoint (``fit(ckpt_path=...)``) to the same end;
+4. and 5. runs 1 and 2 without validation or checkpoints.
 
 Each rank saves its EMA after each run to ``<out>/<run>-rank<r>.pt``; run 1's checkpoints stay in
 ``<out>/ckpt``. Usage: ``torchrun --nproc-per-node 2 lightning_ddp.py OUT``.
@@ -61,13 +62,16 @@ def data(n: int, seed: int) -> DataLoader:
     )
 
 
-def fit(callback: pl.Callback, out: Path, ckpt_path: str | None = None) -> pl.Trainer:
+def fit(callback: pl.Callback, out: Path, ckpt_path: str | None = None, validate: bool = True) -> pl.Trainer:
+    saver = [ModelCheckpoint(dirpath=out, save_top_k=-1, filename="{epoch}")] if validate else []
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy="ddp",
         max_epochs=2,
-        callbacks=[callback, ModelCheckpoint(dirpath=out, save_top_k=-1, filename="{epoch}")],
+        callbacks=[callback, *saver],
+        enable_checkpointing=validate,
+        limit_val_batches=None if validate else 0,
         num_sanity_val_steps=0,
         logger=False,
         enable_progress_bar=False,
@@ -88,6 +92,12 @@ def main(out: Path) -> None:
     resumed = EMACallback(decay=constant(DECAY))
     fit(resumed, out / "resumed-ckpt", ckpt_path=str(out / "ckpt" / "epoch=0.ckpt"))
     torch.save(resumed.ema.ema.state_dict(), out / f"resumed-rank{rank}.pt")
+    unvalidated = EMACallback(decay=constant(DECAY))
+    fit(unvalidated, out, validate=False)
+    torch.save(unvalidated.ema.ema.state_dict(), out / f"ours-unvalidated-rank{rank}.pt")
+    theirs = EMAWeightAveraging(decay=DECAY)
+    fit(theirs, out, validate=False)
+    torch.save(theirs._average_model.module.state_dict(), out / f"lightning-unvalidated-rank{rank}.pt")
 
 
 if __name__ == "__main__":

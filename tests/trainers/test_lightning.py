@@ -48,11 +48,22 @@ def load(folder: Path, name: str) -> dict:
     return torch.load(folder / name, weights_only=True)
 
 
-def test_every_rank_holds_the_same_ema(ddp_runs: Path) -> None:
-    """BatchNorm's statistics differ between ranks; the EMA's are rank 0's on both (sync_buffers)."""
-    rank0, rank1 = load(ddp_runs, "ours-rank0.pt"), load(ddp_runs, "ours-rank1.pt")
+@pytest.mark.parametrize("run", ["ours", "ours-unvalidated"])
+def test_every_rank_holds_the_same_ema(ddp_runs: Path, run: str) -> None:
+    """BatchNorm's statistics differ between ranks; the EMA's are rank 0's on both (sync_buffers), with or
+    without validation and checkpoints."""
+    rank0, rank1 = load(ddp_runs, f"{run}-rank0.pt"), load(ddp_runs, f"{run}-rank1.pt")
     assert [k for k in rank0 if not torch.equal(rank0[k], rank1[k])] == []
     assert "net.1.running_var" in rank0
+
+
+def test_lightnings_own_ema_differs_between_ranks_without_validation(ddp_runs: Path) -> None:
+    """Why the callback syncs when fit ends: EMAWeightAveraging's buffers end equal only where a validation
+    ran after the last update (at each validation DDP's forward broadcasts rank 0's buffers into the model,
+    which then holds the average)."""
+    for run, equal in (("lightning", True), ("lightning-unvalidated", False)):
+        rank0, rank1 = load(ddp_runs, f"{run}-rank0.pt"), load(ddp_runs, f"{run}-rank1.pt")
+        assert torch.equal(rank0["net.1.running_var"], rank1["net.1.running_var"]) is equal, run
 
 
 def test_close_to_lightnings_own_ema(ddp_runs: Path) -> None:
@@ -128,3 +139,23 @@ def test_a_checkpoint_of_another_schedule_is_refused(ddp_runs: Path, tmp_path: P
     with pytest.raises(ValueError, match="schedule") as error:
         trainer.fit(Net(), data(64, 1), data(32, 2), ckpt_path=str(ddp_runs / "ckpt" / "epoch=0.ckpt"))
     assert "\n" not in str(error.value)
+
+
+def test_resumed_on_one_process(ddp_runs: Path, tmp_path: Path) -> None:
+    """The 2-rank checkpoint resumes on one process: the EMA goes on from its saved count, once per step."""
+    callback = EMACallback(decay=constant(DECAY))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Net(), data(64, 1), data(32, 2), ckpt_path=str(ddp_runs / "ckpt" / "epoch=0.ckpt"))
+    assert (
+        trainer.global_step == 4 + 8 and callback.ema.updates == trainer.global_step
+    )  # 4 steps a rank, 8 alone
