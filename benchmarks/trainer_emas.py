@@ -11,13 +11,15 @@ each timm model (no pretrained weights), interleaved by :func:`ema_lab.bench.tim
 - accelerate and plain DDP have no EMA of their own: torch's ``AveragedModel`` with
   ``get_ema_multi_avg_fn`` (its foreach EMA) beside ``ema_lab.ModelEMA.update``, the recipes' call.
 
-The figure is the median time per call over the rounds and its ratio to ema_lab's. ``--out`` writes
+The figure is the median time per call over the rounds (with its interquartile range) and its ratio to
+ema_lab's. ``--out`` writes
 ``trainer-emas-<date>.json`` and ``.md`` into FOLDER, by default ``docs/results/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from types import SimpleNamespace
 
@@ -106,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
                     "trainer": trainer,
                     "trainer_ema": theirs.name.split(": ", 1)[1],
                     "trainer_ms": 1e3 * theirs.median_s,
+                    "trainer_iqr_ms": 1e3 * theirs.iqr_s,
                     "ema_lab": ours.name.split(": ", 1)[1],
                     "ema_lab_ms": 1e3 * ours.median_s,
+                    "ema_lab_iqr_ms": 1e3 * ours.iqr_s,
                     "ratio": theirs.median_s / ours.median_s,
                     "threads": 1,
                     "rounds": args.rounds,
@@ -115,24 +119,26 @@ def main(argv: list[str] | None = None) -> int:
             )
     table = "\n".join(
         [
-            "| model (weights) | trainer | trainer's EMA | ms | ema_lab | ms | trainer's / ema_lab's |",
+            "| model (weights) | trainer | trainer's EMA | ms (IQR) | ema_lab | ms (IQR) | ratio |",
             "|---|---|---|---|---|---|---|",
         ]
         + [
             f"| {r['model']} ({r['weights'] / 1e6:.2f} M) | {r['trainer']} | {r['trainer_ema']} "
-            f"| {r['trainer_ms']:.3f} | {r['ema_lab']} | {r['ema_lab_ms']:.3f} | {r['ratio']:.2f}x |"
+            f"| {r['trainer_ms']:.3f} ({r['trainer_iqr_ms']:.3f}) | {r['ema_lab']} "
+            f"| {r['ema_lab_ms']:.3f} ({r['ema_lab_iqr_ms']:.3f}) | {r['ratio']:.2f}x |"
             for r in rows
         ]
     )
     versions = f"timm {timm.__version__}, lightning {pl.__version__}, torch {torch.__version__}"
-    print(f"CPU, 1 thread, median ms per call over {args.rounds} interleaved rounds; {versions}")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"CPU, 1 thread, median ms per call over {args.rounds} interleaved rounds; {versions}; load {load}")
     print(table)
     if args.out:
         command = " ".join(["benchmarks/trainer_emas.py", *(sys.argv[1:] if argv is None else argv)])
         write_study(
             args.out,
             "trainer-emas",
-            f"Each trainer's EMA beside ema_lab's, per update ({versions})",
+            f"Each trainer's EMA beside ema_lab's, per update ({versions}; load average {load})",
             command,
             rows,
             table,
