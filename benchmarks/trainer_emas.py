@@ -51,7 +51,8 @@ class Wrapped(pl.LightningModule):
 def hook(callback: pl.Callback, module: pl.LightningModule) -> callable:
     """One ``on_train_batch_end`` call after one more optimizer step, as the Trainer makes it."""
     trainer = SimpleNamespace(global_step=0)
-    callback.setup(trainer, module, "fit")
+    callback.setup(trainer, module, "fit")  # where EMAWeightAveraging makes its EMA
+    callback.on_fit_start(trainer, module)  # where EMACallback makes its EMA
 
     def call() -> None:
         trainer.global_step += 1

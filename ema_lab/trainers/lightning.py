@@ -5,9 +5,9 @@ number is ultralytics' ramp, a schedule from :mod:`ema_lab.schedules` anything e
 optimizer step (not per micro-batch under gradient accumulation), validates the EMA weights (copied into
 the model for the validation loop, the training weights copied back after), gives every DDP rank rank 0's
 EMA buffers before validating, saving and returning from ``fit`` (a collective: Lightning runs these hooks
-on every rank), and keeps
-the EMA in the checkpoint's callback state, so ``Trainer.fit(ckpt_path=...)`` resumes it bit for bit. At the
-end of ``fit`` the model keeps its own weights; ``callback.ema.ema`` is the EMA model.
+on every rank), and keeps the EMA in the checkpoint's callback state, so ``Trainer.fit(ckpt_path=...)``
+resumes it bit for bit. At the end of ``fit`` the model keeps its own weights; ``callback.ema.ema`` is the
+EMA model.
 Lightning's own ``EMAWeightAveraging`` differs there: it saves the EMA as the checkpoint's ``state_dict``
 and copies it into the model when training ends.
 """
@@ -25,16 +25,19 @@ __all__ = ["EMACallback"]
 
 
 class EMACallback(Callback):
-    """The LightningModule's EMA, ``ModelEMA(pl_module, **kwargs)``, made when ``fit`` starts."""
+    """The LightningModule's EMA, ``ModelEMA(pl_module, **kwargs)``, made when ``fit`` starts
+    (``on_fit_start``: on the model's device, after a checkpoint's weights are loaded)."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
         self.ema: ModelEMA | None = None
-        self._pending: dict | None = None  # a checkpoint's EMA state, loaded before setup() made the EMA
+        self._pending: dict | None = None  # a checkpoint's EMA state, loaded before the EMA is made
         self._kept: list[torch.Tensor] | None = None  # the training weights during validation
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and self.ema is None:
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Here, not in setup(): the strategy has moved the model to its device (and precision), and a
+        # checkpoint's weights are loaded, so the EMA starts from them where the checkpoint has no EMA.
+        if self.ema is None:
             self.ema = ModelEMA(pl_module, **self.kwargs)
             if self._pending is not None:
                 self.ema.load_state_dict(self._pending)
