@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from copy import deepcopy
 from dataclasses import is_dataclass
 from functools import partial
+from itertools import zip_longest
 
 import torch
 from torch import Tensor, nn
@@ -144,7 +145,10 @@ class BaseEMA:
 
     @ema.setter
     def ema(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ema must be a torch.nn.Module, got {type(module).__name__}")
         self.emas[0] = module
+        self._step = None  # the cached step moves the old module: the next update() builds one over this one
 
     # The name torch's AveragedModel and timm's EMAs give it: timm's unwrap_model and CheckpointSaver read it.
     module = ema
@@ -204,15 +208,14 @@ class BaseEMA:
         """Move every EMA one step towards ``model`` (wrapped models are unwrapped).
 
         ``decay`` overrides the schedules for this step (with ``every=k``: for the k steps at once); with
-        "flat" it may be a 0-dim tensor on the model's device: no host sync, no recompiles. With
+        "flat" it may be a 0-dim tensor on the model's device: no host sync, no recompiles, and so no check
+        of its value either: it is used clamped to [0, 1], NaN as 1 (the EMA keeps its weights). With
         ``every=k`` only every k-th call updates, by the product of the k decays (the others only count).
         """
         if not self.enabled:
             return
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not self.ranks_checked:  # once: buffers that DDP/FSDP2 ranks compute apart need sync_buffers()
-            warn_unsynced(self, model)
         if decay is not None:
             decay = check_decay(decay, self._step_type.tensor_decay)
         n = self.updates + 1
@@ -230,6 +233,8 @@ class BaseEMA:
             decays.append(d)
             weights.append(weight_of(d))  # 1 - decay, once
         model = unwrap_model(model)
+        if not self.ranks_checked:  # once: buffers that the ranks compute apart need sync_buffers()
+            warn_unsynced(self, model)
         step = self._step
         if step is None or not step.intact(model) or not step.try_gather():
             step = self._rebuild(model)
@@ -262,7 +267,9 @@ class BaseEMA:
             if state[key] != own[key]:
                 raise ValueError(f"the checkpoint's {key} is {state[key]!r}, this EMA's {own[key]!r}")
         check_int("updates", state["updates"], 0)
-        for saved, mine in zip(state["emas"], own["emas"]):
+        emas = state["emas"] if isinstance(state["emas"], list) else []
+        for saved, mine in zip_longest(emas, own["emas"], fillvalue={}):  # one more or fewer: all differ
+            saved = saved if isinstance(saved, dict) else {}
             shape = {k: getattr(v, "shape", None) for k, v in saved.items()}  # a non-tensor: None
             diff = [k for k in {**shape, **mine} if shape.get(k) != getattr(mine.get(k), "shape", None)]
             if diff:
@@ -306,6 +313,9 @@ class ModelEMA(BaseEMA):
     ``cuda_graph=True`` (EMA on one CUDA device, "auto" or "flat"): the update is recorded once in a CUDA
     graph and replayed: two launches (the weight, the replay) instead of one per kernel
     (:mod:`ema_lab.graph_step`).
+
+    Not thread-safe: call ``update()`` from one thread at a time (two threads updating one EMA lose update
+    counts and interleave the step's writes; use a lock), and read ``.ema`` between updates.
     """
 
     def _average_of(self, model: nn.Module) -> nn.Module:
