@@ -92,7 +92,6 @@ class ModelEmaV3(nn.Module):
         """Move the EMA one step towards ``model`` by the decay of ``step`` (timm's ``get_decay``)."""
         if self.core.ema is not self.module:  # a module assigned to .module (a loaded one): move that one
             self.core.ema = self.module
-            self.core._step = None  # the cached step moves the old module (issue #55, case 1): rebuild
         self.core.update(model, self.get_decay(step))
         if self.exclude_buffers:  # timm averages the parameters only and copies the buffers
             torch._foreach_copy_(list(self.module.buffers()), list(unwrap_model(model).buffers()))
