@@ -39,6 +39,7 @@ class EMACallback(Callback):
         # checkpoint's weights are loaded, so the EMA starts from them where the checkpoint has no EMA.
         if self.ema is None:
             self.ema = ModelEMA(pl_module, **self.kwargs)
+            self.ema.ranks_checked = True  # no warning to call sync_buffers(): this callback calls it
             if self._pending is not None:
                 self.ema.load_state_dict(self._pending)
                 self._pending = None
