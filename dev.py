@@ -10,7 +10,7 @@
                                   keep your edits)
     python3 dev.py demo           a short demo of every EMA strategy on a built-in model
     python3 dev.py gpu-check      on a CUDA machine: bench, kernels, CUDA tests, peers (benchmarks/)
-    python3 dev.py lock [args]    rewrite constraints.txt, the pinned set every install takes (uv);
+    python3 dev.py lock [args]    rewrite constraints*.txt, the pinned sets every install takes (uv);
                                   --upgrade: move every pin to its newest release
 
 Only the standard library is used here, so it runs on a bare Python >= 3.10.
@@ -36,9 +36,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 CONSTRAINTS = ROOT / "constraints.txt"  # the pinned set (python3 dev.py lock)
-# What the set pins besides the extras: torch, whose CPU wheel the project's CI machine has on disk, and
-# setuptools, which pip's isolated build of ema_lab itself would otherwise take at its newest release.
-LOCK_INPUT = "torch==2.13.0\nsetuptools>=64\n"
+# Each pinned set: the extra it pins and what it pins beside it. torch: 2.13.0, whose CPU wheel the
+# project's CI machine has on disk; the trainers' tests (nox -s trainers) need 2.14.1 for torchvision
+# 0.29.1. setuptools: pip's isolated build of ema_lab would otherwise take its newest release. The oldest
+# Python each set resolves for: the project's 3.10; the trainers' session runs 3.11 (accelerate needs it).
+LOCKS = {
+    "constraints.txt": ("dev", "3.10", "torch==2.13.0\nsetuptools>=64\n"),
+    "constraints-trainers.txt": ("trainers", "3.11", "torch==2.14.1\npytest\nsetuptools>=64\n"),
+}
 
 
 def active_environment() -> Path | None:
@@ -131,15 +136,18 @@ def ensure_venv(extra: str = "notebooks") -> None:
 
 
 def lock(args: list[str]) -> int:
-    """Rewrite constraints.txt: every extra's packages pinned, for Python 3.10+ on Linux, macOS and Windows.
+    """Rewrite the pinned sets (LOCKS) for Python 3.10+ on Linux, macOS and Windows, CPU and CUDA torch.
 
-    uv keeps the pins already in the file unless told otherwise (``--upgrade``), so a run with nothing
-    changed rewrites it byte for byte.
+    uv keeps the pins already in a file unless told otherwise (``--upgrade``), so a run with nothing
+    changed rewrites each byte for byte.
     """
-    cmd = [PY, "-m", "uv", "pip", "compile", "pyproject.toml", "-", "--all-extras", "--universal"]
-    cmd += ["--python-version", "3.10", "--custom-compile-command", "python3 dev.py lock", "--quiet"]
-    cmd += ["--output-file", str(CONSTRAINTS), *args]
-    return subprocess.run([str(c) for c in cmd], input=LOCK_INPUT, text=True, cwd=ROOT).returncode
+    for name, (extra, python, pinned) in LOCKS.items():
+        cmd = [PY, "-m", "uv", "pip", "compile", "pyproject.toml", "-", "--extra", extra, "--universal"]
+        cmd += ["--python-version", python, "--custom-compile-command", "python3 dev.py lock", "--quiet"]
+        cmd += ["--output-file", name, *args]
+        if rc := subprocess.run([str(c) for c in cmd], input=pinned, text=True, cwd=ROOT).returncode:
+            return rc
+    return 0
 
 
 def notebook_dir(args: list[str]) -> tuple[list[str], Path | None]:

@@ -3,13 +3,15 @@
 - ``nox`` / ``nox -s "core(2.1.2)"``: the core tests on every torch ema_lab supports.
 - ``nox -s pairs``: the notebooks' pair test on several jupytext releases.
 - ``nox -s latest``: the whole suite with every dependency at its newest release (not in CI).
+- ``nox -s trainers``: ema_lab inside timm, Lightning and accelerate (tests/trainers), on torch 2.14.1.
 - ``nox -s peer_schedules -- --out``: ema_lab's schedules against the peers' code.
 
 Every session takes its packages at the versions of constraints.txt (the pinned set), but for the one it
-varies (torch, jupytext), and but ``latest``. The core session installs torch first, then ema_lab with no
-extras (what ``pip install ema_lab`` gives a user) plus pytest and hypothesis, and runs the test files that
-need torch alone. The venvs are 4-7 GB each for the PyPI torch wheels with their CUDA libraries, so they
-are kept between runs (pip's cache serves the wheels again). docs/compat.md records the last result.
+varies (torch, jupytext), ``trainers`` (constraints-trainers.txt) and ``latest``. The core session
+installs torch first, then ema_lab with no extras (what ``pip install ema_lab`` gives a user) plus pytest
+and hypothesis, and runs the test files that need torch alone. The venvs are 4-7 GB each for the PyPI
+torch wheels with their CUDA libraries, so they are kept between runs (pip's cache serves the wheels
+again). docs/compat.md records the last result.
 """
 
 from __future__ import annotations
@@ -83,7 +85,14 @@ def pairs(session: nox.Session, jupytext: str) -> None:
     """The notebooks' jupytext pair test with jupytext==<version>, everything else from the pinned set."""
     session.install("-e", ".", "pytest", f"jupytext=={jupytext}", "-c", pins(session, "jupytext"))
     session.run(
-        "python", "-m", "pytest", "-p", "no:cacheprovider", "tests/lessons/test_notebooks.py", "-k", "the_pair_is"
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "tests/lessons/test_notebooks.py",
+        "-k",
+        "the_pair_is",
     )
 
 
@@ -99,3 +108,16 @@ def latest(session: nox.Session) -> None:
     session.run(
         "python", "dev.py", "test", *session.posargs, env={"EMA_LAB_VENV": session.virtualenv.location}
     )
+
+
+# tests/trainers run the real trainers (pyproject's test-only extra "trainers"), pinned by their own set:
+# torchvision 0.29.1, which timm needs, requires torch 2.14.1: not the project's torch 2.13.0.
+# A 5.5 GB venv, about 5 minutes to build from pip's cache, 1 minute to test.
+@nox.session(python="3.11")
+def trainers(session: nox.Session) -> None:
+    """Install ema_lab[trainers] from constraints-trainers.txt and run tests/trainers."""
+    session.install("-e", ".[trainers]", "pytest", "-c", "constraints-trainers.txt")
+    session.run(
+        "python", "-m", "pytest", "-p", "no:cacheprovider", "tests/trainers", *session.posargs,
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from copy import deepcopy
+from dataclasses import is_dataclass
 from functools import partial
+from itertools import zip_longest
 
 import torch
 from torch import Tensor, nn
@@ -68,6 +70,14 @@ def copy_attr(a: object, b: object, include: tuple = (), exclude: tuple = ()) ->
         if (include and k not in include) or k.startswith("_") or k in exclude:
             continue
         setattr(a, k, v)
+
+
+def _name(schedule: Schedule) -> str:
+    """A schedule as a checkpoint names it: the call that makes it (``ramp(decay=0.9999, tau=2000)``),
+    or a function's qualified name."""
+    return (
+        repr(schedule) if is_dataclass(schedule) else getattr(schedule, "__qualname__", repr(type(schedule)))
+    )
 
 
 class BaseEMA:
@@ -135,7 +145,13 @@ class BaseEMA:
 
     @ema.setter
     def ema(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ema must be a torch.nn.Module, got {type(module).__name__}")
         self.emas[0] = module
+        self._step = None  # the cached step moves the old module: the next update() builds one over this one
+
+    # The name torch's AveragedModel and timm's EMAs give it: timm's unwrap_model and CheckpointSaver read it.
+    module = ema
 
     @property
     def schedule(self) -> Schedule:
@@ -192,15 +208,14 @@ class BaseEMA:
         """Move every EMA one step towards ``model`` (wrapped models are unwrapped).
 
         ``decay`` overrides the schedules for this step (with ``every=k``: for the k steps at once); with
-        "flat" it may be a 0-dim tensor on the model's device: no host sync, no recompiles. With
+        "flat" it may be a 0-dim tensor on the model's device: no host sync, no recompiles, and so no check
+        of its value either: it is used clamped to [0, 1], NaN as 1 (the EMA keeps its weights). With
         ``every=k`` only every k-th call updates, by the product of the k decays (the others only count).
         """
         if not self.enabled:
             return
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not self.ranks_checked:  # once: buffers that DDP/FSDP2 ranks compute apart need sync_buffers()
-            warn_unsynced(self, model)
         if decay is not None:
             decay = check_decay(decay, self._step_type.tensor_decay)
         n = self.updates + 1
@@ -218,6 +233,8 @@ class BaseEMA:
             decays.append(d)
             weights.append(weight_of(d))  # 1 - decay, once
         model = unwrap_model(model)
+        if not self.ranks_checked:  # once: buffers that the ranks compute apart need sync_buffers()
+            warn_unsynced(self, model)
         step = self._step
         if step is None or not step.intact(model) or not step.try_gather():
             step = self._rebuild(model)
@@ -228,6 +245,40 @@ class BaseEMA:
         """Give every rank rank ``src``'s EMA float buffers: a collective, call it on every rank before
         evaluating or saving (DDP and FSDP2 ranks' BatchNorm statistics differ; :mod:`ema_lab.sync`)."""
         sync_buffers(self, src, group)
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue bit for bit: each EMA module's ``state_dict()`` (views, as
+        torch's), the update count, and what :meth:`load_state_dict` checks (the schedules, ``every``)."""
+        return {
+            "emas": [ema.state_dict() for ema in self.emas],
+            "updates": self.updates,
+            "schedules": [_name(s) for s in self.schedules],
+            "every": self.every,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (:meth:`state_dict`'s, loaded with ``torch.load(weights_only=True)``):
+        copied into the EMA's tensors in place; a checkpoint of another schedule, ``every`` or model is
+        refused with a one-line ValueError before anything changes."""
+        own = self.state_dict()
+        if not isinstance(state, dict) or state.keys() != own.keys():
+            raise ValueError(f"not a {type(self).__name__} state_dict: expected a dict of {sorted(own)}")
+        for key in ("schedules", "every"):  # one schedule per EMA: their number is checked too
+            if state[key] != own[key]:
+                raise ValueError(f"the checkpoint's {key} is {state[key]!r}, this EMA's {own[key]!r}")
+        check_int("updates", state["updates"], 0)
+        emas = state["emas"] if isinstance(state["emas"], list) else []
+        for saved, mine in zip_longest(emas, own["emas"], fillvalue={}):  # one more or fewer: all differ
+            saved = saved if isinstance(saved, dict) else {}
+            shape = {k: getattr(v, "shape", None) for k, v in saved.items()}  # a non-tensor: None
+            diff = [k for k in {**shape, **mine} if shape.get(k) != getattr(mine.get(k), "shape", None)]
+            if diff:
+                raise ValueError(
+                    f"the checkpoint is another model's: entries {diff[:3]} differ in name or shape"
+                )
+        for ema, saved in zip(self.emas, state["emas"]):
+            ema.load_state_dict(saved)  # in place: the cached step keeps its tensors
+        self.updates = state["updates"]
 
     def __getstate__(self) -> dict:
         # The cached step holds weak references and module dicts: dropped, the next update() rebuilds it.
@@ -262,6 +313,9 @@ class ModelEMA(BaseEMA):
     ``cuda_graph=True`` (EMA on one CUDA device, "auto" or "flat"): the update is recorded once in a CUDA
     graph and replayed: two launches (the weight, the replay) instead of one per kernel
     (:mod:`ema_lab.graph_step`).
+
+    Not thread-safe: call ``update()`` from one thread at a time (two threads updating one EMA lose update
+    counts and interleave the step's writes; use a lock), and read ``.ema`` between updates.
     """
 
     def _average_of(self, model: nn.Module) -> nn.Module:

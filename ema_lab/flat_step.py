@@ -10,9 +10,9 @@ Each group reads the model side by its layout, then every group is one ``lerp_``
 
 Every further EMA (``PostHocEMA``'s profiles) gets buffers laid out like the first's, and each group lerps
 it from the same gathered sources: one read of the model for all of them, one more lerp per EMA.
-Its flat buffers (the EMAs', a fused model's) are checked by their storages' reference counts, O(1) each:
-a replacement drops a reference; when a count moved, the exact per-slot check runs once. Limit: a fused
-tensor replaced while something else keeps a new view of its buffer, or the replaced tensor, alive.
+Its watch reads the ``data_ptr()`` of every EMA slot and of every model slot not read live (the small 1-D
+tensors of a ``cat``): a reference kept to a buffer (``kept = ema.ema.state_dict()``) cannot hide a
+replacement, as a reference count could.
 A 0-dim tensor decay is a tensor weight (no ``.item()``): sync-free, and data under ``torch.compile``.
 """
 
@@ -42,10 +42,6 @@ CAT_RUN_NUMEL = 32768
 #: launch is small beside its bytes): the buffer stays near 4 MiB.
 DENSE_WEIGHT_NUMEL = 1 << 20
 
-# A private binding (present from torch 2.1 to at least 2.13). Without it every flat step takes the
-# per-slot check of every slot: slower, never unsafe.
-_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
-
 
 def fused_foreach_devices() -> list[str]:
     """The device types whose ``_foreach_lerp_`` has a fused kernel, as torch lists them (cuda on a torch
@@ -70,9 +66,8 @@ class _FusedGroup(_Group):
     """The model's tensors of the group tile one storage: one ``lerp_`` (after one cast-copy if needed)."""
 
     mode = "fused"
-    checked_slots: list[Slot] = []  # watched by the storages' reference counts instead
 
-    def __init__(self, emas: list[list[Tensor]], model: list[Tensor]) -> None:
+    def __init__(self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot]) -> None:
         self.model = whole_storage(model[0])
         order = sorted(range(len(model)), key=lambda i: model[i].storage_offset())
         self.emas = _buffers(emas, order)  # the model's layout: one lerp_ covers all
@@ -80,7 +75,7 @@ class _FusedGroup(_Group):
         cast = model[0].dtype != first.dtype  # bf16/fp16 model, fp32 EMA
         self.scratch = empty_flat(first.numel(), first.dtype, first.device) if cast else None
         self.source = self.model if self.scratch is None else self.scratch
-        self.storages = [*(e.untyped_storage() for e in self.emas), self.model.untyped_storage()]
+        self.checked_slots = slots
 
     def read(self) -> None:
         if self.scratch is not None:
@@ -99,7 +94,7 @@ class _CastGroup(_Group):
         off = [0, *accumulate(m.numel() for m in model)]
         self.scratch_views = [scratch[a:b].view(m.shape) for a, b, m in zip(off, off[1:], model)]
         self.model, self.source = model, scratch
-        self.storages, self.checked_slots = [e.untyped_storage() for e in self.emas], slots
+        self.checked_slots = slots
 
     def read(self) -> None:
         torch._foreach_copy_(self.scratch_views, self.model)
@@ -126,7 +121,6 @@ class _SameDtypeGroup:
         self.checked_slots = [slots[i] for i in range(len(model)) if i not in live]
         self.mode = "cat+foreach" if small and large else "cat" if small else "foreach"
         self.emas = _buffers(emas, small + large)
-        self.storages = [e.untyped_storage() for e in self.emas]
         numels = [model[i].numel() for i in small]
         ends = [0, *accumulate(numels)]
         # One cat at one thread (or off the CPU); at 2+ threads runs under CAT_RUN_NUMEL (see above).
@@ -222,31 +216,22 @@ class FlatStep:
             es, ms = [[e[i] for i in idx] for e in emas], [mod[i] for i in idx]
             slots = [floats[i].model_slot for i in idx]
             if tiles_in_order(sorted(ms, key=Tensor.storage_offset)):
-                self.groups.append(_FusedGroup(es, ms))
+                self.groups.append(_FusedGroup(es, ms, slots))
             elif ms[0].dtype != es[0][0].dtype:
                 self.groups.append(_CastGroup(es, ms, slots))
             else:
                 self.groups.append(_SameDtypeGroup(es, ms, slots, options.cat_max_numel))
         self.counters = Counters.of(pairs)
         self.modes = [g.mode for g in self.groups]
-        # The model slots read without a view of a watched buffer, checked per step (counters included);
-        # every slot, when a buffer's reference count moved.
-        checked = [slot for g in self.groups for slot in g.checked_slots]
+        # Every slot but the model's live ones, read per step by gather().
+        checked = [s for e in (*floats, *pairs.counters) for s in e.ema_slots]
+        checked += [slot for g in self.groups for slot in g.checked_slots]
         checked += [e.model_slot for e in pairs.counters]
-        self.checked_slots_watch = Watch(model, checked, pairs.modules)
-        self.all_slots_watch = Watch(model, pairs.slots())
-        self.storages = [s for g in self.groups for s in g.storages]
-        self.counts = _use_counts(self.storages)
+        self.watch = Watch(model, checked, pairs.modules)
 
     def intact(self, model: nn.Module) -> bool:
-        """Per-slot check of the checked reads, O(1) per flat buffer (every slot if a count moved)."""
-        if not self.checked_slots_watch.current(model):
-            return False
-        if _USE_COUNT is None or _use_counts(self.storages) != self.counts:
-            if not self.all_slots_watch.current(model):
-                return False
-            self.counts = _use_counts(self.storages)  # a view made or dropped elsewhere: the new intact state
-        return True
+        """True while every EMA slot and every model slot not read live holds the memory it was built over."""
+        return self.watch.current(model)
 
     def try_gather(self) -> bool:
         """Every group gathers the model; False if a live slot holds None or another size, dtype or device:
@@ -274,8 +259,3 @@ class FlatStep:
                 for g in self.groups:
                     g.lerp(k, weight if isinstance(weight, float) else weight.to(g.emas[0].dtype))
             self.counters()
-
-
-def _use_counts(storages: list) -> list[int]:
-    """How many tensors (views included) hold each storage now; [] if torch cannot say."""
-    return [] if _USE_COUNT is None else [_USE_COUNT(s._cdata) for s in storages]

@@ -8,14 +8,15 @@ and ``ShardedModelEMA`` keep one step and rebuild it when :meth:`Step.intact` sa
 
 A step reads the model through detached aliases (same memory, no autograd, no reference that would make
 ``swap_tensors`` refuse). Before each update :class:`Watch` compares the ``data_ptr()`` each watched module
-slot holds now with the one it was built from (the flat step watches its own buffers by reference count
-and reads its small 1-D tensors live instead), and whether torch's global registration hooks
-(:func:`install_hooks`, when the first watch is made, never at import) saw a parameter, buffer or submodule
-registered on one of the modules it watches (the model's and the EMAs'; a module built anywhere else costs
-nothing): ``.to()``, ``.half()``, a reassigned parameter, ``p.data = ...`` and ``torch.utils.swap_tensors``
-all show up as a moved pointer or a new registration, and the step is rebuilt. A tensor re-viewed in place
-(``p.data = p.view(shape)``, same memory) is averaged as that memory in the EMA's shape: the aliases keep
-theirs, so no foreach stops halfway. Every step also copies the model's integer entries (:class:`Counters`).
+slot holds now with the one it was built from (the flat step reads its small 1-D model tensors live
+instead; a buffer's reference count would not do: a view kept elsewhere hides a replaced tensor), and
+whether torch's global registration hooks (:func:`install_hooks`, when the first watch is made, never at
+import) saw a parameter, buffer or submodule registered on one of the modules it watches (the model's and
+the EMAs'; a module built anywhere else costs nothing): ``.to()``, ``.half()``, a reassigned parameter,
+``p.data = ...`` and ``torch.utils.swap_tensors`` all show up as a moved pointer or a new registration,
+and the step is rebuilt. A tensor re-viewed in place (``p.data = p.view(shape)``, same memory) is averaged
+as that memory in the EMA's shape: the aliases keep theirs, so no foreach stops halfway. Every step also
+copies the model's integer entries (:class:`Counters`).
 """
 
 from __future__ import annotations

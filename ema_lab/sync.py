@@ -67,18 +67,31 @@ def sync_buffers(ema: object, src: int = 0, group: object = None) -> None:
 
 
 def warn_unsynced(ema: object, model: nn.Module) -> None:
-    """Warn when ``ema`` averages buffers that the ranks of a DDP or FSDP2 run compute apart; once per EMA:
-    ``update()`` calls it until ``ema.ranks_checked``."""
+    """Warn when ``ema`` averages float buffers that the ranks compute apart; once per EMA: ``update()`` calls
+    it, with the unwrapped model, until ``ema.ranks_checked``.
+
+    It follows torch.distributed's state, whatever reaches ``update()`` (a DDP wrapper, ``ddp.module``, a
+    LightningModule): an initialized default group of more than one rank, and a rank-local float buffer
+    (BatchNorm's statistics, not SyncBatchNorm's) that differs from the model's, which a forward since the
+    EMA was made changed; a buffer equal to the model's (a constant) is alike on every rank. Local: one
+    comparison per buffer, on the first update only.
+    """
     ema.ranks_checked = True
-    distributed = isinstance(model, nn.parallel.DistributedDataParallel) or ema.sharded
+    if _world_size() == 1:
+        return
     # SyncBatchNorm reduces its batch statistics over the ranks: its buffers are equal on every rank.
-    synced = {
-        id(t) for e in ema.emas for m in e.modules() if isinstance(m, nn.SyncBatchNorm) for t in m.buffers()
-    }
-    if distributed and _world_size() > 1 and any(id(t) not in synced for t in rank_local_tensors(ema)):
+    synced = {id(t) for m in ema.ema.modules() if isinstance(m, nn.SyncBatchNorm) for t in m.buffers()}
+    local = {id(t) for t in rank_local_tensors(ema)} - synced
+    now = model.state_dict(keep_vars=True)
+    moved = [
+        key
+        for key, t in ema.ema.state_dict(keep_vars=True).items()
+        if id(t) in local and key in now and not torch.equal(t.detach(), now[key].detach().to(t))
+    ]
+    if moved:
         warnings.warn(
-            f"{type(ema).__name__}: each rank updates the model's float buffers (BatchNorm's running "
-            "statistics) from its own batch, so the EMA's buffers differ between ranks; call "
+            f"{type(ema).__name__}: each rank updates the model's float buffers ({moved[0]!r}: BatchNorm's "
+            "running statistics) from its own batch, so the EMA's buffers differ between ranks; call "
             "ema.sync_buffers() on every rank before you evaluate or save the EMA (an EMA kept on one "
             "rank only holds that rank's)",
             stacklevel=3,
