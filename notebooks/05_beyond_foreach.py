@@ -285,7 +285,8 @@ plt.show()
 # %% [markdown]
 # Gray: built here; blue: `ema_lab`. The flattened model's `ModelEMA` adds the counters' `copy_` and the
 # check to the floor's `lerp_`, so it cannot beat the floor (overlapping IQR lines: noise). The default
-# reads the scattered tensors like our foreach, plus the check and the counters.
+# reads the large tensors like our foreach, gathers the small ones by `cat`, then adds the check and the
+# counters.
 #
 # The check, packaged: make the flattened model fp16 and update once with decay 0. The EMA must equal
 # the model:
@@ -332,7 +333,7 @@ for name, cand in [
 # host's: it checks that the model's tensors have not moved, gathers the small ones, copies the counters.
 # ultralytics' class, with more kernels and no check, was faster on the same GPU
 # ([results](../docs/results/h200-update-costs-2026-12-04.md)). Flattening the model leaves 2 kernels
-# and a check whose cost does not grow with the tensor count: about 4x the floor.
+# and a lighter check (the flat buffer as a whole, not each float tensor): about 4x the floor.
 #
 # <details><summary>Why 8 kernels, not section 5's 3 ops</summary>
 #
@@ -429,9 +430,9 @@ for name, cand in [
 #     print(f"  {k:<25} {times[k]:6.2f} ms = {times[k] / (step_ms + times[k]):6.2%} of the step")
 # ```
 #
-# Small at batch 8 of 256x256 (a few percent for the loop, less for the others): the passes touch every
+# Small at batch 8 of 256x256 (under 1 % for the loop, less for the others): the passes touch every
 # pixel of every image, the update each weight once. The step grows with the batch and the images, the
-# update does not: in quick mode every share is several times larger.
+# update does not: quick mode's step is over ten times shorter, and every share over ten times larger.
 #
 # </details>
 
