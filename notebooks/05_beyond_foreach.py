@@ -242,7 +242,7 @@ print("flattened:", ema_fused.modes, dict(count_ops(ema_fused.update, net_flat))
 
 # %% [markdown]
 # You choose a *strategy* (`ModelEMA(model, strategy="auto")`, the default); `ema.modes` names what
-# each group of tensors then got ([glossary table](../docs/glossary.md#strategies-and-modes)). Here:
+# each group of tensors got ([glossary table](../docs/glossary.md#strategies-and-modes)). Here:
 #
 # | mode | the model's tensors | one update |
 # |---|---|---|
@@ -285,7 +285,7 @@ plt.show()
 # %% [markdown]
 # Gray: built here; blue: `ema_lab`. The flattened model's `ModelEMA` adds the counters' `copy_` and the
 # check to the floor's `lerp_`, so it cannot beat the floor (overlapping IQR lines: noise). The default
-# reads the scattered tensors like our foreach, plus the check and the counters.
+# (foreach over the large tensors, one `cat` of the small, the check, the counters) lands near foreach.
 #
 # The check, packaged: make the flattened model fp16 and update once with decay 0. The EMA must equal
 # the model:
@@ -332,12 +332,12 @@ for name, cand in [
 # host's: it checks that the model's tensors have not moved, gathers the small ones, copies the counters.
 # ultralytics' class, with more kernels and no check, was faster on the same GPU
 # ([results](../docs/results/h200-update-costs-2026-12-04.md)). Flattening the model leaves 2 kernels
-# and a check whose cost does not grow with the tensor count: about 4x the floor.
+# and a lighter check (the flat buffer as a whole, not each float tensor): about 4x the floor.
 #
 # <details><summary>Why 8 kernels, not section 5's 3 ops</summary>
 #
-# On CUDA one `_foreach_lerp_` launches a kernel per batch of tensors, and the ema_lab of that run gave the
-# gathered tensors a `lerp_` of their own.
+# CUDA's `cat` launches a kernel per 128 inputs (4 for the small tensors, 1 for the counters),
+# `_foreach_lerp_` one per batch of tensors (2), and that run's ema_lab a `lerp_` for the gathered ones (1).
 # </details>
 
 # %% [markdown]
@@ -429,9 +429,9 @@ for name, cand in [
 #     print(f"  {k:<25} {times[k]:6.2f} ms = {times[k] / (step_ms + times[k]):6.2%} of the step")
 # ```
 #
-# Small at batch 8 of 256x256 (a few percent for the loop, less for the others): the passes touch every
+# Small at batch 8 of 256x256 (under 1 % for the loop, less for the others): the passes touch every
 # pixel of every image, the update each weight once. The step grows with the batch and the images, the
-# update does not: in quick mode every share is several times larger.
+# update does not: in quick mode the step is over ten times shorter and every share larger.
 #
 # </details>
 

@@ -93,7 +93,7 @@ print("shards of the update == update of the whole:", torch.equal(torch.cat(shar
 # fixes that. By hand: give each of two ranks' BatchNorm its own batch, update an EMA, then broadcast each
 # EMA buffer from rank 0. `%%writefile` saves the cell as a script in the first cell's temporary folder;
 # `torchrun(2, script)` runs it on two ranks (`python -m torch.distributed.run --standalone
-# --nproc-per-node=2`) and returns what rank 0 printed:
+# --nproc-per-node=2`) and returns what the ranks printed:
 
 # %% tags=["nbval-ignore-output"]
 # %%writefile {workdir}/sync_by_hand.py
@@ -156,9 +156,9 @@ print(skip_reason() or torchrun(2, workdir / "sync_by_hand.py"))
 # ## 3. The training script
 #
 # One script trains a small MLP with a BatchNorm with DDP and `ModelEMA`, then with FSDP2 and
-# `ShardedModelEMA`, counting the collectives inside `ema.update()` with `CommDebugMode`. Rank 0 then
-# trains the same model alone in float64, each rank's part of the batch through BatchNorm on its own, and
-# checks the EMA of the parameters against it. The ranks talk over *gloo*, PyTorch's CPU backend (GPUs
+# `ShardedModelEMA`, counting the collectives inside `ema.update()` with torch's counter, `CommDebugMode`.
+# Rank 0 then trains the same model alone in float64, each rank's part of the batch through BatchNorm on
+# its own, and checks the EMA of the parameters against it. The ranks talk over *gloo*, PyTorch's CPU backend (GPUs
 # use `nccl`).
 
 # %% tags=["nbval-ignore-output"]
@@ -310,8 +310,8 @@ print(skip_reason() or torchrun(2, workdir / "train_ema.py", "memory_2.json"))
 
 # %% [markdown]
 # The EMA of the parameters matches the one-process float64 EMA on every rank, with zero collectives in
-# `update()`. The BatchNorm buffers differ until `sync_buffers()` (one collective per EMA) gives every
-# rank rank 0's, more under FSDP2, which never copies buffers. `ModelEMA` refuses the sharded model.
+# `update()`. The BatchNorm buffers differ, more under FSDP2, which never copies buffers, until
+# `sync_buffers()` (one collective per EMA) gives every rank rank 0's. `ModelEMA` refuses the sharded model.
 
 # %% [markdown]
 # ## 4. Uneven shards

@@ -476,7 +476,7 @@ ax.grid(alpha=0.3)
 plt.show()
 
 # %% [markdown]
-# The constant decays sit on or near the curve: the rule of thumb holds.
+# The constant decays sit on the curve, at 0.15 slightly below it: the rule of thumb holds.
 #
 # ## Summary
 #
