@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from copy import deepcopy
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from .checks import check_decay, check_int, weight_of
-from .flat_step import FlatStep
 from .graph_step import GraphStep
-from .pairs import collect_pairs
-from .schedules import Ramp, Schedule, decay_over, ramp
-from .step import CAT_MAX_NUMEL, Pairs, Step, StepOptions
-from .sync import sync_buffers, warn_unsynced
+from .pairs import Pairs, collect_pairs
+from .schedules import Schedule, decay_over, ramp
+from .step import CAT_MAX_NUMEL, FlatStep, Step, StepOptions
 from .updates import LIST_STRATEGIES, ListStep
 
 __all__ = ["ModelEMA", "BaseEMA", "STRATEGIES", "unwrap_model"]
@@ -62,6 +62,11 @@ def _is_fully_sharded(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def _world_size(group: object = None) -> int:
+    """The size of ``group`` (the default group when None), 1 outside torch.distributed."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
 def copy_attr(a: object, b: object, include: tuple = (), exclude: tuple = ()) -> None:
     """Copy plain attributes (not starting with ``_``) from ``b`` to ``a``, as ultralytics does."""
     for k, v in b.__dict__.items():
@@ -77,12 +82,12 @@ class BaseEMA:
     ``.schedules``; ``.ema`` and ``.schedule`` are the first), all moved by one step."""
 
     sharded = False  # ShardedModelEMA: the EMA stays in DTensor shards, so its step must update in place
-    ranks_checked = False  # set by the first update() or sync_buffers() (ema_lab.sync)
+    ranks_checked = False  # set by the first update() or sync_buffers(): no warning about unsynced buffers
 
     def __init__(
         self,
         model: nn.Module,
-        decay: float | Schedule = 0.9999,
+        decay: float | Schedule | Sequence[Schedule] = 0.9999,
         tau: float = 2000,
         updates: int = 0,
         strategy: str = "auto",
@@ -93,21 +98,24 @@ class BaseEMA:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        # A number is ultralytics' ramp (max_decay, tau); a callable is the schedule itself.
-        schedule = decay if callable(decay) else ramp(check_decay(decay), tau)
+        # A number is ultralytics' ramp (decay, tau); a callable is the schedule itself; a list, one EMA each.
+        schedules = list(decay) if isinstance(decay, (list, tuple)) else [decay]
+        schedules = [s if callable(s) else ramp(check_decay(s), tau) for s in schedules]
         check_int("updates", updates, 0)
         check_int("every", every, 1)
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
         if self.sharded and strategy != "auto" and not STEPS[strategy].in_place:
+            in_place = ["auto", *(s for s, step in STEPS.items() if step.in_place)]
             raise ValueError(
                 f"strategy {strategy!r} moves the EMA into new buffers; a sharded EMA keeps its DTensor "
-                "shards in place: use 'auto', 'gated', 'foreach' or 'loop'"
+                f"shards in place: use one of {in_place}"
             )
         if cuda_graph and self.sharded:
             raise ValueError("cuda_graph=True records one device's update; a sharded EMA cannot use it")
         with torch.inference_mode(False):  # built under inference_mode, the EMA would be read-only outside
             ema = self._average_of(unwrap_model(model))
+            self.emas: list[nn.Module] = [ema, *(deepcopy(ema) for _ in schedules[1:])]
         floats = [t for t in (*ema.parameters(), *ema.buffers()) if t.is_floating_point()]
         self.resolved_strategy = resolve_strategy(strategy, floats, in_place=self.sharded)
         step_type = STEPS[self.resolved_strategy]
@@ -122,8 +130,7 @@ class BaseEMA:
         self._step_type: type[Step] = step_type
         self._options = StepOptions(self.resolved_strategy, cat_max_numel, self.sharded)
         self._step: Step | None = None
-        self.emas: list[nn.Module] = [ema]
-        self.schedules: list[Schedule] = [schedule]
+        self.schedules: list[Schedule] = schedules
         self.updates, self.every, self.strategy, self.cuda_graph = updates, every, strategy, cuda_graph
         self.enabled = True
         self.rebuilds = 0  # how many times the cached step was (re)built
@@ -141,16 +148,6 @@ class BaseEMA:
     def schedule(self) -> Schedule:
         """The (first) EMA's decay schedule: :func:`ema_lab.schedules.ramp` for a number."""
         return self.schedules[0]
-
-    @property
-    def max_decay(self) -> float | None:
-        """The ramp's top decay, as ultralytics names it (None for another schedule)."""
-        return self.schedule.decay if isinstance(self.schedule, Ramp) else None
-
-    @property
-    def tau(self) -> float | None:
-        """The ramp's time constant (None for another schedule)."""
-        return self.schedule.tau if isinstance(self.schedule, Ramp) else None
 
     def _average_of(self, model: nn.Module) -> nn.Module:
         """The module that holds the EMA, made from the (unwrapped) model."""
@@ -182,7 +179,7 @@ class BaseEMA:
         self._step = None  # a failed rebuild must not leave the stale step behind
         with torch.inference_mode(False):  # its buffers must stay writable outside inference_mode too
             step = self._step_type(self._collect(model), model, self._options)
-        if not (step.intact(model) and step.try_gather()):  # only a model changed meanwhile fails here
+        if not step.ready(model):  # only a model changed meanwhile fails here
             raise RuntimeError("the model changed while its EMA step was being built")
         self._step = step
         self.rebuilds += 1
@@ -200,7 +197,7 @@ class BaseEMA:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not self.ranks_checked:  # once: buffers that DDP/FSDP2 ranks compute apart need sync_buffers()
-            warn_unsynced(self, model)
+            self._warn_unsynced(model)
         if decay is not None:
             decay = check_decay(decay, self._step_type.tensor_decay)
         n = self.updates + 1
@@ -218,16 +215,70 @@ class BaseEMA:
             decays.append(d)
             weights.append(weight_of(d))  # 1 - decay, once
         model = unwrap_model(model)
-        step = self._step
-        if step is None or not step.intact(model) or not step.try_gather():
-            step = self._rebuild(model)
-        step.apply(decays, weights)
+        with torch.no_grad():
+            step = self._step
+            if step is None or not step.ready(model):  # stale, or a live read no longer fits: rebuilt
+                step = self._rebuild(model)
+            step.apply(decays, weights)
         self.updates = n
 
+    def rank_local_tensors(self) -> list[Tensor]:
+        """The EMAs' float tensors that ranks compute apart: buffers, and in a ``ShardedModelEMA`` (it holds
+        buffers as parameters) every tensor that is not a DTensor shard."""
+        tensors = []
+        for module in self.emas:
+            tensors += [*module.parameters(), *module.buffers()] if self.sharded else list(module.buffers())
+        return [t for t in tensors if t.is_floating_point() and not hasattr(t, "placements")]
+
     def sync_buffers(self, src: int = 0, group: object = None) -> None:
-        """Give every rank rank ``src``'s EMA float buffers: a collective, call it on every rank before
-        evaluating or saving (DDP and FSDP2 ranks' BatchNorm statistics differ; :mod:`ema_lab.sync`)."""
-        sync_buffers(self, src, group)
+        """Overwrite every rank's EMA float buffers with rank ``src``'s (of ``group``, by default the world):
+        a collective, call it on every rank before evaluating or saving.
+
+        Under DDP and FSDP2 each rank's BatchNorm updates its buffers from its own batch, so the EMA's
+        buffers differ between ranks (its parameters do not). Not inside ``update()``: a collective there
+        would hang where the EMA lives on one rank, and cost one per step for what an evaluation reads once.
+        One coalesced ``broadcast`` per (dtype, device); none outside torch.distributed or on one rank.
+        """
+        if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+            raise TypeError(
+                f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
+            )
+        world = _world_size(group)
+        if not (isinstance(src, int) and not isinstance(src, bool) and 0 <= src < world):
+            raise ValueError(f"src must be a rank of the group, 0 to {world - 1}, got {src!r}")
+        self.ranks_checked = True  # its user syncs: no warning
+        if world == 1:
+            return
+        groups: dict[tuple, list[Tensor]] = {}
+        for b in self.rank_local_tensors():
+            groups.setdefault((b.dtype, b.device), []).append(b)
+        with torch.no_grad():
+            for buffers in groups.values():
+                flat = torch.cat([b.reshape(-1) for b in buffers])
+                dist.broadcast(flat, src if group is None else dist.get_global_rank(group, src), group)
+                for b, piece in zip(buffers, flat.split([b.numel() for b in buffers])):
+                    b.copy_(piece.view_as(b))  # in place: the EMA's cached step keeps its tensors
+
+    def _warn_unsynced(self, model: nn.Module) -> None:
+        """Warn, once, when the EMA averages buffers that the ranks of a DDP or FSDP2 run compute apart."""
+        self.ranks_checked = True
+        distributed = isinstance(model, nn.parallel.DistributedDataParallel) or self.sharded
+        # SyncBatchNorm reduces its batch statistics over the ranks: its buffers are equal on every rank.
+        synced = {
+            id(t)
+            for e in self.emas
+            for m in e.modules()
+            if isinstance(m, nn.SyncBatchNorm)
+            for t in m.buffers()
+        }
+        if distributed and _world_size() > 1 and any(id(t) not in synced for t in self.rank_local_tensors()):
+            warnings.warn(
+                f"{type(self).__name__}: each rank updates the model's float buffers (BatchNorm's running "
+                "statistics) from its own batch, so the EMA's buffers differ between ranks; call "
+                "ema.sync_buffers() on every rank before you evaluate or save the EMA (an EMA kept on one "
+                "rank only holds that rank's)",
+                stacklevel=3,
+            )
 
     def __getstate__(self) -> dict:
         # The cached step holds weak references and module dicts: dropped, the next update() rebuilds it.
@@ -257,7 +308,7 @@ class ModelEMA(BaseEMA):
     integer counters) are views of one buffer per group: ``torch.save(ema.ema.state_dict())`` stores each
     buffer once, but saving a *subset* of the entries stores the whole buffer; clone the subset first.
     Under DDP each rank's BatchNorm statistics differ: call ``ema.sync_buffers()`` on every rank before
-    evaluating or saving (:mod:`ema_lab.sync`).
+    evaluating or saving.
     ``cat_max_numel``: model tensors under this many elements are gathered by ``torch.cat``.
     ``cuda_graph=True`` (EMA on one CUDA device, "auto" or "flat"): the update is recorded once in a CUDA
     graph and replayed: two launches (the weight, the replay) instead of one per kernel

@@ -13,95 +13,15 @@ longer fused). :func:`unflatten_model` undoes it. docs/beyond_foreach_details.md
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import mmap
-from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["flatten_model", "unflatten_model", "flatten_tensors", "unflatten_tensors"]
+from .buffers import USE_COUNT, empty_flat, group, tiles_in_order, unique, whole_storage
 
-_T = TypeVar("_T")
-
-
-def unique(items: Iterable[_T], tensor: Callable[[_T], Tensor] = lambda t: t) -> list[_T]:
-    """``items`` without repeats of the same tensor object (tied weights), first occurrence kept, in order."""
-    first: dict[int, _T] = {}
-    for item in items:
-        first.setdefault(id(tensor(item)), item)
-    return list(first.values())
-
-
-def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]:
-    """Positions grouped by ``key``, in first-seen order (torch's foreach grouping keys on one list only)."""
-    out: dict[object, list[int]] = {}
-    for i in items:
-        out.setdefault(key(i), []).append(i)
-    return list(out.values())
-
-
-#: The transparent huge page of x86-64 (and arm64 with 4 KiB pages): buffers from this size up get a mapping
-#: of their own, so one TLB entry covers 2 MiB of the stream an update reads (benchmarks/cat_runs.py).
-#: torch's own switch, the environment variable THP_MEM_ALLOC_ENABLE=1, is read once when torch first
-#: allocates and then applies to every CPU tensor of the process: a library cannot turn it on for its buffers.
-_HUGE_PAGE = 2 << 20
-
-
-def empty_flat(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
-    """An uninitialised 1-D buffer; on Linux CPU, from 2 MiB up, in transparent huge pages where granted."""
-    device = torch.device(device)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(numel, dtype=dtype, device=device)
-    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # a kernel without THP: the mapping is still good memory
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
-    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=-start % _HUGE_PAGE)
-
-
-def into_one_buffer(tensors: Sequence[Tensor], like: Tensor | None = None) -> Tensor:
-    """A new 1-D buffer holding ``tensors`` back to back (one dtype and device, or ``like``'s); each becomes
-    a view of it."""
-    like = tensors[0] if like is None else like
-    buf = empty_flat(sum(t.numel() for t in tensors), like.dtype, like.device)
-    off = 0
-    with torch.no_grad():
-        for t in tensors:
-            view = buf[off : off + t.numel()].view(t.shape)
-            view.copy_(t)  # a fresh buffer: tensors that shared memory before are still read intact
-            t.data = view  # keeps the Parameter object (optimizers, hooks and module slots hold it)
-            off += t.numel()
-    return buf
-
-
-def whole_storage(t: Tensor) -> Tensor:
-    """A 1-D tensor over all of ``t``'s storage, in ``t``'s dtype."""
-    n = t.untyped_storage().nbytes() // t.element_size()
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, (n,), (1,))
-
-
-def tiles_in_order(tensors: Sequence[Tensor]) -> bool:
-    """True when the tensors are contiguous, lie back to back in list order and cover one whole storage."""
-    if not tensors:
-        return False
-    first, end = tensors[0], 0
-    ptr = first.untyped_storage().data_ptr()
-    for t in tensors:
-        if t.dtype != first.dtype or not t.is_contiguous() or t.storage_offset() != end:
-            return False
-        if t.untyped_storage().data_ptr() != ptr:
-            return False
-        end += t.numel()
-    return end * first.element_size() == first.untyped_storage().nbytes()
-
-
-#: A private binding (see flat_step.py; absent from CPU-only builds before mid-2025): how many tensors hold a
-#: storage. Without it flatten_model cannot see memory held outside the model, and does not check it.
-_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+__all__ = ["flatten_model", "unflatten_model", "flatten_tensors"]
 
 
 def _is_dense(t: Tensor) -> bool:
@@ -164,25 +84,16 @@ def _by_storage(named: Sequence[tuple[str, Tensor]]) -> dict[int, list[tuple[str
     return out
 
 
-def _fills_one_storage(tensors: Sequence[Tensor]) -> bool:
-    """True when the tensors lie, disjoint, on one storage they fill: flattened already, nothing to move."""
-    if len({_storage_key(t) for t in tensors}) != 1:
-        return False
-    return (
-        sum(t.numel() for t in tensors) * tensors[0].element_size() == tensors[0].untyped_storage().nbytes()
-    )
-
-
 def _check_held_outside(named: Sequence[tuple[str, Tensor]], on_storage: dict[int, list]) -> None:
     """Refuse a tensor whose storage more tensors hold than the model's: they would keep the old memory."""
-    if _USE_COUNT is None:
+    if USE_COUNT is None:
         return
     probe = torch.empty(1)
-    extra = _USE_COUNT(probe.untyped_storage()._cdata) - 1  # what a query itself adds (the storage object)
+    extra = USE_COUNT(probe.untyped_storage()._cdata) - 1  # what a query itself adds (the storage object)
 
     def outside(t: Tensor) -> int:
         key = _storage_key(t)
-        return _USE_COUNT(key) - extra - len(on_storage[key])
+        return USE_COUNT(key) - extra - len(on_storage[key])
 
     held = [(name, t) for name, t in named if outside(t) > 0]
     if held:
@@ -224,7 +135,10 @@ def _flatten(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
         [named[i] for i in idx]
         for idx in group(range(len(named)), lambda i: (named[i][1].device, named[i][1].dtype))
     ]
-    flat_already = [_fills_one_storage([t for _, t in g]) for g in groups]  # a second call moves nothing
+    # A group that tiles one storage (disjoint: checked above) is flat already: a second call moves nothing.
+    flat_already = [
+        tiles_in_order(sorted((t for _, t in g), key=Tensor.storage_offset), _is_dense) for g in groups
+    ]
     _check_held_outside([item for g, done in zip(groups, flat_already) if not done for item in g], on_storage)
     buffers, moves = [], []
     # Normal tensors even under torch.inference_mode() (a model of inference tensors cannot be trained).
@@ -284,11 +198,6 @@ def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
     The checks and guarantees of :func:`flatten_model`, the tensors named by their place in ``tensors``.
     """
     return _flatten(_named(tensors))
-
-
-def unflatten_tensors(tensors: Sequence[Tensor]) -> None:
-    """Give every tensor its own memory again (undoes :func:`flatten_tensors`; as :func:`unflatten_model`)."""
-    _unflatten(_named(tensors))
 
 
 def flatten_model(model: nn.Module) -> list[Tensor]:

@@ -29,8 +29,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from .flat_step import FlatStep
-from .step import Pairs, StepOptions
+from .pairs import Pairs
+from .step import FlatStep, StepOptions
 
 __all__ = ["GraphStep"]
 
@@ -57,6 +57,7 @@ class GraphStep(FlatStep):
     """The flat step without gathers, run eagerly once, then recorded in a CUDA graph and replayed."""
 
     recordable = False  # already a recording
+    gathers = False  # the graph reads the model itself
 
     @staticmethod
     def check_devices(tensors: Iterable[Tensor]) -> torch.device:
@@ -76,24 +77,16 @@ class GraphStep(FlatStep):
         self.replay: Callable[[], None] | None = None  # set when the graph is recorded
         self.warm = False  # the first update runs eagerly
 
-    def try_gather(self) -> bool:
-        """Nothing to gather here: the graph reads the model itself (an intact step's reads cannot fail)."""
-        return True
-
     def apply(self, decays: Sequence[float | Tensor], weights: Sequence[float | Tensor]) -> None:
         """Write each weight where the graph reads it, then replay the graph (recording it on first use)."""
-        device = self.weights[0].device
-        for w in weights:
-            if isinstance(w, Tensor) and w.device != device:
-                raise ValueError(f"decay is on {w.device} but the EMA is on {device}")
+        self.check_weights(weights)
         if self.replay is None and self.warm:
-            self.replay = _record(self._update, device)
-        with torch.no_grad():
-            for into, w in zip(self.weights, weights):
-                if isinstance(w, Tensor):
-                    into.copy_(w)
-                else:
-                    into.fill_(w)
+            self.replay = _record(self._update, self.weights[0].device)
+        for into, w in zip(self.weights, weights):
+            if isinstance(w, Tensor):
+                into.copy_(w)
+            else:
+                into.fill_(w)
         if self.replay is None:
             self._update()
             self.warm = True
@@ -101,7 +94,6 @@ class GraphStep(FlatStep):
             self.replay()
 
     def _update(self) -> None:
-        with torch.no_grad():
-            for g in self.groups:  # with no gathers, every read is a copy between fixed tensors
-                g.read()
+        for g in self.groups:  # with no gathers, every read is a copy between fixed tensors
+            g.read()
         FlatStep.apply(self, self.weights, self.weights)

@@ -1,44 +1,72 @@
 """Post-hoc EMA (Karras et al. 2024, "Analyzing and Improving the Training Dynamics of Diffusion Models").
 
-Track power-function EMAs (:func:`ema_lab.schedules.power`) of two lengths during training and save
-their snapshots every N updates (:func:`ema_lab.snapshots.save_step`); afterwards, :func:`synthesize`
-the EMA of any length ``sigma_rel`` as the weighted sum of the snapshots whose profiles ``t ** gamma``
-on ``[0, step]`` best fit the wanted one in least squares (Algorithm 3: the profiles' inner products in
-closed form).
-The anchors are EDM2's ``training/phema.py`` (``power_function_correlation``,
-``solve_posthoc_coefficients``: it solves the same system and also scales the weights to sum 1) and
-ema-pytorch's ``PostHocEMA`` (``torch.linalg.solve``, weights not scaled).
+Track power-function EMAs (:func:`ema_lab.schedules.power`) of a few lengths during training and save their
+snapshots every N updates; afterwards, :func:`synthesize` the EMA of any length ``sigma_rel`` as the weighted
+sum of the snapshots whose profiles ``t ** gamma`` on ``[0, step]`` best fit the wanted one in least squares
+(Algorithm 3: the profiles' inner products in closed form). The anchors are EDM2's ``training/phema.py``
+(``solve_posthoc_coefficients``: the same system, weights also scaled to sum 1) and ema-pytorch's
+``PostHocEMA`` (``torch.linalg.solve``, weights not scaled).
 
-The snapshot files (:mod:`ema_lab.snapshots`) hold every profile of a saved update or none of them.
+The snapshot store: a folder holds one subfolder per saved update, ``step-<step, 12 digits or more>/``, with
+one file per profile, ``g<repr(gamma)>.pt`` (``torch.save`` of :data:`FIELDS`). A step is written under a
+hidden temporary name, each file flushed to disk, then the subfolder is renamed in one system call: a reader
+sees every profile of a step or no trace of it, whenever the writer dies. A rename never replaces a folder
+that holds files, so a saved step is never replaced, even by a second writer at the same moment (that one
+gets a ``ValueError``). Each snapshot names its run; :func:`synthesize` refuses to blend two runs.
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import os
-from collections.abc import Iterable, Sequence
-from copy import deepcopy
+import re
+import secrets
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from .checks import check_int
+from .checks import check_gamma, check_int, is_int, key_diff, one_of, require
 from .ema import ModelEMA
 from .schedules import Power, power, sigma_rel_to_gamma
-from .snapshots import _check_gamma, _check_step, check_folder, list_snapshots, load_snapshot, save_step
 
-__all__ = ["PostHocEMA", "power_inner_products", "solve_weights", "synthesize"]
+__all__ = ["PostHocEMA", "power_inner_products", "solve_weights", "synthesize", "Snapshot", "check_folder"]
+__all__ += ["save_step", "list_snapshots", "load_snapshot"]
+
+#: What a snapshot file says it is (its ``"format"`` entry).
+FORMAT = "ema_lab snapshot 3"
+#: A snapshot file's fields and the type of each: a new field is one more entry here and in save_step.
+FIELDS = {"format": str, "step": int, "gamma": float, "run": (str, type(None)), "tensors": dict}
+#: The largest step a snapshot may have: the synthesis computes with steps as float64, exact up to 2**53.
+MAX_STEP = 2**53
+
+_STEP = re.compile(r"step-(\d+)")
+_FILE = re.compile(r"g(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\.pt")
+_OLD_FILE = re.compile(r"ema-\d+-g.*\.pt")  # ema_lab 0.1.0's layout
+_HOST = socket.gethostname()
+_TMP = re.compile(r"\.step-\d+\.(.+)\.(\d+)\.[0-9a-f]+\.tmp")  # .step-<step>.<host>.<pid>.<random>.tmp
 
 
 def power_inner_products(t_a: Tensor, gamma_a: Tensor, t_b: Tensor, gamma_b: Tensor) -> Tensor:
     """Inner products of the normalized power profiles ``(g + 1) / t * (x / t) ** g`` on ``[0, t]``.
 
-    Broadcasts; EDM2's ``power_function_correlation`` (Algorithm 3's ``p_dot_p``) in another form: the
-    integral of the product ends at the shorter profile's end, where the longer one has fallen to
-    ``(t_short / t_long) ** g_long``.
+    Broadcasts; EDM2's ``power_function_correlation`` in another form: the integral of the product ends at the
+    shorter profile's end, where the longer one has fallen to ``(t_short / t_long) ** g_long``.
     """
     t_short, t_long = torch.minimum(t_a, t_b), torch.maximum(t_a, t_b)
     g_long = torch.where(t_a > t_b, gamma_a, gamma_b)
     return (gamma_a + 1) * (gamma_b + 1) / (gamma_a + gamma_b + 1) * (t_short / t_long) ** g_long / t_long
+
+
+def check_step(name: str, step: object) -> None:
+    """A snapshot's update count: an int in [1, 2**53]."""
+    require(is_int(step) and 1 <= step <= MAX_STEP, name, step, "an int in [1, 2**53]")
 
 
 def solve_weights(
@@ -51,38 +79,206 @@ def solve_weights(
 ) -> Tensor:
     """The float64 weights of the snapshots whose sum best fits the power profile of the target.
 
-    Least squares over the profiles: Algorithm 3's Gram system (the normal equations of the fit) solved by
-    ``torch.linalg.lstsq``, which also copes with a singular one (a snapshot saved twice); then scaled to
-    sum 1 as EDM2 does, so that weights that never move are reproduced exactly.
+    Least squares over the profiles: Algorithm 3's Gram system solved by ``torch.linalg.lstsq``, which also
+    copes with a singular one (a snapshot saved twice); then scaled to sum 1 as EDM2 does, so that weights
+    that never move are reproduced exactly.
     """
-    if (target_gamma is None) == (target_sigma_rel is None):
-        raise ValueError(
-            f"give one of target_gamma and target_sigma_rel, got {target_gamma!r} and {target_sigma_rel!r}"
-        )
+    one_of("target_gamma", target_gamma, "target_sigma_rel", target_sigma_rel)
     if len(snapshot_gammas) != len(snapshot_steps) or not snapshot_steps:
         raise ValueError(
             f"need as many snapshot gammas as steps, at least one: got {len(snapshot_gammas)} and "
             f"{len(snapshot_steps)}"
         )
-    for g in snapshot_gammas:
-        _check_gamma("a snapshot gamma", g)
-    for s in snapshot_steps:
-        _check_step("a snapshot step", s)
-    _check_step("target_step", target_step)
+    for g, s in zip(snapshot_gammas, snapshot_steps):
+        check_gamma("a snapshot gamma", g)
+        check_step("a snapshot step", s)
+    check_step("target_step", target_step)
     if target_gamma is None:
         target_gamma = sigma_rel_to_gamma(target_sigma_rel)
-    _check_gamma("target_gamma", target_gamma)
-    g = torch.tensor(snapshot_gammas, dtype=torch.float64)
-    t = torch.tensor(snapshot_steps, dtype=torch.float64)
-    gram = power_inner_products(t[:, None], g[:, None], t[None], g[None])
-    target = power_inner_products(
-        t[:, None],
-        g[:, None],
-        torch.tensor(float(target_step), dtype=torch.float64),
-        torch.tensor(float(target_gamma), dtype=torch.float64),
-    )
-    weights = torch.linalg.lstsq(gram, target, driver="gelsd").solution[:, 0]
+    check_gamma("target_gamma", target_gamma)
+    g, t = (torch.tensor(x, dtype=torch.float64)[:, None] for x in (snapshot_gammas, snapshot_steps))
+    gram = power_inner_products(t, g, t.T, g.T)
+    target = [torch.tensor(float(x), dtype=torch.float64) for x in (target_step, target_gamma)]
+    weights = torch.linalg.lstsq(gram, power_inner_products(t, g, *target), driver="gelsd").solution[:, 0]
     return weights / weights.sum()
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One saved EMA: its file, the update count it was saved at, and its profile's exponent gamma."""
+
+    path: Path
+    step: int
+    gamma: float
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        pass
+    return True
+
+
+def check_folder(folder: str | os.PathLike) -> Path:
+    """``folder`` as an absolute Path (a later chdir does not move it), made if missing, checked writable, and
+    rid of the temporary folders of dead writers on this host (saves killed midway), never a live one's."""
+    path = Path(folder).absolute()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+        for p in path.iterdir() if os.name == "posix" else ():  # Windows' os.kill would end the process
+            if (m := _TMP.fullmatch(p.name)) and m[1] == _HOST and not _alive(int(m[2])):
+                shutil.rmtree(p, ignore_errors=True)
+    except OSError as e:
+        raise ValueError(f"cannot write snapshots to {str(path)!r}: {e.strerror or _first_line(e)}") from None
+    return path
+
+
+def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
+    """Flush a file or (POSIX only: Windows cannot open one) a folder's entries to disk."""
+    if os.name == "posix" or not path.is_dir():
+        fd = os.open(path, flags)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def save_step(
+    folder: str | os.PathLike, step: int, states: Mapping[float, Mapping[str, Tensor]], run: str | None = None
+) -> Path:
+    """Save the snapshots of every profile of update ``step`` (gamma -> the EMA's tensors, moved to the CPU),
+    each naming ``run``, as ``folder/step-<step>/``, complete or not at all; returns that path.
+
+    A step saved once is never replaced: a second save of it (a retry of a save that succeeded, another
+    process saving the same step) raises ValueError and changes nothing; in a run of several processes only
+    one saves (rank 0), or each to its own folder. A failed save leaves no trace of the step to a reader, so a
+    retry saves it whole; a killed one may leave a hidden ``.step-*.tmp`` folder, which :func:`check_folder`
+    removes. A subset of views of one storage (a flat EMA's state_dict) stores all of it: clone them first.
+    """
+    check_step("step", step)
+    if not (isinstance(states, Mapping) and states):
+        raise ValueError(f"states must be a non-empty dict of gamma -> tensors, got {type(states).__name__}")
+    for gamma, tensors in states.items():
+        check_gamma("a profile's gamma", gamma)
+        if not (isinstance(tensors, Mapping) and tensors):
+            raise ValueError(
+                f"gamma {gamma!r}: tensors must be a non-empty dict, got {type(tensors).__name__}"
+            )
+        bad = [
+            k for k, v in tensors.items() if not (isinstance(k, str) and isinstance(v, Tensor)) or v.is_meta
+        ]
+        if bad:
+            raise ValueError(
+                f"gamma {gamma!r}: tensors must map names to Tensors with data; not so for {bad[:3]}"
+            )
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"no snapshot folder at {str(folder)!r} (check_folder makes one; was it deleted?)")
+    final = folder / f"step-{step:012d}"
+    taken = ValueError(f"{final} exists: a saved step is never replaced")
+    if final.exists() or final.is_symlink():  # early and cheap; the rename below decides
+        raise taken
+    tmp = folder / f".step-{step:012d}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        os.mkdir(tmp)
+        for gamma, tensors in states.items():
+            payload = {"format": FORMAT, "step": int(step), "gamma": float(gamma), "run": run}
+            payload["tensors"] = {k: v.detach().cpu() for k, v in tensors.items()}
+            data = io.BytesIO()  # in memory first: a failed write then raises the OS's reason, not torch's
+            torch.save(payload, data)
+            path = tmp / f"g{float(gamma)!r}.pt"
+            with open(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666), "wb") as f:
+                f.write(data.getbuffer())
+            _fsync(path, os.O_WRONLY)
+        _fsync(tmp)
+        try:
+            os.rename(tmp, final)  # fails where final is a folder with files, or not a folder
+        except OSError as e:
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                raise taken from None
+            raise
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        message = f"step {step} not saved to {final}: {e.strerror or _first_line(e)}"
+        raise (OSError(e.errno, message) if e.errno else OSError(message)) from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        _fsync(folder)
+    except OSError as e:  # the step is saved and visible; whether it would outlive a power cut is not known
+        raise OSError(e.errno, f"step {step} saved to {final}, but {folder} not flushed: {e.strerror}") from e
+    return final
+
+
+def list_snapshots(folder: str | os.PathLike) -> list[Snapshot]:
+    """The snapshots in ``folder`` (complete steps only: a step is published whole), by step then gamma; a
+    name like a snapshot's that is no regular file is refused (a FIFO would block its reader)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"no snapshot folder at {str(folder)!r}")
+    found = []
+    try:
+        for p in folder.iterdir():
+            if _OLD_FILE.fullmatch(p.name):
+                raise ValueError(
+                    f"{p} was written by ema_lab 0.1.0, whose snapshots this version does not read"
+                )
+            if not (m := _STEP.fullmatch(p.name)):
+                continue
+            if not 1 <= int(m[1]) <= MAX_STEP:
+                raise ValueError(f"{p} is named like a saved step, but its step is not in [1, 2**53]")
+            if not p.is_dir():
+                raise ValueError(f"{p} is named like a saved step but is not a folder")
+            for f in p.iterdir():
+                if g := _FILE.fullmatch(f.name):
+                    if not f.is_file():
+                        raise ValueError(f"{f} is named like a snapshot but is not a regular file")
+                    found.append(Snapshot(f, int(m[1]), float(g[1])))
+    except OSError as e:  # the folder deleted or changed while listed
+        raise ValueError(f"cannot list the snapshots in {str(folder)!r}: {_first_line(e)}") from None
+    return sorted(found, key=lambda s: (s.step, s.gamma))
+
+
+def _read(snapshot: Snapshot) -> dict:
+    """The fields of one snapshot file, memory-mapped, checked to be what its name says."""
+    path = snapshot.path
+    try:  # str: torch 2.1 memory-maps a file given by name only
+        data = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # any file torch cannot read: truncated, empty, foreign, gone
+        raise ValueError(f"{path} is not a readable snapshot ({_first_line(e)})") from None
+    if not (isinstance(data, dict) and data.keys() == FIELDS.keys()):
+        raise ValueError(f"{path} is not an ema_lab snapshot file (no {FORMAT!r} payload)")
+    if data["format"] != FORMAT:
+        shown = data["format"] if isinstance(data["format"], str) else f"a {type(data['format']).__name__}"
+        raise ValueError(f"{path} is in format {shown!r}; this version reads {FORMAT!r}")
+    wrong = [k for k, kind in FIELDS.items() if not isinstance(data[k], kind) or isinstance(data[k], bool)]
+    if wrong:
+        raise ValueError(f"{path} holds a {type(data[wrong[0]]).__name__} as its {wrong[0]}")
+    if (data["step"], data["gamma"]) != (snapshot.step, snapshot.gamma):
+        raise ValueError(
+            f"{path} holds step {data['step']}, gamma {data['gamma']!r}; its name says step {snapshot.step}, "
+            f"gamma {snapshot.gamma!r}"
+        )
+    tensors = data["tensors"]
+    if not (tensors and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in tensors.items())):
+        raise ValueError(f"{path} does not hold a non-empty dict of name -> Tensor")
+    return data
+
+
+def load_snapshot(snapshot: Snapshot) -> dict[str, Tensor]:
+    """The tensors of one snapshot, memory-mapped from its file, checked to be what its name says."""
+    return _read(snapshot)["tensors"]
 
 
 def synthesize(
@@ -94,13 +290,12 @@ def synthesize(
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, Tensor]:
     """The EMA of length ``sigma_rel`` (or exponent ``gamma``) at ``step`` (default: the last snapshot's),
-    combined from the snapshots saved up to ``step``.
+    combined from the snapshots of one run saved up to ``step``.
 
     Streams: one snapshot is read at a time (memory-mapped), its float tensors added with its weight into
     sums of ``dtype``; other entries (integer counters) are the last snapshot's.
     """
-    if (gamma is None) == (sigma_rel is None):
-        raise ValueError(f"give one of sigma_rel and gamma, got sigma_rel={sigma_rel!r}, gamma={gamma!r}")
+    one_of("sigma_rel", sigma_rel, "gamma", gamma)
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     snapshots = list_snapshots(folder)
@@ -117,15 +312,26 @@ def synthesize(
         [s.gamma for s in used], [s.step for s in used], step, target_gamma=gamma, target_sigma_rel=sigma_rel
     )
     out: dict[str, Tensor] = {}
-    layout: dict[str, tuple] = {}  # the first snapshot's: every other must hold the same model's tensors
+    first: dict = {}  # the first snapshot's run and layout: every other must be of that run and model
     for snapshot, w in zip(used, weights.tolist()):
-        tensors = load_snapshot(snapshot)
-        this = {k: (v.shape, v.is_floating_point()) for k, v in tensors.items()}
-        layout = layout or this
-        if this != layout:
+        data = _read(snapshot)
+        tensors = data["tensors"]
+        kind = {
+            k: f"{tuple(v.shape)} {'float' if v.is_floating_point() else 'not float'}"
+            for k, v in tensors.items()
+        }
+        first = first or {"run": data["run"], "kind": kind}
+        if data["run"] != first["run"]:
             raise ValueError(
-                f"{snapshot.path} holds another model's tensors than {used[0].path} ({_diff(layout, this)})"
+                f"{snapshot.path} is of run {data['run']!r}, {used[0].path} of run {first['run']!r}: a "
+                "folder holds the snapshots of one run"
             )
+        if kind != first["kind"]:
+            k = next((k for k in kind if kind[k] != first["kind"].get(k)), None)
+            why = (
+                key_diff(first["kind"], kind) if kind.keys() != first["kind"].keys() else f"{k!r}: {kind[k]}"
+            )
+            raise ValueError(f"{snapshot.path} holds another model's tensors than {used[0].path} ({why})")
         for k, v in tensors.items():
             if not v.is_floating_point():
                 out[k] = v.clone()
@@ -133,19 +339,8 @@ def synthesize(
                 out[k].add_(v, alpha=w)
             else:
                 out[k] = v.to(dtype) * w
-        del tensors  # unmaps the file before the next one is read
+        del data, tensors  # unmaps the file before the next one is read
     return out
-
-
-def _diff(first: dict[str, tuple], other: dict[str, tuple]) -> str:
-    """One line on how two snapshots' (shape, is float) layouts differ."""
-    if first.keys() != other.keys():
-        missing, extra = sorted(first.keys() - other.keys()), sorted(other.keys() - first.keys())
-        return f"missing {missing[:3]}, extra {extra[:3]}"
-    k = next(k for k in first if first[k] != other[k])
-    (shape_a, float_a), (shape_b, float_b) = first[k], other[k]
-    kind = lambda f: "float" if f else "not float"  # noqa: E731
-    return f"{k!r}: {tuple(shape_b)} {kind(float_b)} instead of {tuple(shape_a)} {kind(float_a)}"
 
 
 class PostHocEMA(ModelEMA):
@@ -153,12 +348,12 @@ class PostHocEMA(ModelEMA):
     default), all moved by one step from one read of the model; every ``snapshot_every`` updates all are
     saved in ``folder``, and :meth:`synthesize` then makes the EMA of any length after training.
 
-    ``.emas`` holds the EMA modules and ``.schedules`` their :func:`~ema_lab.schedules.power` schedules
-    (``.gamma``, ``.sigma_rel``), in the order of ``sigma_rels``; ``.ema`` is the first, as in ``ModelEMA``.
-    The lengths must be distinct and in (0, 0.2887] (checked before anything is made). ``updates=N`` resumes
-    a run from its snapshots of update N; a snapshot is never written over. An update whose snapshots fail to
-    save is undone (every EMA and ``updates`` as before it) and the error propagates: a retried
-    ``update()`` applies it once.
+    ``.emas`` holds the EMA modules and ``.schedules`` their :func:`~ema_lab.schedules.power` schedules, in
+    the order of ``sigma_rels``; ``.ema`` is the first. The lengths must be distinct and in (0, 0.2887]
+    (checked before anything is made). ``.run`` names the run in every snapshot. ``updates=N`` resumes a run
+    from its snapshots of update N (a folder holding later ones, another run's, is refused); then
+    :meth:`load_state_dict` continues from a checkpoint bit for bit. A snapshot is never written over. An
+    update whose snapshots fail to save is undone (the EMAs and ``updates`` as before), its error raised.
     """
 
     def __init__(
@@ -175,50 +370,42 @@ class PostHocEMA(ModelEMA):
             lengths = []
         if not lengths:
             raise ValueError(f"sigma_rels must be a non-empty sequence of lengths, got {sigma_rels!r}")
-        sigma_rels = lengths
-        schedules = [power(sigma_rel=s) for s in sigma_rels]
+        schedules = [power(sigma_rel=s) for s in lengths]
         gammas = [s.gamma for s in schedules]
         if len(set(gammas)) != len(gammas):
-            raise ValueError(
-                f"sigma_rels must be distinct profiles, got {list(sigma_rels)!r} (gammas {gammas})"
-            )
+            raise ValueError(f"sigma_rels must be distinct profiles, got {lengths!r} (gammas {gammas})")
         check_int("snapshot_every", snapshot_every, 1)
         check_int("updates", updates, 0)
         self.folder, self.snapshot_every = check_folder(folder), snapshot_every  # a bad folder fails here
-        later = [s.step for s in list_snapshots(self.folder) if s.step > updates]
+        listed = list_snapshots(self.folder)
+        later = [s.step for s in listed if s.step > updates]
         if later:
             raise ValueError(
                 f"{self.folder} holds snapshots up to update {max(later)}: resume with updates=<a saved "
                 "update> or give an empty folder"
             )
-        super().__init__(model, decay=schedules[0], updates=updates, strategy="flat")
-        with torch.inference_mode(False):  # as the first EMA: writable outside inference_mode
-            self.emas += [deepcopy(self.ema) for _ in schedules[1:]]
-        self.schedules: list[Power] = schedules
+        super().__init__(model, decay=schedules, updates=updates, strategy="flat")
+        self.schedules: list[Power]
+        self.run, self.saved = secrets.token_hex(8), updates  # the last update this run saved (or resumed at)
         if updates:
-            self._resume(updates)
-
-    def _resume(self, step: int) -> None:
-        """Load every EMA from its snapshot of update ``step``."""
-        saved = {s.gamma: s for s in list_snapshots(self.folder) if s.step == step}
-        for ema, schedule in zip(self.emas, self.schedules):
-            if schedule.gamma not in saved:
-                raise ValueError(
-                    f"no snapshot of update {step} with gamma {schedule.gamma!r} in {self.folder}"
-                )
-            ema.load_state_dict(load_snapshot(saved[schedule.gamma]))
+            saved = {s.gamma: s for s in listed if s.step == updates}
+            for ema, schedule in zip(self.emas, self.schedules):
+                if schedule.gamma not in saved:
+                    raise ValueError(
+                        f"no snapshot of update {updates} with gamma {schedule.gamma!r} in {self.folder}"
+                    )
+                data = _read(saved[schedule.gamma])
+                ema.load_state_dict(data["tensors"])
+                self.run = data["run"]
 
     def update(self, model: nn.Module) -> None:
         """Move every EMA one step towards ``model``; every ``snapshot_every`` updates, save them all. If the
         save raises, the update is undone (the EMAs and ``updates`` as before it) and the error propagates."""
-        if not self.enabled:
-            return
-        if (self.updates + 1) % self.snapshot_every:
+        if not self.enabled or (self.updates + 1) % self.snapshot_every:
             super().update(model)
             return
         before = self.updates
-        # Only on a snapshot update: a copy of every EMA to undo it with.
-        copies = [{k: v.clone() for k, v in ema.state_dict().items()} for ema in self.emas]
+        copies = [{k: v.clone() for k, v in ema.state_dict().items()} for ema in self.emas]  # to undo it
         super().update(model)
         try:
             self.save()
@@ -231,9 +418,48 @@ class PostHocEMA(ModelEMA):
             raise
 
     def save(self) -> None:
-        """Save every EMA's snapshot of this update as one step, complete or none (ema_lab.snapshots)."""
-        states = {s.gamma: e.state_dict() for e, s in zip(self.emas, self.schedules)}
-        save_step(self.folder, self.updates, states)
+        """Save every EMA's snapshot of this update as one step, complete or none; refused where the folder
+        holds a later update than this run saved (another run writes there)."""
+        later = [s.step for s in list_snapshots(self.folder) if s.step > self.saved]
+        if later:
+            raise ValueError(
+                f"{self.folder} holds update {max(later)}, after run {self.run}'s last save ({self.saved}): "
+                "another run writes there; give each run its own folder"
+            )
+        save_step(
+            self.folder,
+            self.updates,
+            {s.gamma: e.state_dict() for e, s in zip(self.emas, self.schedules)},
+            self.run,
+        )
+        self.saved = self.updates
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to continue this run bit for bit: each EMA, the update count, the run."""
+        emas = [e.state_dict() for e in self.emas]
+        gammas = [s.gamma for s in self.schedules]
+        return {"updates": self.updates, "run": self.run, "gammas": gammas, "emas": emas}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue from ``state`` (of this run, with these profiles); checked before anything changes."""
+        mine = self.state_dict()
+        if not (isinstance(state, Mapping) and state.keys() == mine.keys()):
+            raise ValueError(f"not a PostHocEMA state_dict: expected the keys {sorted(mine)}")
+        if state["gammas"] != mine["gammas"]:
+            raise ValueError(
+                f"the state's profiles (gammas {state['gammas']}) are not these {mine['gammas']}"
+            )
+        if self.saved and state["run"] != self.run:  # a folder resumed at a snapshot names its run
+            raise ValueError(
+                f"the state is of run {state['run']!r}, the snapshots in {self.folder} of {self.run!r}"
+            )
+        check_int("updates", state["updates"], 0)
+        shapes = [{k: v.shape for k, v in sd.items()} for sd in (*mine["emas"], *state["emas"])]
+        if shapes[: len(self.emas)] != shapes[len(self.emas) :]:
+            raise ValueError("the state's EMAs hold another model's entries than this PostHocEMA's")
+        for ema, tensors in zip(self.emas, state["emas"]):
+            ema.load_state_dict(tensors)  # in place: the step's buffers stay the EMAs' memory
+        self.updates, self.run = state["updates"], state["run"]
 
     def synthesize(self, sigma_rel: float, step: int | None = None) -> dict[str, Tensor]:
         """The state_dict of the EMA of length ``sigma_rel`` at ``step`` (default: the last snapshot)."""

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from numbers import Integral
 
-from .checks import check_int, is_int, is_real, require
+from .checks import check_decay, check_gamma, check_int, is_int, is_real, one_of, require
 
 __all__ = ["ramp", "warmup", "constant", "harmonic", "power", "sigma_rel_to_gamma", "gamma_to_sigma_rel"]
 __all__ += ["decay_over", "Ramp", "Warmup", "Constant", "Harmonic", "Power", "Schedule", "MAX_SIGMA_REL"]
@@ -36,7 +36,7 @@ _LARGEST_N = int(sys.float_info.max)
 
 
 def _check_decays(decay: float, min_decay: float, after: int = 0) -> None:
-    require(is_real(decay) and 0 <= decay <= 1, "decay", decay, "a number in [0, 1]")
+    check_decay(decay)
     require(is_real(min_decay) and 0 <= min_decay <= decay, "min_decay", min_decay, f"in [0, decay={decay}]")
     check_int("after", after, 0)
 
@@ -160,7 +160,7 @@ class Power(_Schedule):
     gamma: float
 
     def __post_init__(self) -> None:
-        require(is_real(self.gamma) and self.gamma >= 0, "gamma", self.gamma, "a number >= 0")
+        check_gamma("gamma", self.gamma)
 
     @property
     def sigma_rel(self) -> float:
@@ -184,14 +184,13 @@ def power(gamma: float | None = None, *, sigma_rel: float | None = None) -> Powe
     (its counter starts at 0 after a copy). Updated every k steps, apply :func:`decay_over` (the k-step
     product ``((n - k) / n) ** (gamma + 1)``) to keep the profile.
     """
-    if (gamma is None) == (sigma_rel is None):
-        raise ValueError(f"give one of gamma and sigma_rel, got gamma={gamma!r}, sigma_rel={sigma_rel!r}")
+    one_of("gamma", gamma, "sigma_rel", sigma_rel)
     return Power(sigma_rel_to_gamma(sigma_rel) if gamma is None else gamma)
 
 
 def gamma_to_sigma_rel(gamma: float) -> float:
     """The relative length (std / training time) of the power profile ``t ** gamma`` (EDM2's exp_to_std)."""
-    require(is_real(gamma) and gamma >= 0, "gamma", gamma, "a number >= 0")
+    check_gamma("gamma", gamma)
     # sqrt((g + 1) / (g + 2) ** 2 / (g + 3)) without squaring: (g + 2) ** 2 overflows from g = 1.4e154.
     return math.sqrt((gamma + 1) / (gamma + 3)) / (gamma + 2)
 

@@ -17,10 +17,9 @@ from operator import getitem, itemgetter
 import torch
 from torch import Tensor, nn
 
+from .buffers import unique
 from .ema import BaseEMA, unwrap_model
-from .flat import unique
-from .pairs import collect_pairs, module_entries
-from .step import Entry, Pairs, local_tensor
+from .pairs import Entry, Pairs, collect_pairs, local_tensor, module_entries
 
 __all__ = ["ShardedModelEMA"]
 
@@ -65,7 +64,7 @@ class ShardedModelEMA(BaseEMA):
     Same constructor, schedules, counters and step lifecycle as ``ModelEMA`` (``.updates``, ``.enabled``,
     ``.update(model, decay=None)``). Call :meth:`update` after ``optimizer.step()``, when FSDP has
     resharded the parameters; plain (replicated) tensors such as buffers are averaged whole, each rank's
-    own: call ``sync_buffers()`` on every rank before evaluating or saving (:mod:`ema_lab.sync`). Only the
+    own: call ``sync_buffers()`` on every rank before evaluating or saving. Only the
     strategies that update in place run: "auto" runs "gated", as "flat" would move the EMA out of its
     DTensors (which the state-dict and checkpoint calls read).
     """

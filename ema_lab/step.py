@@ -1,21 +1,34 @@
-"""What a cached EMA step is built from, how it knows it went stale, and the pieces both kinds of step use.
+"""The cached step an EMA updates with: the "flat" step, the watch that tells a stale step, the counters.
 
-A step is built once per model layout: :class:`ema_lab.updates.ListStep` runs ``"loop"``, ``"foreach"`` and
-``"gated"``; :class:`ema_lab.flat_step.FlatStep` runs ``"flat"``, and :class:`ema_lab.graph_step.GraphStep`
-the flat step recorded in a CUDA graph (``ModelEMA(cuda_graph=True)``). One step moves one or more EMAs of
-one model (``PostHocEMA`` keeps several), each with its own weight, from one read of the model. ``ModelEMA``
-and ``ShardedModelEMA`` keep one step and rebuild it when :meth:`Step.intact` says a tensor moved.
+A step is built once per model layout over the matched entries (:mod:`ema_lab.pairs`) and moves one or more
+EMAs of one model (``PostHocEMA`` keeps several), each with its own weight, from one read of the model:
+:class:`FlatStep` runs ``"flat"``, :class:`ema_lab.updates.ListStep` ``"loop"``, ``"foreach"`` and
+``"gated"``, :class:`ema_lab.graph_step.GraphStep` the flat step recorded in a CUDA graph. The EMA rebuilds
+its step when :meth:`Step.ready` says no.
 
-A step reads the model through detached aliases (same memory, no autograd, no reference that would make
-``swap_tensors`` refuse). Before each update :class:`Watch` compares the ``data_ptr()`` each watched module
-slot holds now with the one it was built from (the flat step watches its own buffers by reference count
-and reads its small 1-D tensors live instead), and whether torch's global registration hooks
-(:func:`install_hooks`, when the first watch is made, never at import) saw a parameter, buffer or submodule
-registered on one of the modules it watches (the model's and the EMAs'; a module built anywhere else costs
-nothing): ``.to()``, ``.half()``, a reassigned parameter, ``p.data = ...`` and ``torch.utils.swap_tensors``
-all show up as a moved pointer or a new registration, and the step is rebuilt. A tensor re-viewed in place
-(``p.data = p.view(shape)``, same memory) is averaged as that memory in the EMA's shape: the aliases keep
-theirs, so no foreach stops halfway. Every step also copies the model's integer entries (:class:`Counters`).
+Staleness: a step reads the model through detached aliases (same memory, no autograd, no reference that
+would make ``swap_tensors`` refuse). :class:`Watch` compares the ``data_ptr()`` each watched module slot
+holds now with the one it was built from, and torch's global registration hooks (:func:`install_hooks`,
+installed with the first watch, never at import) tell it of a parameter, buffer or submodule registered on
+a module it watches (a module built anywhere else costs one dict lookup): ``.to()``, ``.half()``, a
+reassigned parameter, ``p.data = ...`` and ``swap_tensors`` all show up. A tensor re-viewed in place (same
+memory) is averaged as that memory in the EMA's shape. Every step also copies the integer entries
+(:class:`Counters`).
+
+The flat step keeps each EMA in one buffer per (device, EMA dtype, model dtype) group; each group reads the
+model by its layout, then is one ``lerp_`` or ``_foreach_lerp_``:
+
+- ``fused``: the model's tensors tile one storage (after :func:`ema_lab.flatten_model`): one ``lerp_`` over
+  the whole buffer (after one cast-copy into scratch if the dtypes differ);
+- ``cast``: the model's dtype differs: one ``_foreach_copy_`` casts into scratch, then one ``lerp_``;
+- ``cat``, ``foreach``, ``cat+foreach``: same dtype: small tensors gathered by ``torch.cat``, large ones
+  read as they are, all in one ``_foreach_lerp_`` over views of the buffer.
+
+Further EMAs get buffers laid out like the first's and lerp from the same gathered sources. The flat buffers
+(the EMAs', a fused model's) are watched by their storages' reference counts, O(1) each: a replacement drops
+a reference; when a count moved, the exact per-slot check runs once. Limit: a fused tensor replaced while
+something else keeps a new view of its buffer, or the replaced tensor, alive. A 0-dim tensor decay is a
+tensor weight (no ``.item()``): sync-free, and data under ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -23,62 +36,34 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from operator import getitem
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _foreach_utils
 
-from .flat import group, into_one_buffer, tiles_in_order, whole_storage
+from .buffers import USE_COUNT, empty_flat, group, into_one_buffer, tiles_in_order, whole_storage
+from .checks import validate_pairs
+from .gates import foreach_lerp_supported
+from .pairs import Pairs, Slot, local_tensor
 
-__all__ = ["Step", "StepOptions", "CAT_MAX_NUMEL", "Slot", "Entry", "Pairs", "Watch", "Counters"]
-__all__ += ["install_hooks", "lerp_pairs", "local_tensor"]
+__all__ = ["Step", "StepOptions", "CAT_MAX_NUMEL", "CAT_RUN_NUMEL", "FlatStep", "Watch", "Counters"]
+__all__ += ["install_hooks", "lerp_pairs"]
 
 #: Below this many elements a model tensor is gathered by one ``torch.cat`` (about a third of the
 #: per-tensor cost of a foreach, plus one more pass over its elements); benchmarks/update_costs.py sweeps it.
 CAT_MAX_NUMEL = 2048
 
-Slot = tuple[dict, str]  # (the module dict that holds an entry, its name): what the entry is *now*
+#: ATen's ``GRAIN_SIZE``: a CPU ``torch.cat`` with a bigger result at 2+ threads copies input by input, so
+#: a step built at 2+ threads gathers in runs under it (benchmarks/cat_runs.py).
+CAT_RUN_NUMEL = 32768
 
-
-def local_tensor(t: Tensor) -> Tensor:
-    """This rank's part of ``t``: the local shard of a DTensor (no copy), else ``t`` itself."""
-    # What to_local() returns without grad, minus a dispatched view: the per-step check reads it too.
-    return getattr(t, "_local_tensor", t)
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One state_dict entry, matched across the EMAs and the model (:func:`ema_lab.pairs.collect_pairs`)."""
-
-    key: str
-    emas: tuple[Tensor, ...]  # each EMA's tensor, the first EMA's first
-    model: Tensor
-    ema_slots: tuple[Slot, ...]  # where each EMA holds it
-    model_slot: Slot  # where the model holds it
-
-
-@dataclass(frozen=True)
-class Pairs:
-    """What a step is built over: the float entries (averaged), the counters (copied), and every module
-    of the model and the EMAs (whose registrations the step's watch listens to)."""
-
-    floats: list[Entry]
-    counters: list[Entry]  # non-float entries (BatchNorm's num_batches_tracked): copied, not averaged
-    modules: list[nn.Module]
-    count: int  # how many EMAs
-
-    def ema_floats(self, k: int = 0) -> list[Tensor]:
-        """EMA ``k``'s float tensors, in entry order."""
-        return [e.emas[k] for e in self.floats]
-
-    def model_floats(self) -> list[Tensor]:
-        """The model's float tensors, in entry order."""
-        return [e.model for e in self.floats]
-
-    def slots(self) -> list[Slot]:
-        """Every slot of every entry, the EMAs' and the model's."""
-        return [s for e in (*self.floats, *self.counters) for s in (*e.ema_slots, e.model_slot)]
+#: Where foreach is fused (torch's own table: :func:`fused_foreach_devices`) a tensor weight goes as views
+#: of one buffer filled with it; a target above this many elements gets its own ``lerp_`` instead (one
+#: launch is small beside its bytes): the buffer stays near 4 MiB.
+DENSE_WEIGHT_NUMEL = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -100,17 +85,14 @@ class Step(Protocol):
 
     def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None: ...
 
-    def intact(self, model: nn.Module) -> bool:
-        """True while ``model`` and the EMAs hold the memory the step was built over (no tensor read)."""
-        ...
-
-    def try_gather(self) -> bool:
-        """Gather what the update reads from the model; False if a slot read live no longer fits."""
+    def ready(self, model: nn.Module) -> bool:
+        """Under ``no_grad``: True while ``model`` and the EMAs hold what the step was built over, once it
+        has read what :meth:`apply` needs from the model; False: rebuild."""
         ...
 
     def apply(self, decays: Sequence[float | Tensor], weights: Sequence[float | Tensor]) -> None:
-        """Move each EMA by its ``decay`` (lerp ``weight = 1 - decay``) towards what was gathered, then copy
-        the counters."""
+        """Under ``no_grad``: move each EMA by its ``decay`` (lerp ``weight = 1 - decay``) towards the
+        model, then copy the counters."""
         ...
 
 
@@ -227,3 +209,234 @@ class Counters:
                 torch.cat(src, out=buf)
         if self.strided[0]:
             torch._foreach_copy_(*self.strided)
+
+
+def fused_foreach_devices() -> list[str]:
+    """The device types whose ``_foreach_lerp_`` has a fused kernel, as torch lists them (cuda on a torch
+    without the list). There it takes a tensor weight only as one tensor shaped like each target: with a
+    0-dim weight per target it launches one kernel per tensor."""
+    listed = getattr(_foreach_utils, "_get_foreach_kernels_supported_devices", None)
+    return ["cuda"] if listed is None else listed()
+
+
+class _Group:
+    """A group moves each EMA's buffer (``emas``, laid out alike) towards ``source`` (what ``read`` left)."""
+
+    emas: list[Tensor]
+    source: Tensor
+
+    def lerp(self, k: int, weight: float | Tensor) -> None:
+        """``e += weight * (m - e)`` over EMA ``k``'s whole buffer: one ``lerp_``."""
+        self.emas[k].lerp_(self.source, weight)
+
+
+class _FusedGroup(_Group):
+    """The model's tensors of the group tile one storage: one ``lerp_`` (after one cast-copy if needed)."""
+
+    mode = "fused"
+    checked_slots: list[Slot] = []  # watched by the storages' reference counts instead
+
+    def __init__(self, emas: list[list[Tensor]], model: list[Tensor]) -> None:
+        self.model = whole_storage(model[0])
+        order = sorted(range(len(model)), key=lambda i: model[i].storage_offset())
+        self.emas = _buffers(emas, order)  # the model's layout: one lerp_ covers all
+        first = self.emas[0]
+        cast = model[0].dtype != first.dtype  # bf16/fp16 model, fp32 EMA
+        self.scratch = empty_flat(first.numel(), first.dtype, first.device) if cast else None
+        self.source = self.model if self.scratch is None else self.scratch
+        self.storages = [*(e.untyped_storage() for e in self.emas), self.model.untyped_storage()]
+
+    def read(self) -> None:
+        if self.scratch is not None:
+            self.scratch.copy_(self.model)
+
+
+class _CastGroup(_Group):
+    """Model dtype differs from the EMA's: one ``_foreach_copy_`` casts into scratch, then one ``lerp_``."""
+
+    mode = "cast"
+
+    def __init__(self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot]) -> None:
+        self.emas = _buffers(emas, range(len(model)))
+        first = self.emas[0]
+        scratch = empty_flat(first.numel(), first.dtype, first.device)
+        off = [0, *accumulate(m.numel() for m in model)]
+        self.scratch_views = [scratch[a:b].view(m.shape) for a, b, m in zip(off, off[1:], model)]
+        self.model, self.source = model, scratch
+        self.storages, self.checked_slots = [e.untyped_storage() for e in self.emas], slots
+
+    def read(self) -> None:
+        torch._foreach_copy_(self.scratch_views, self.model)
+
+
+class _SameDtypeGroup:
+    """Same dtype: the small tensors (first in the buffer) by ``torch.cat`` runs, the large read as they are.
+
+    The small 1-D tensors (BatchNorm's vectors, biases) are read live from their module slots by
+    :meth:`read`, with no ``data_ptr()`` check: whatever a slot holds now is what is read, and one that
+    changed size, dtype or device fails the gather, before anything is written.
+    """
+
+    def __init__(
+        self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], cat_max_numel: int
+    ) -> None:
+        small = [i for i, m in enumerate(model) if m.numel() < cat_max_numel and m.is_contiguous()]
+        small.sort(key=lambda i: model[i].dim() != 1)  # the live 1-D ones first
+        # The large tensors that take a dense weight (see lerp) first: one slice of the lists holds them.
+        large = sorted(
+            set(range(len(model))) - set(small), key=lambda i: (model[i].numel() > DENSE_WEIGHT_NUMEL, i)
+        )
+        live = {i for i in small if model[i].dim() == 1}
+        self.checked_slots = [slots[i] for i in range(len(model)) if i not in live]
+        self.mode = "cat+foreach" if small and large else "cat" if small else "foreach"
+        self.emas = _buffers(emas, small + large)
+        self.storages = [e.untyped_storage() for e in self.emas]
+        numels = [model[i].numel() for i in small]
+        ends = [0, *accumulate(numels)]
+        # One cat at one thread (or off the CPU); at 2+ threads runs under CAT_RUN_NUMEL (see above).
+        device = self.emas[0].device
+        threaded = device.type == "cpu" and torch.get_num_threads() > 1
+        runs = _runs(numels, CAT_RUN_NUMEL) if threaded else [range(len(small))] if small else []
+        self.runs = []  # (slice of the buffer, live slots' dicts, their keys, the other 1-D aliases)
+        for r in runs:
+            members = [small[k] for k in r]
+            read = [slots[i] for i in members if i in live]
+            dicts, keys = (tuple(x) for x in zip(*read)) if read else ((), ())
+            aliases = [model[i].detach().view(-1) for i in members if i not in live]
+            self.runs.append((ends[r.start], ends[r.stop], dicts, keys, aliases))
+        # Each EMA's targets: its buffer's slice per run, then its large tensors (views of its buffer).
+        self.targets = [
+            [buffer[a:b] for a, b, *_ in self.runs] + [e[i].detach() for i in large]
+            for buffer, e in zip(self.emas, emas)
+        ]
+        self.large = [model[i] for i in large]
+        self.sources: list[Tensor] = []  # the runs' gathered values, then the large tensors: set by read()
+        self.foreach = len(self.targets[0]) > 1 and foreach_lerp_supported(None, device.type)
+        # Where foreach is fused, a tensor weight goes as views of one buffer (made on first use).
+        self.packed = len(self.runs) + sum(model[i].numel() <= DENSE_WEIGHT_NUMEL for i in large)
+        self.dense = self.foreach and self.packed > 0 and device.type in fused_foreach_devices()
+        self.dense_buffer: Tensor | None = None
+        self.dense_views: list[Tensor] = []
+
+    def read(self) -> None:
+        """Gather the small tensors; raises if a slot read live no longer fits."""
+        gathered = []
+        ema = self.emas[0]
+        for a, b, dicts, keys, aliases in self.runs:
+            src = torch.cat([*map(getitem, dicts, keys), *aliases])
+            if src.shape != (b - a,) or src.dtype != ema.dtype or src.device != ema.device:
+                raise ValueError(f"the model's tensors gather to {src.numel()} {src.dtype} on {src.device}")
+            gathered.append(src)
+        self.sources = gathered + self.large
+
+    def lerp(self, k: int, weight: float | Tensor) -> None:
+        """``e += weight * (m - e)`` over EMA ``k``'s targets: one ``_foreach_lerp_`` (one ``lerp_`` per
+        target off the foreach gate).
+
+        Where foreach is fused, a tensor weight goes as views of one buffer filled with it (one kernel, no
+        sync), and the targets above ``DENSE_WEIGHT_NUMEL`` one by one."""
+        targets, sources = self.targets[k], self.sources
+        if not self.dense or isinstance(weight, float):
+            lerp_pairs(targets, sources, weight, self.foreach)
+            return
+        n = self.packed
+        if self.dense_buffer is None:  # a cat run may exceed DENSE_WEIGHT_NUMEL: sized to the largest
+            numel = max(t.numel() for t in targets[:n])
+            self.dense_buffer = torch.empty(numel, dtype=weight.dtype, device=weight.device)
+            self.dense_views = [self.dense_buffer[: t.numel()].view(t.shape) for t in targets[:n]]
+        self.dense_buffer.fill_(weight)
+        lerp_pairs(targets[:n], sources[:n], self.dense_views)
+        lerp_pairs(targets[n:], sources[n:], weight, foreach=False)
+
+
+def _buffers(emas: list[list[Tensor]], order: Sequence[int]) -> list[Tensor]:
+    """Each EMA's tensors (``emas[k][i]``) moved, in ``order``, into a new buffer laid out like the first
+    EMA's (its dtype and device): the same offsets in every buffer."""
+    first = into_one_buffer([emas[0][i] for i in order])
+    return [first, *(into_one_buffer([e[i] for i in order], like=first) for e in emas[1:])]
+
+
+def _runs(numels: list[int], limit: int) -> list[range]:
+    """Consecutive tensors (by element count) in runs under ``limit`` elements; a bigger one runs alone."""
+    runs, start, total = [], 0, 0
+    for i, n in enumerate(numels):
+        if total + n >= limit and i > start:
+            runs.append(range(start, i))
+            start, total = i, 0
+        total += n
+    return [*runs, range(start, len(numels))] if numels else []
+
+
+class FlatStep:
+    """``"flat"``: one buffer per (device, EMA dtype, model dtype) group and EMA; modes in the module
+    docstring."""
+
+    tensor_decay = True
+    in_place = False  # the EMAs' tensors move into the groups' buffers
+    recordable = True  # cuda_graph=True records it (graph_step.py)
+    gathers = True  # ready() gathers the model (a CUDA graph's replay reads it itself)
+
+    def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None:
+        floats = pairs.floats
+        mod = [m.detach() for m in pairs.model_floats()]
+        emas = [pairs.ema_floats(k) for k in range(pairs.count)]
+        validate_pairs(emas[0], mod, [e.key for e in floats])
+        self.groups: list[_FusedGroup | _CastGroup | _SameDtypeGroup] = []
+        first = emas[0]
+        for idx in group(range(len(floats)), lambda i: (first[i].device, first[i].dtype, mod[i].dtype)):
+            es, ms = [[e[i] for i in idx] for e in emas], [mod[i] for i in idx]
+            slots = [floats[i].model_slot for i in idx]
+            if tiles_in_order(sorted(ms, key=Tensor.storage_offset)):
+                self.groups.append(_FusedGroup(es, ms))
+            elif ms[0].dtype != es[0][0].dtype:
+                self.groups.append(_CastGroup(es, ms, slots))
+            else:
+                self.groups.append(_SameDtypeGroup(es, ms, slots, options.cat_max_numel))
+        self.counters = Counters.of(pairs)
+        self.modes = [g.mode for g in self.groups]
+        # The model slots read without a view of a watched buffer, checked per step (counters included);
+        # every slot, when a buffer's reference count moved.
+        checked = [slot for g in self.groups for slot in g.checked_slots]
+        checked += [e.model_slot for e in pairs.counters]
+        self.checked_slots_watch = Watch(model, checked, pairs.modules)
+        self.all_slots_watch = Watch(model, pairs.slots())
+        self.storages = [s for g in self.groups for s in g.storages]
+        self.counts = self.use_counts()
+
+    def use_counts(self) -> list[int]:
+        """How many tensors (views included) hold each flat buffer now; [] if this torch cannot say."""
+        return [] if USE_COUNT is None else [USE_COUNT(s._cdata) for s in self.storages]
+
+    def ready(self, model: nn.Module) -> bool:
+        """Per-slot check of the reads no watched buffer holds, O(1) per flat buffer (every slot if a count
+        moved); then every group gathers the model (False if a live slot holds None or another size, dtype
+        or device): :meth:`apply` updates from what this gathered."""
+        if not self.checked_slots_watch.current(model):
+            return False
+        counts = self.use_counts()
+        if not counts or counts != self.counts:  # [] where torch cannot count: every slot, every update
+            if not self.all_slots_watch.current(model):
+                return False
+            self.counts = counts  # a view made or dropped elsewhere: the new intact state
+        try:
+            for g in self.groups if self.gathers else ():
+                g.read()
+        except (KeyError, TypeError, RuntimeError, ValueError):  # KeyError: a live slot's entry deleted
+            return False
+        return True
+
+    def check_weights(self, weights: Sequence[float | Tensor]) -> None:
+        """A tensor weight must be on the device of every group it moves."""
+        for w in weights:
+            for g in self.groups if isinstance(w, Tensor) else ():
+                if w.device != g.emas[0].device:
+                    raise ValueError(f"decay is on {w.device} but the EMA is on {g.emas[0].device}")
+
+    def apply(self, decays: Sequence[float | Tensor], weights: Sequence[float | Tensor]) -> None:
+        """``e += weight * (m - e)`` in every group of each EMA, then the counters; a tensor weight is 0-dim
+        (no host sync; cast to each buffer's dtype, as torch < 2.10 wants them equal)."""
+        self.check_weights(weights)
+        for k, weight in enumerate(weights):
+            for g in self.groups:
+                g.lerp(k, weight if isinstance(weight, float) else weight.to(g.emas[0].dtype))
+        self.counters()

@@ -29,7 +29,8 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .checks import check_decay, validate_pairs, weight_of
 from .gates import foreach_lerp_supported
-from .step import Counters, Pairs, StepOptions, Watch, lerp_pairs
+from .pairs import Pairs
+from .step import Counters, StepOptions, Watch, lerp_pairs
 
 __all__ = ["loop_update", "foreach_update", "gated_update", "prepare", "ListStep", "LIST_STRATEGIES"]
 
@@ -41,18 +42,16 @@ Names = Sequence[str] | None
 
 def _prepare_loop(ema: list[Tensor], model: list[Tensor]) -> Update:
     def update(d: float, w: float) -> None:
-        with torch.no_grad():
-            for v, m in zip(ema, model):
-                v *= d
-                v += w * m.detach()
+        for v, m in zip(ema, model):
+            v *= d
+            v += w * m.detach()
 
     return update
 
 
 def _prepare_foreach(ema: list[Tensor], model: list[Tensor]) -> Update:
     def update(d: float, w: float) -> None:
-        with torch.no_grad():
-            lerp_pairs(ema, model, w)
+        lerp_pairs(ema, model, w)
 
     return update
 
@@ -68,12 +67,11 @@ def _prepare_gated(ema: list[Tensor], model: list[Tensor]) -> Update:
     ]
 
     def update(d: float, w: float) -> None:
-        with torch.no_grad():
-            for es, ms, foreach in runs:  # behind the gate (mps before 2.4, npu): per tensor
-                lerp_pairs(es, ms, w, foreach)
-            # add_ computes in the promoted dtype and casts back, as the pre-change loop did.
-            for v, m in mixed:
-                v.mul_(d).add_(m, alpha=w)
+        for es, ms, foreach in runs:  # behind the gate (mps before 2.4, npu): per tensor
+            lerp_pairs(es, ms, w, foreach)
+        # add_ computes in the promoted dtype and casts back, as the pre-change loop did.
+        for v, m in mixed:
+            v.mul_(d).add_(m, alpha=w)
 
     return update
 
@@ -96,7 +94,8 @@ LIST_STRATEGIES = {
 
 
 def prepare(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, names: Names = None) -> Update:
-    """Validate the pairs once and return ``update(decay, weight)`` that applies ``strategy`` unchecked."""
+    """Validate the pairs once and return ``update(decay, weight)`` that applies ``strategy`` unchecked (call
+    it under ``torch.no_grad()`` where a tensor requires grad)."""
     if strategy not in LIST_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(LIST_STRATEGIES)}")
     chosen = LIST_STRATEGIES[strategy]
@@ -106,7 +105,9 @@ def prepare(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, names: 
 
 def _run(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, decay: float, names: Names) -> None:
     decay = check_decay(decay)
-    prepare(strategy, ema_tensors, model_tensors, names)(decay, weight_of(decay))
+    update = prepare(strategy, ema_tensors, model_tensors, names)
+    with torch.no_grad():
+        update(decay, weight_of(decay))
 
 
 def loop_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, names: Names = None) -> None:
@@ -146,13 +147,10 @@ class ListStep:
         self.counters = Counters.of(pairs)
         self.watch = Watch(model, pairs.slots(), pairs.modules, sharded=options.sharded)
 
-    def intact(self, model: nn.Module) -> bool:
-        """True while the model's and the EMAs' slots hold the memory this step was built over."""
+    def ready(self, model: nn.Module) -> bool:
+        """True while the model's and the EMAs' slots hold the memory this step was built over (the update
+        reads the model through its aliases: nothing to gather)."""
         return self.watch.current(model)
-
-    def try_gather(self) -> bool:
-        """Nothing to gather: the update reads the model through its aliases (always True)."""
-        return True
 
     def apply(self, decays: Sequence[float], weights: Sequence[float]) -> None:
         """One update of each EMA, then the counters."""

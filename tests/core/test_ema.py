@@ -32,7 +32,7 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generat
 def test_defaults_and_ramp() -> None:
     model = models.build("tiny_cnn")
     ema = ModelEMA(model)
-    assert (ema.max_decay, ema.tau, ema.updates, ema.strategy, ema.enabled) == (
+    assert (ema.schedule.decay, ema.schedule.tau, ema.updates, ema.strategy, ema.enabled) == (
         0.9999,
         2000.0,
         0,

@@ -9,11 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from ema_lab import ModelEMA, flat_step, flatten_model, unflatten_model
+from ema_lab import ModelEMA, flatten_model, unflatten_model
+from ema_lab import step as flat_step  # the flat step's private pieces: these tests are about them
 from ema_lab.bench import models
 from ema_lab.bench.counting import count_ops
+from ema_lab.buffers import tiles_in_order
 from ema_lab.ema import resolve_strategy
-from ema_lab.flat import flatten_tensors, tiles_in_order, unflatten_tensors
+from ema_lab.flat import flatten_tensors
 from ema_lab.pairs import collect_pairs
 from ema_lab.step import CAT_MAX_NUMEL
 
@@ -133,7 +135,7 @@ def test_flatten_is_reversible_and_keeps_objects_values_and_grad_flags():
     assert list(model.parameters()) == params and all(p.requires_grad for p in params)
     assert all(p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for p in params)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    unflatten_tensors(params)
+    unflatten_model(model)
     ptrs = {p.untyped_storage().data_ptr() for p in params}
     assert len(ptrs) == len(params) and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
@@ -360,7 +362,7 @@ def test_converting_only_the_buffers_of_a_flattened_model_is_detected():
 
 def test_without_the_use_count_binding_every_step_takes_the_exact_check(monkeypatch) -> None:
     """On a torch without ``_storage_Use_Count`` the O(1) check is off, the per-slot check still catches."""
-    monkeypatch.setattr(flat_step, "_USE_COUNT", None)
+    monkeypatch.setattr(flat_step, "USE_COUNT", None)  # the use-count binding: this test is about it
     model = models.build("tiny_cnn")
     ema = ModelEMA(model, decay=0.5, tau=1e-9, strategy="flat")
     ema.update(model)
@@ -434,15 +436,15 @@ def test_reference_count_check_follows_views_made_and_dropped() -> None:
     ema = ModelEMA(model, strategy="flat")
     ema.update(model)
     step = ema._step
-    assert flat_step._use_counts(step.storages) == step.counts
+    assert step.use_counts() == step.counts
     extra = next(ema.ema.parameters()).view(-1)  # one more tensor on the flat storage
-    assert flat_step._use_counts(step.storages) != step.counts
+    assert step.use_counts() != step.counts
     ema.update(model)  # the exact per-slot check passes: no rebuild, the new count is the baseline
-    assert ema.rebuilds == 1 and flat_step._use_counts(step.storages) == step.counts
+    assert ema.rebuilds == 1 and step.use_counts() == step.counts
     del extra
-    assert flat_step._use_counts(step.storages) != step.counts
+    assert step.use_counts() != step.counts
     ema.update(model)
-    assert ema.rebuilds == 1 and flat_step._use_counts(step.storages) == step.counts
+    assert ema.rebuilds == 1 and step.use_counts() == step.counts
 
 
 def test_flatten_model_makes_every_group_fused_and_unflatten_undoes_it():
@@ -620,7 +622,7 @@ def test_a_view_held_only_by_a_reference_cycle_is_collected_not_refused():
 def test_without_the_use_count_binding_memory_held_outside_is_not_checked(monkeypatch):
     from ema_lab import flat
 
-    monkeypatch.setattr(flat, "_USE_COUNT", None)
+    monkeypatch.setattr(flat, "USE_COUNT", None)  # the use-count binding: this test is about it
     model = models.build("tiny_cnn")
     kept = model[0].conv.weight.data
     flatten_model(model)  # as the docstring says: not checked, so not refused
