@@ -15,13 +15,14 @@ from .checks import check_decay, check_int, weight_of
 from .graph_step import GraphStep
 from .pairs import Pairs, collect_pairs
 from .schedules import Schedule, decay_over, ramp
-from .step import CAT_MAX_NUMEL, FlatStep, Step, StepOptions
+from .step import CAT_MAX_NUMEL, FlatStep, StepOptions
 from .updates import LIST_STRATEGIES, ListStep
 
 __all__ = ["ModelEMA", "BaseEMA", "STRATEGIES", "unwrap_model"]
 
 #: Each strategy's step: the list strategies of :mod:`ema_lab.updates`, and "flat"; "auto"
 #: (:func:`resolve_strategy`) picks one of them per model.
+Step = ListStep | FlatStep  # a cached step: its class says what it can do (GraphStep is a FlatStep)
 STEPS: dict[str, type[Step]] = {**dict.fromkeys(LIST_STRATEGIES, ListStep), "flat": FlatStep}
 STRATEGIES = (*STEPS, "auto")
 
@@ -294,25 +295,18 @@ class BaseEMA:
 class ModelEMA(BaseEMA):
     """Exponential moving average of a model's weights, with the ramp ``decay * (1 - exp(-n / tau))``.
 
-    Compatible with ``ultralytics.utils.torch_utils.ModelEMA``: ``.ema`` (a deep copy in eval mode,
-    no grad), ``.updates``, ``.decay(n)``, ``.update(model)``, ``.update_attr(model)``, ``.enabled``.
-    Unlike it, the (EMA, model) pairs are collected once into a step that is rebuilt when the model's
-    or the EMA's tensors are replaced (``.to()``, ``.half()``, ``p.data = ...``, ``swap_tensors``, a new
-    parameter), non-float entries are copied from the model, tied weights are averaged once, and a failed
-    update changes nothing (:mod:`ema_lab.step`). It holds no view of a module tensor, so torch's
-    ``swap_tensors`` and ``set_swap_module_params_on_conversion(True)`` keep working.
+    Compatible with ``ultralytics.utils.torch_utils.ModelEMA``: ``.ema`` (a deep copy in eval mode, no
+    grad), ``.updates``, ``.decay(n)``, ``.update(model)``, ``.update_attr(model)``, ``.enabled``. Unlike it,
+    the pairs are collected once into a step rebuilt when a tensor is replaced (``.to()``, ``.half()``,
+    ``p.data = ...``, ``swap_tensors``, a new parameter), non-float entries are copied, tied weights averaged
+    once, and a failed update changes nothing. It holds no view of a module tensor (``swap_tensors`` works).
 
-    ``decay``: a number in [0, 1] (ultralytics' ramp, with ``tau``) or a schedule, a callable of the update
-    number returning the decay (:mod:`ema_lab.schedules`). ``every=k``: update on every k-th call only.
-    With "flat" (the default "auto" picks it for ordinary tensors) the EMA module's float tensors (and its
-    integer counters) are views of one buffer per group: ``torch.save(ema.ema.state_dict())`` stores each
-    buffer once, but saving a *subset* of the entries stores the whole buffer; clone the subset first.
-    Under DDP each rank's BatchNorm statistics differ: call ``ema.sync_buffers()`` on every rank before
-    evaluating or saving.
-    ``cat_max_numel``: model tensors under this many elements are gathered by ``torch.cat``.
-    ``cuda_graph=True`` (EMA on one CUDA device, "auto" or "flat"): the update is recorded once in a CUDA
-    graph and replayed: two launches (the weight, the replay) instead of one per kernel
-    (:mod:`ema_lab.graph_step`).
+    ``decay``: a number in [0, 1] (ultralytics' ramp, with ``tau``) or a schedule (:mod:`ema_lab.schedules`).
+    ``every=k``: update on every k-th call only. With "flat" (what "auto" picks for ordinary tensors) the EMA
+    module's tensors are views of one buffer per group: saving a *subset* of its state_dict stores the whole
+    buffer (clone the subset first). Under DDP call ``ema.sync_buffers()`` on every rank before evaluating or
+    saving. ``cat_max_numel``: smaller model tensors are gathered by ``torch.cat``. ``cuda_graph=True`` (one
+    CUDA device, "flat"): the update is replayed from a CUDA graph (:mod:`ema_lab.graph_step`).
     """
 
     def _average_of(self, model: nn.Module) -> nn.Module:

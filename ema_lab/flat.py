@@ -1,14 +1,11 @@
-"""Flat buffers: many tensors as views of one contiguous buffer, so an update is one ``lerp_`` per buffer.
+"""``flatten_model``: the model's tensors moved into one buffer per (device, dtype), so an EMA update is one
+``lerp_`` per buffer.
 
-:func:`flatten_model` is the visible, opt-in call that does it to the training model: every parameter
-and buffer keeps its object, value, shape, strides and ``requires_grad`` (optimizers, hooks and module
-slots still hold it); only its memory moves into one buffer per (device, dtype), after checks that
-refuse what a move would silently break (its docstring). ``state_dict()`` then returns views of those
-buffers (``torch.save`` stores each buffer once; clone a subset to save only what it holds).
-An EMA of a flattened model finds every group of contiguous tensors ``fused``: one ``lerp_`` per group
-and one ``copy_`` for the BatchNorm counters. Flatten before building the optimizer and the EMA;
-``.to()``, ``.half()`` or a new parameter give tensors their own memory again (still correct, no
-longer fused). :func:`unflatten_model` undoes it. docs/beyond_foreach_details.md says what it costs.
+Opt-in and visible: every parameter and buffer keeps its object, value, shape, strides and ``requires_grad``
+(optimizers, hooks and module slots still hold it); only its memory moves, after checks that refuse what a
+move would silently break. ``state_dict()`` then returns views of the buffers. Flatten before building the
+optimizer and the EMA; ``.to()``, ``.half()`` or a new parameter give tensors their own memory again (still
+correct, no longer fused). docs/beyond_foreach_details.md says what it costs.
 """
 
 from __future__ import annotations
@@ -203,21 +200,15 @@ def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
 def flatten_model(model: nn.Module) -> list[Tensor]:
     """Move the model's parameters and buffers into one buffer per (device, dtype); return the buffers.
 
-    Every tensor keeps its object, value, shape, strides (channels_last stays channels_last) and
-    ``requires_grad``; tied weights (one Parameter under two names) move once. Everything is checked
-    before anything moves, and a failure while moving (out of memory) puts every tensor back: on a
-    ``ValueError`` naming the tensor and the reason, the model is as it was. Refused: a sparse, nested,
-    quantized, meta, lazy (uninitialized) or wrapper-subclass (DTensor) tensor, or one with gaps or
-    overlaps in its strides; two tensors whose memory overlaps (a buffer that is a view of a parameter, a
-    ``.data`` shared between two parameters), as each would get its own copy; a tensor whose storage
-    more tensors hold than the model's own (a ``.data`` or view cached by an optimizer or your code, an
-    EMA built before), as they would keep the old memory: flatten first, then build them. That last
-    check needs ``torch._C._storage_Use_Count``; on a torch without it (CPU-only builds before mid-2025)
-    it is skipped. A (device, dtype) group that already fills one buffer (a second call) is not moved.
-    The fused EMA update (one ``lerp_`` per group) needs contiguous tensors: a group holding a
-    channels_last or transposed tensor is updated correctly, but not in one ``lerp_``. A group with a
-    pinned tensor gets a pinned buffer. The buffers are normal tensors even under
-    ``torch.inference_mode()`` (inference tensors become normal ones).
+    Every tensor keeps its object, value, shape, strides (channels_last stays so) and ``requires_grad``;
+    tied weights move once. All is checked first, and a failure while moving (out of memory) puts every
+    tensor back. Refused, with a ``ValueError`` naming the tensor: a sparse, nested, quantized, meta, lazy or
+    wrapper-subclass (DTensor) tensor, or strides with gaps or overlaps; two tensors whose memory overlaps
+    (each would get its own copy); a tensor whose storage more tensors hold than the model's (a ``.data``
+    or view kept by an optimizer or an earlier EMA would keep the old memory; checked where torch has
+    ``_storage_Use_Count``). A group that already fills one buffer is not moved; a channels_last group is
+    correct but not one ``lerp_``; pinned memory stays pinned; the buffers are normal tensors even under
+    ``torch.inference_mode()``.
     """
     return _flatten(_model_tensors(model))
 

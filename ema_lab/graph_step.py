@@ -1,23 +1,12 @@
 """``ModelEMA(..., cuda_graph=True)``: the flat step recorded once in a CUDA graph, then replayed per update.
 
-On a GPU the arithmetic of an EMA update is nearly free; what remains is host work per kernel launch. A
-CUDA graph records the kernels of one update once and launches them all with one ``replay()``. It costs:
-
-- fixed addresses: a replay reads and writes the memory it was recorded over. The step is rebuilt and
-  recorded again whenever the staleness watch (:mod:`ema_lab.step`) says a slot moved, and every model
-  tensor is read through a watched slot: the flat step is built with ``cat_max_numel=0`` (no live
-  ``torch.cat`` reads, which also copy every small tensor once more);
-- the weight on the device: a replay cannot take a new Python number, so each update first writes its
-  weight ``1 - decay`` (computed once, in double on the host, by the EMA) into a 0-dim float32 device
-  tensor that the graph reads. ``fill_`` carries the number as a kernel argument: no host sync, and no
-  pinned host buffer that the next update could overwrite before its copy ran. A float16 or bfloat16 EMA
-  reads that weight rounded to its own dtype (a tensor weight must match it), where the eager step keeps
-  it in float32: its steps differ by under 0.4 % of their size;
-- recording: the first update after a (re)build runs eagerly (it also warms the kernels up), the second
-  records the graph on a side stream (nothing runs while recording) and replays it. A failed recording
-  raises before anything is written;
-- memory: the graph's private pool keeps what the update allocates (the weight in the dtype of a group
-  that is not float32); benchmarks/peers.py measures the device memory each EMA adds, at its peak and held.
+On a GPU the arithmetic of an update is nearly free; what remains is host work per kernel launch, which one
+``replay()`` replaces. Its costs: fixed addresses (the step is rebuilt and recorded again whenever the watch
+says a slot moved, and built with ``cat_max_numel=0``: no live ``torch.cat`` reads); the weight on the device
+(each update ``fill_``s ``1 - decay`` into a 0-dim float32 tensor the graph reads: no host sync; a float16 or
+bfloat16 EMA reads it rounded to its dtype, within 0.4 % of each step); recording (the first update after a
+build runs eagerly, the second records on a side stream, then replays; a failed recording raises before
+anything is written); memory (the graph's pool keeps what the update allocates: benchmarks/peers.py).
 """
 
 from __future__ import annotations

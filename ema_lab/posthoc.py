@@ -1,18 +1,15 @@
 """Post-hoc EMA (Karras et al. 2024, "Analyzing and Improving the Training Dynamics of Diffusion Models").
 
-Track power-function EMAs (:func:`ema_lab.schedules.power`) of a few lengths during training and save their
-snapshots every N updates; afterwards, :func:`synthesize` the EMA of any length ``sigma_rel`` as the weighted
-sum of the snapshots whose profiles ``t ** gamma`` on ``[0, step]`` best fit the wanted one in least squares
-(Algorithm 3: the profiles' inner products in closed form). The anchors are EDM2's ``training/phema.py``
-(``solve_posthoc_coefficients``: the same system, weights also scaled to sum 1) and ema-pytorch's
-``PostHocEMA`` (``torch.linalg.solve``, weights not scaled).
+Track power-function EMAs of a few lengths in training, save their snapshots every N updates, and afterwards
+:func:`synthesize` the EMA of any length ``sigma_rel`` as the sum of the snapshots whose profiles
+``t ** gamma`` best fit it in least squares (Algorithm 3, closed-form inner products; as EDM2's
+``training/phema.py``, weights scaled to sum 1; ema-pytorch's ``PostHocEMA`` solves it unscaled).
 
-The snapshot store: a folder holds one subfolder per saved update, ``step-<step, 12 digits or more>/``, with
-one file per profile, ``g<repr(gamma)>.pt`` (``torch.save`` of :data:`FIELDS`). A step is written under a
-hidden temporary name, each file flushed to disk, then the subfolder is renamed in one system call: a reader
-sees every profile of a step or no trace of it, whenever the writer dies. A rename never replaces a folder
-that holds files, so a saved step is never replaced, even by a second writer at the same moment (that one
-gets a ``ValueError``). Each snapshot names its run; :func:`synthesize` refuses to blend two runs.
+The snapshot store: one folder per saved update, ``step-<step, 12 digits or more>/``, one file per profile,
+``g<repr(gamma)>.pt`` (``torch.save`` of :data:`FIELDS`). A step is written under a hidden temporary name,
+each file flushed to disk, then renamed in one system call: a reader sees a step whole or not at all, whenever
+the writer dies, and a rename never replaces a folder holding files, so a saved step is never replaced (a
+second writer gets a ``ValueError``). Each snapshot names its run; :func:`synthesize` never blends two runs.
 """
 
 from __future__ import annotations
@@ -170,16 +167,12 @@ def save_step(
         raise ValueError(f"states must be a non-empty dict of gamma -> tensors, got {type(states).__name__}")
     for gamma, tensors in states.items():
         check_gamma("a profile's gamma", gamma)
-        if not (isinstance(tensors, Mapping) and tensors):
+        ok = isinstance(tensors, Mapping) and tensors
+        if not ok or any(
+            not (isinstance(k, str) and isinstance(v, Tensor)) or v.is_meta for k, v in tensors.items()
+        ):
             raise ValueError(
-                f"gamma {gamma!r}: tensors must be a non-empty dict, got {type(tensors).__name__}"
-            )
-        bad = [
-            k for k, v in tensors.items() if not (isinstance(k, str) and isinstance(v, Tensor)) or v.is_meta
-        ]
-        if bad:
-            raise ValueError(
-                f"gamma {gamma!r}: tensors must map names to Tensors with data; not so for {bad[:3]}"
+                f"gamma {gamma!r}: tensors must be a non-empty dict: map names to Tensors with data"
             )
     folder = Path(folder)
     if not folder.is_dir():
@@ -231,9 +224,7 @@ def list_snapshots(folder: str | os.PathLike) -> list[Snapshot]:
     try:
         for p in folder.iterdir():
             if _OLD_FILE.fullmatch(p.name):
-                raise ValueError(
-                    f"{p} was written by ema_lab 0.1.0, whose snapshots this version does not read"
-                )
+                raise ValueError(f"{p} was written by ema_lab 0.1.0, whose files this version does not read")
             if not (m := _STEP.fullmatch(p.name)):
                 continue
             if not 1 <= int(m[1]) <= MAX_STEP:
@@ -267,8 +258,7 @@ def _read(snapshot: Snapshot) -> dict:
         raise ValueError(f"{path} holds a {type(data[wrong[0]]).__name__} as its {wrong[0]}")
     if (data["step"], data["gamma"]) != (snapshot.step, snapshot.gamma):
         raise ValueError(
-            f"{path} holds step {data['step']}, gamma {data['gamma']!r}; its name says step {snapshot.step}, "
-            f"gamma {snapshot.gamma!r}"
+            f"{path} holds step {data['step']}, gamma {data['gamma']!r}; its name says step {snapshot.step}"
         )
     tensors = data["tensors"]
     if not (tensors and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in tensors.items())):
@@ -312,7 +302,7 @@ def synthesize(
         [s.gamma for s in used], [s.step for s in used], step, target_gamma=gamma, target_sigma_rel=sigma_rel
     )
     out: dict[str, Tensor] = {}
-    first: dict = {}  # the first snapshot's run and layout: every other must be of that run and model
+    first: tuple = ()  # the first snapshot's run and layout: every other must be of that run and model
     for snapshot, w in zip(used, weights.tolist()):
         data = _read(snapshot)
         tensors = data["tensors"]
@@ -320,17 +310,13 @@ def synthesize(
             k: f"{tuple(v.shape)} {'float' if v.is_floating_point() else 'not float'}"
             for k, v in tensors.items()
         }
-        first = first or {"run": data["run"], "kind": kind}
-        if data["run"] != first["run"]:
-            raise ValueError(
-                f"{snapshot.path} is of run {data['run']!r}, {used[0].path} of run {first['run']!r}: a "
-                "folder holds the snapshots of one run"
-            )
-        if kind != first["kind"]:
-            k = next((k for k in kind if kind[k] != first["kind"].get(k)), None)
-            why = (
-                key_diff(first["kind"], kind) if kind.keys() != first["kind"].keys() else f"{k!r}: {kind[k]}"
-            )
+        run, layout = first = first or (data["run"], kind)
+        if data["run"] != run:
+            why = f"of run {data['run']!r}, {used[0].path} of run {run!r}"
+            raise ValueError(f"{snapshot.path} is {why}: a folder holds the snapshots of one run")
+        if kind != layout:
+            bad = [k for k in kind if kind[k] != layout.get(k)]
+            why = key_diff(layout, kind) if kind.keys() != layout.keys() else f"{bad[0]!r}: {kind[bad[0]]}"
             raise ValueError(f"{snapshot.path} holds another model's tensors than {used[0].path} ({why})")
         for k, v in tensors.items():
             if not v.is_floating_point():

@@ -1,34 +1,19 @@
 """The cached step an EMA updates with: the "flat" step, the watch that tells a stale step, the counters.
 
-A step is built once per model layout over the matched entries (:mod:`ema_lab.pairs`) and moves one or more
-EMAs of one model (``PostHocEMA`` keeps several), each with its own weight, from one read of the model:
-:class:`FlatStep` runs ``"flat"``, :class:`ema_lab.updates.ListStep` ``"loop"``, ``"foreach"`` and
-``"gated"``, :class:`ema_lab.graph_step.GraphStep` the flat step recorded in a CUDA graph. The EMA rebuilds
-its step when :meth:`Step.ready` says no.
+A step is built once per model layout over the matched entries (:mod:`ema_lab.pairs`) and moves every EMA
+(``PostHocEMA`` keeps several) from one read of the model: :class:`FlatStep` runs "flat",
+:class:`ema_lab.updates.ListStep` the list strategies, :class:`ema_lab.graph_step.GraphStep` a CUDA graph of
+the flat step. It reads the model through detached aliases (no autograd, nothing that makes
+``swap_tensors`` refuse). :class:`Watch` compares the ``data_ptr()`` each module slot holds with the one it
+was built from and hears, through torch's global registration hooks, of a tensor or module registered on a
+watched module: ``.to()``, ``.half()``, ``p.data = ...`` and ``swap_tensors`` show up, and the EMA rebuilds.
 
-Staleness: a step reads the model through detached aliases (same memory, no autograd, no reference that
-would make ``swap_tensors`` refuse). :class:`Watch` compares the ``data_ptr()`` each watched module slot
-holds now with the one it was built from, and torch's global registration hooks (:func:`install_hooks`,
-installed with the first watch, never at import) tell it of a parameter, buffer or submodule registered on
-a module it watches (a module built anywhere else costs one dict lookup): ``.to()``, ``.half()``, a
-reassigned parameter, ``p.data = ...`` and ``swap_tensors`` all show up. A tensor re-viewed in place (same
-memory) is averaged as that memory in the EMA's shape. Every step also copies the integer entries
-(:class:`Counters`).
-
-The flat step keeps each EMA in one buffer per (device, EMA dtype, model dtype) group; each group reads the
-model by its layout, then is one ``lerp_`` or ``_foreach_lerp_``:
-
-- ``fused``: the model's tensors tile one storage (after :func:`ema_lab.flatten_model`): one ``lerp_`` over
-  the whole buffer (after one cast-copy into scratch if the dtypes differ);
-- ``cast``: the model's dtype differs: one ``_foreach_copy_`` casts into scratch, then one ``lerp_``;
-- ``cat``, ``foreach``, ``cat+foreach``: same dtype: small tensors gathered by ``torch.cat``, large ones
-  read as they are, all in one ``_foreach_lerp_`` over views of the buffer.
-
-Further EMAs get buffers laid out like the first's and lerp from the same gathered sources. The flat buffers
-(the EMAs', a fused model's) are watched by their storages' reference counts, O(1) each: a replacement drops
-a reference; when a count moved, the exact per-slot check runs once. Limit: a fused tensor replaced while
-something else keeps a new view of its buffer, or the replaced tensor, alive. A 0-dim tensor decay is a
-tensor weight (no ``.item()``): sync-free, and data under ``torch.compile``.
+The flat step keeps each EMA in one buffer per (device, EMA dtype, model dtype) group, one ``lerp_`` or
+``_foreach_lerp_`` each: ``fused`` (the model's tensors tile one storage, as after ``flatten_model``: one
+``lerp_``), ``cast`` (another dtype: one ``_foreach_copy_`` into scratch, one ``lerp_``), ``cat``,
+``foreach``, ``cat+foreach`` (small tensors gathered by ``torch.cat``, large ones read as they are). Its flat
+buffers are watched by their storages' reference counts, O(1) each; when a count moved, every slot is
+checked once. A 0-dim tensor decay is a tensor weight: no host sync.
 """
 
 from __future__ import annotations
@@ -38,7 +23,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import getitem
-from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -49,7 +33,7 @@ from .checks import validate_pairs
 from .gates import foreach_lerp_supported
 from .pairs import Pairs, Slot, local_tensor
 
-__all__ = ["Step", "StepOptions", "CAT_MAX_NUMEL", "CAT_RUN_NUMEL", "FlatStep", "Watch", "Counters"]
+__all__ = ["StepOptions", "CAT_MAX_NUMEL", "CAT_RUN_NUMEL", "FlatStep", "Watch", "Counters"]
 __all__ += ["install_hooks", "lerp_pairs"]
 
 #: Below this many elements a model tensor is gathered by one ``torch.cat`` (about a third of the
@@ -73,27 +57,6 @@ class StepOptions:
     strategy: str  # "loop", "foreach", "gated" or "flat" ("auto" already resolved)
     cat_max_numel: int = CAT_MAX_NUMEL  # the flat step gathers smaller model tensors by torch.cat
     sharded: bool = False  # ShardedModelEMA: the step reads each DTensor's local shard
-
-
-class Step(Protocol):
-    """One update of every EMA over cached (EMA, model) pairs; the class says what it can do."""
-
-    tensor_decay: bool  # whether apply() takes 0-dim tensor decays (no host sync)
-    in_place: bool  # whether the EMA's tensors keep their storage (ShardedModelEMA's DTensors need it)
-    recordable: bool  # whether ``cuda_graph=True`` can record it (no live reads, fixed addresses)
-    modes: list[str]  # how each flat group is updated ([] for a list step)
-
-    def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None: ...
-
-    def ready(self, model: nn.Module) -> bool:
-        """Under ``no_grad``: True while ``model`` and the EMAs hold what the step was built over, once it
-        has read what :meth:`apply` needs from the model; False: rebuild."""
-        ...
-
-    def apply(self, decays: Sequence[float | Tensor], weights: Sequence[float | Tensor]) -> None:
-        """Under ``no_grad``: move each EMA by its ``decay`` (lerp ``weight = 1 - decay``) towards the
-        model, then copy the counters."""
-        ...
 
 
 def lerp_pairs(
@@ -369,11 +332,12 @@ def _runs(numels: list[int], limit: int) -> list[range]:
 
 class FlatStep:
     """``"flat"``: one buffer per (device, EMA dtype, model dtype) group and EMA; modes in the module
-    docstring."""
+    docstring. A step's class says what it can do; ``ready(model)`` (False: rebuild) and ``apply(decays,
+    weights)`` (``weight = 1 - decay``) run under ``no_grad``."""
 
-    tensor_decay = True
-    in_place = False  # the EMAs' tensors move into the groups' buffers
-    recordable = True  # cuda_graph=True records it (graph_step.py)
+    tensor_decay = True  # apply() takes 0-dim tensor decays (no host sync)
+    in_place = False  # the EMAs' tensors move into the groups' buffers (ShardedModelEMA needs in place)
+    recordable = True  # cuda_graph=True records it (graph_step.py): no live reads, fixed addresses
     gathers = True  # ready() gathers the model (a CUDA graph's replay reads it itself)
 
     def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None:

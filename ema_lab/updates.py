@@ -1,27 +1,16 @@
-"""The EMA update strategies, as pure functions over lists of (EMA, model) tensor pairs.
+"""The EMA update strategies as pure functions over lists of (EMA, model) tensor pairs, and their cached step.
 
-Every strategy computes ``ema = decay * ema + (1 - decay) * model`` for each pair, in place:
-
-- :func:`loop_update`: the code before ultralytics PR #25315, one pair at a time
-  (``v *= d; v += (1 - d) * m``: three dispatched ops and a temporary per tensor).
-- :func:`foreach_update`: the code after it, one ``torch._foreach_lerp_`` call.
-- :func:`gated_update`: the after-code behind its torch-version/device gate, made robust: one
-  foreach call per (device, dtype) group, a per-tensor path for pairs whose dtypes differ.
-- ``"flat"`` (:mod:`ema_lab.flat_step`): the EMA in one contiguous buffer per group, so the update
-  approaches one ``lerp_`` per group (exactly one after :func:`ema_lab.flatten_model`).
-
-All of them validate the whole input before touching any tensor, so a bad input raises a
-``ValueError`` and leaves the EMA bit-for-bit unchanged. That matters because a failed
-``torch._foreach_lerp_`` is not atomic: the pairs before the bad one are already updated.
-
-:func:`prepare` splits the two halves: validate once, then apply many times. ``ModelEMA`` caches
-the prepared step, a :class:`ListStep`, for as long as the tensors keep their memory (:mod:`ema_lab.step`).
+Each computes ``ema = decay * ema + (1 - decay) * model`` per pair, in place: :func:`loop_update` as before
+ultralytics PR #25315 (``v *= d; v += (1 - d) * m``), :func:`foreach_update` after it (one
+``torch._foreach_lerp_``), :func:`gated_update` behind its torch-version/device gate, grouped by (device,
+dtype), mixed dtypes one by one. Each validates the whole input first: a failed ``_foreach_lerp_`` is not
+atomic, so a bad pair raises ``ValueError`` with the EMA unchanged. :func:`prepare` validates once and
+returns the update; :class:`ListStep` caches it (``"flat"`` is :mod:`ema_lab.step`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -76,20 +65,11 @@ def _prepare_gated(ema: list[Tensor], model: list[Tensor]) -> Update:
     return update
 
 
-@dataclass(frozen=True)
-class ListStrategy:
-    """A list strategy: whether every pair must share its dtype, and the builder of its update over
-    validated lists."""
-
-    same_dtype: bool
-    build: Callable[[list[Tensor], list[Tensor]], Update]
-
-
-#: The strategies over tensor lists; "flat" is :class:`ema_lab.flat_step.FlatStep`, which owns its buffers.
-LIST_STRATEGIES = {
-    "loop": ListStrategy(False, _prepare_loop),
-    "foreach": ListStrategy(True, _prepare_foreach),
-    "gated": ListStrategy(False, _prepare_gated),
+#: Each list strategy: whether its pairs must share a dtype, and the builder of its update over checked lists.
+LIST_STRATEGIES: dict[str, tuple[bool, Callable[[list[Tensor], list[Tensor]], Update]]] = {
+    "loop": (False, _prepare_loop),
+    "foreach": (True, _prepare_foreach),
+    "gated": (False, _prepare_gated),
 }
 
 
@@ -98,9 +78,9 @@ def prepare(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, names: 
     it under ``torch.no_grad()`` where a tensor requires grad)."""
     if strategy not in LIST_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(LIST_STRATEGIES)}")
-    chosen = LIST_STRATEGIES[strategy]
-    validate_pairs(ema_tensors, model_tensors, names, same_dtype=chosen.same_dtype)
-    return chosen.build(list(ema_tensors), list(model_tensors))
+    same_dtype, build = LIST_STRATEGIES[strategy]
+    validate_pairs(ema_tensors, model_tensors, names, same_dtype=same_dtype)
+    return build(list(ema_tensors), list(model_tensors))
 
 
 def _run(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, decay: float, names: Names) -> None:
