@@ -1,15 +1,10 @@
 """The peers' decay schedules: callables of the update number ``n`` (1 for the first update) -> the decay.
 
-``ModelEMA(model, decay=schedule)`` calls ``schedule(n)`` once per update, as ultralytics calls
-``self.decay(self.updates)`` after ``self.updates += 1``. Each schedule matches its peer's code with the
-arguments named in its docstring (``benchmarks/peer_schedules.py`` runs the peers and compares, over
-100,000 steps; docs/schedules.md has the figures). ultralytics' ramp ``decay * (1 - exp(-n / tau))``
-(:func:`ramp`) is what ``ModelEMA`` runs for a number (``decay=0.9999, tau=2000``).
-
-Start late (``after``): timm, diffusers and ema-pytorch all shift the update number by
-``s = n - after - 1`` and give decay 0 (the EMA copies the model) while ``s <= 0``, so the first
-``after + 1`` updates copy, whatever the floor ``min_decay``. The schedules are frozen dataclasses:
-picklable, comparable, and their repr reads as the call that makes them.
+``ModelEMA(model, decay=schedule)`` calls ``schedule(n)`` once per update (ultralytics calls
+``self.decay(self.updates)`` after ``self.updates += 1``). Each matches its peer's code with the arguments its
+docstring names (``benchmarks/peer_schedules.py`` compares over 100,000 steps; docs/schedules.md). Start late
+(``after``): timm, diffusers and ema-pytorch give decay 0 (a copy) while ``s = n - after - 1 <= 0``, whatever
+``min_decay``. Frozen dataclasses: picklable, comparable, their repr the call that makes them.
 """
 
 from __future__ import annotations
