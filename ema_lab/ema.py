@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from copy import deepcopy
+from dataclasses import is_dataclass
 from functools import partial
 
 import torch
@@ -76,6 +77,14 @@ def copy_attr(a: object, b: object, include: tuple = (), exclude: tuple = ()) ->
         setattr(a, k, v)
 
 
+def _name(schedule: Schedule) -> str:
+    """A schedule as a checkpoint names it: the call that makes it (``ramp(decay=0.9999, tau=2000)``),
+    or a function's qualified name."""
+    return (
+        repr(schedule) if is_dataclass(schedule) else getattr(schedule, "__qualname__", repr(type(schedule)))
+    )
+
+
 class BaseEMA:
     """The constructor, decay schedules, counters and cached step's lifecycle of ``ModelEMA``,
     ``ShardedModelEMA`` and ``PostHocEMA``: each says only how it holds an EMA (:meth:`_average_of`) and
@@ -144,6 +153,9 @@ class BaseEMA:
     @ema.setter
     def ema(self, module: nn.Module) -> None:
         self.emas[0] = module
+
+    # The name torch's AveragedModel and timm's EMAs give it: timm's unwrap_model and CheckpointSaver read it.
+    module = ema
 
     @property
     def schedule(self) -> Schedule:
@@ -280,6 +292,38 @@ class BaseEMA:
                 "rank only holds that rank's)",
                 stacklevel=3,
             )
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue bit for bit: each EMA module's ``state_dict()`` (views, as
+        torch's), the update count, and what :meth:`load_state_dict` checks (the schedules, ``every``)."""
+        return {
+            "emas": [ema.state_dict() for ema in self.emas],
+            "updates": self.updates,
+            "schedules": [_name(s) for s in self.schedules],
+            "every": self.every,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (:meth:`state_dict`'s, loaded with ``torch.load(weights_only=True)``):
+        copied into the EMA's tensors in place; a checkpoint of another schedule, ``every`` or model is
+        refused with a one-line ValueError before anything changes."""
+        own = self.state_dict()
+        if not isinstance(state, dict) or state.keys() != own.keys():
+            raise ValueError(f"not a {type(self).__name__} state_dict: expected a dict of {sorted(own)}")
+        for key in ("schedules", "every"):  # one schedule per EMA: their number is checked too
+            if state[key] != own[key]:
+                raise ValueError(f"the checkpoint's {key} is {state[key]!r}, this EMA's {own[key]!r}")
+        check_int("updates", state["updates"], 0)
+        for saved, mine in zip(state["emas"], own["emas"]):
+            shape = {k: getattr(v, "shape", None) for k, v in saved.items()}  # a non-tensor: None
+            diff = [k for k in {**shape, **mine} if shape.get(k) != getattr(mine.get(k), "shape", None)]
+            if diff:
+                raise ValueError(
+                    f"the checkpoint is another model's: entries {diff[:3]} differ in name or shape"
+                )
+        for ema, saved in zip(self.emas, state["emas"]):
+            ema.load_state_dict(saved)  # in place: the cached step keeps its tensors
+        self.updates = state["updates"]
 
     def __getstate__(self) -> dict:
         # The cached step holds weak references and module dicts: dropped, the next update() rebuilds it.
