@@ -421,31 +421,17 @@ class PostHocEMA(ModelEMA):
         self.saved = self.updates
 
     def state_dict(self) -> dict:
-        """What a checkpoint needs to continue this run bit for bit: each EMA, the update count, the run."""
-        emas = [e.state_dict() for e in self.emas]
-        gammas = [s.gamma for s in self.schedules]
-        return {"updates": self.updates, "run": self.run, "gammas": gammas, "emas": emas}
+        """:meth:`ModelEMA.state_dict` and the run it continues."""
+        return {**super().state_dict(), "run": self.run}
 
-    def load_state_dict(self, state: Mapping) -> None:
-        """Continue from ``state`` (of this run, with these profiles); checked before anything changes."""
-        mine = self.state_dict()
-        if not (isinstance(state, Mapping) and state.keys() == mine.keys()):
-            raise ValueError(f"not a PostHocEMA state_dict: expected the keys {sorted(mine)}")
-        if state["gammas"] != mine["gammas"]:
-            raise ValueError(
-                f"the state's profiles (gammas {state['gammas']}) are not these {mine['gammas']}"
-            )
-        if self.saved and state["run"] != self.run:  # a folder resumed at a snapshot names its run
-            raise ValueError(
-                f"the state is of run {state['run']!r}, the snapshots in {self.folder} of {self.run!r}"
-            )
-        check_int("updates", state["updates"], 0)
-        shapes = [{k: v.shape for k, v in sd.items()} for sd in (*mine["emas"], *state["emas"])]
-        if shapes[: len(self.emas)] != shapes[len(self.emas) :]:
-            raise ValueError("the state's EMAs hold another model's entries than this PostHocEMA's")
-        for ema, tensors in zip(self.emas, state["emas"]):
-            ema.load_state_dict(tensors)  # in place: the step's buffers stay the EMAs' memory
-        self.updates, self.run = state["updates"], state["run"]
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``: :meth:`ModelEMA.load_state_dict`, and the run, which must be the one whose
+        snapshots this object resumed from (if it resumed from any)."""
+        run = state.get("run", self.run) if isinstance(state, dict) else self.run  # no run: the base refuses
+        if self.saved and run != self.run:
+            raise ValueError(f"the state is of run {run!r}, the snapshots in {self.folder} of {self.run!r}")
+        super().load_state_dict(state)
+        self.run = run
 
     def synthesize(self, sigma_rel: float, step: int | None = None) -> dict[str, Tensor]:
         """The state_dict of the EMA of length ``sigma_rel`` at ``step`` (default: the last snapshot)."""

@@ -365,12 +365,12 @@ def test_a_state_dict_of_other_profiles_or_another_run_is_refused_before_anythin
     for step in range(1, 4):
         _train_step(model, step)
         ema.update(model)
-    other = PostHocEMA(model, tmp_path / "b", sigma_rels=(0.05, 0.15)).state_dict()
+    other = {**PostHocEMA(model, tmp_path / "b", sigma_rels=(0.05, 0.15)).state_dict(), "run": ema.run}
     resumed = PostHocEMA(model, tmp_path / "a", snapshot_every=2, updates=2)
     before = [{k: v.clone() for k, v in e.state_dict().items()} for e in resumed.emas]
     stranger = {**ema.state_dict(), "run": "another"}
     for state, message in (
-        (other, "profiles"),
+        (other, "schedules"),
         (stranger, "of run 'another'"),
         ({"emas": []}, "not a PostHocEMA"),
     ):
