@@ -21,9 +21,8 @@ from .updates import LIST_STRATEGIES, ListStep
 
 __all__ = ["ModelEMA", "BaseEMA", "STRATEGIES", "unwrap_model"]
 
-#: Each strategy's step: the list strategies of :mod:`ema_lab.updates`, and "flat"; "auto"
-#: (:func:`resolve_strategy`) picks one of them per model.
 Step = ListStep | FlatStep  # a cached step: its class says what it can do (GraphStep is a FlatStep)
+#: Each strategy's step; "auto" (:func:`resolve_strategy`) picks one of them per model.
 STEPS: dict[str, type[Step]] = {**dict.fromkeys(LIST_STRATEGIES, ListStep), "flat": FlatStep}
 STRATEGIES = (*STEPS, "auto")
 
@@ -52,12 +51,10 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def _is_fully_sharded(model: nn.Module) -> bool:
-    # FSDP2 swaps each sharded module's class for a subclass of FSDPModule: public from torch 2.6,
-    # under torch.distributed._composable.fsdp in 2.4 and 2.5.
-    try:
+    try:  # FSDP2 gives each sharded module a subclass of FSDPModule: public from torch 2.6
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
-        try:
+        try:  # torch 2.4 and 2.5
             from torch.distributed._composable.fsdp import FSDPModule
         except ImportError:
             return False
@@ -69,27 +66,16 @@ def _world_size(group: object = None) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def copy_attr(a: object, b: object, include: tuple = (), exclude: tuple = ()) -> None:
-    """Copy plain attributes (not starting with ``_``) from ``b`` to ``a``, as ultralytics does."""
-    for k, v in b.__dict__.items():
-        if (include and k not in include) or k.startswith("_") or k in exclude:
-            continue
-        setattr(a, k, v)
-
-
 def _name(schedule: Schedule) -> str:
-    """A schedule as a checkpoint names it: the call that makes it (``ramp(decay=0.9999, tau=2000)``),
-    or a function's qualified name."""
-    return (
-        repr(schedule) if is_dataclass(schedule) else getattr(schedule, "__qualname__", repr(type(schedule)))
-    )
+    """A schedule as a checkpoint names it: the call that makes it, or a function's qualified name."""
+    named = getattr(schedule, "__qualname__", repr(type(schedule)))
+    return repr(schedule) if is_dataclass(schedule) else named
 
 
 class BaseEMA:
-    """The constructor, decay schedules, counters and cached step's lifecycle of ``ModelEMA``,
-    ``ShardedModelEMA`` and ``PostHocEMA``: each says only how it holds an EMA (:meth:`_average_of`) and
-    whether it is ``sharded``. It keeps one or more EMAs of the model (``.emas``, one schedule each in
-    ``.schedules``; ``.ema`` and ``.schedule`` are the first), all moved by one step."""
+    """What ``ModelEMA``, ``ShardedModelEMA`` and ``PostHocEMA`` share: each says only how it holds an EMA
+    (``_average_of(model)``) and whether it is ``sharded``. It keeps one EMA of the model per schedule
+    (``.emas``, ``.schedules``; ``.ema`` and ``.schedule`` are the first), all moved by one cached step."""
 
     sharded = False  # ShardedModelEMA: the EMA stays in DTensor shards, so its step must update in place
     ranks_checked = False  # set by the first update() or sync_buffers(): no warning about unsynced buffers
@@ -116,10 +102,10 @@ class BaseEMA:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
         if self.sharded and strategy != "auto" and not STEPS[strategy].in_place:
-            in_place = ["auto", *(s for s, step in STEPS.items() if step.in_place)]
+            use = ["auto", *(s for s, step in STEPS.items() if step.in_place)]
             raise ValueError(
                 f"strategy {strategy!r} moves the EMA into new buffers; a sharded EMA keeps its DTensor "
-                f"shards in place: use one of {in_place}"
+                f"shards in place: use one of {use}"
             )
         if cuda_graph and self.sharded:
             raise ValueError("cuda_graph=True records one device's update; a sharded EMA cannot use it")
@@ -128,16 +114,15 @@ class BaseEMA:
             self.emas: list[nn.Module] = [ema, *(deepcopy(ema) for _ in schedules[1:])]
         floats = [t for t in (*ema.parameters(), *ema.buffers()) if t.is_floating_point()]
         self.resolved_strategy = resolve_strategy(strategy, floats, in_place=self.sharded)
-        step_type = STEPS[self.resolved_strategy]
-        if cuda_graph and not step_type.recordable:
+        self._step_type: type[Step] = STEPS[self.resolved_strategy]
+        if cuda_graph and not self._step_type.recordable:
             raise ValueError(
                 f"cuda_graph=True records the 'flat' step; strategy {strategy!r} runs "
                 f"{self.resolved_strategy!r} for this model"
             )
         if cuda_graph:
             GraphStep.check_devices([*ema.parameters(), *ema.buffers()])
-            step_type = GraphStep
-        self._step_type: type[Step] = step_type
+            self._step_type = GraphStep
         self._options = StepOptions(self.resolved_strategy, cat_max_numel, self.sharded)
         self._step: Step | None = None
         self.schedules: list[Schedule] = schedules
@@ -162,10 +147,6 @@ class BaseEMA:
         """The (first) EMA's decay schedule: :func:`ema_lab.schedules.ramp` for a number."""
         return self.schedules[0]
 
-    def _average_of(self, model: nn.Module) -> nn.Module:
-        """The module that holds the EMA, made from the (unwrapped) model."""
-        raise NotImplementedError
-
     def decay(self, n: int, schedule: Schedule | None = None) -> float:
         """The decay of update number ``n`` by ``schedule`` (default: the first EMA's), checked."""
         schedule = self.schedule if schedule is None else schedule
@@ -174,7 +155,7 @@ class BaseEMA:
             return check_decay(d)
         except (TypeError, ValueError):
             raise ValueError(
-                f"the schedule {schedule!r} gave decay {d!r} at update {n}, not a number in [0, 1]"
+                f"the schedule {schedule!r} gave decay {d!r} at update {n}, not in [0, 1]"
             ) from None
 
     @property
@@ -187,8 +168,7 @@ class BaseEMA:
         return collect_pairs(self.emas, model)
 
     def _rebuild(self, model: nn.Module) -> Step:
-        """A new step over ``model`` and the EMAs, checked and gathered like a cached one (never a stale
-        one)."""
+        """A new step over ``model`` and the EMAs, checked and gathered like a cached one."""
         self._step = None  # a failed rebuild must not leave the stale step behind
         with torch.inference_mode(False):  # its buffers must stay writable outside inference_mode too
             step = self._step_type(self._collect(model), model, self._options)
@@ -238,19 +218,17 @@ class BaseEMA:
     def rank_local_tensors(self) -> list[Tensor]:
         """The EMAs' float tensors that ranks compute apart: buffers, and in a ``ShardedModelEMA`` (it holds
         buffers as parameters) every tensor that is not a DTensor shard."""
-        tensors = []
-        for module in self.emas:
-            tensors += [*module.parameters(), *module.buffers()] if self.sharded else list(module.buffers())
-        return [t for t in tensors if t.is_floating_point() and not hasattr(t, "placements")]
+        found = [t for e in self.emas for t in (*(e.parameters() if self.sharded else ()), *e.buffers())]
+        return [t for t in found if t.is_floating_point() and not hasattr(t, "placements")]
 
     def sync_buffers(self, src: int = 0, group: object = None) -> None:
         """Overwrite every rank's EMA float buffers with rank ``src``'s (of ``group``, by default the world):
         a collective, call it on every rank before evaluating or saving.
 
         Under DDP and FSDP2 each rank's BatchNorm updates its buffers from its own batch, so the EMA's
-        buffers differ between ranks (its parameters do not). Not inside ``update()``: a collective there
-        would hang where the EMA lives on one rank, and cost one per step for what an evaluation reads once.
-        One coalesced ``broadcast`` per (dtype, device); none outside torch.distributed or on one rank.
+        buffers differ between ranks. Not inside ``update()``: a collective there would hang where the EMA
+        lives on one rank, and cost one per step for what an evaluation reads once. One coalesced
+        ``broadcast`` per (dtype, device); none outside torch.distributed or on one rank.
         """
         if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
             raise TypeError(
@@ -277,13 +255,8 @@ class BaseEMA:
         self.ranks_checked = True
         distributed = isinstance(model, nn.parallel.DistributedDataParallel) or self.sharded
         # SyncBatchNorm reduces its batch statistics over the ranks: its buffers are equal on every rank.
-        synced = {
-            id(t)
-            for e in self.emas
-            for m in e.modules()
-            if isinstance(m, nn.SyncBatchNorm)
-            for t in m.buffers()
-        }
+        norms = [m for e in self.emas for m in e.modules() if isinstance(m, nn.SyncBatchNorm)]
+        synced = {id(t) for m in norms for t in m.buffers()}
         if distributed and _world_size() > 1 and any(id(t) not in synced for t in self.rank_local_tensors()):
             warnings.warn(
                 f"{type(self).__name__}: each rank updates the model's float buffers (BatchNorm's running "
@@ -296,12 +269,8 @@ class BaseEMA:
     def state_dict(self) -> dict:
         """What a resumed run needs to continue bit for bit: each EMA module's ``state_dict()`` (views, as
         torch's), the update count, and what :meth:`load_state_dict` checks (the schedules, ``every``)."""
-        return {
-            "emas": [ema.state_dict() for ema in self.emas],
-            "updates": self.updates,
-            "schedules": [_name(s) for s in self.schedules],
-            "every": self.every,
-        }
+        emas, schedules = [e.state_dict() for e in self.emas], [_name(s) for s in self.schedules]
+        return {"emas": emas, "updates": self.updates, "schedules": schedules, "every": self.every}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (:meth:`state_dict`'s, loaded with ``torch.load(weights_only=True)``):
@@ -368,7 +337,9 @@ class ModelEMA(BaseEMA):
     def update_attr(
         self, model: nn.Module, include: tuple = (), exclude: tuple = ("process_group", "reducer")
     ) -> None:
-        """Copy the model's plain attributes to the EMA module (names, strides, ...); a DataParallel or
-        DistributedDataParallel model is unwrapped first, as ultralytics does."""
+        """Copy the model's plain attributes (not starting with ``_``: names, strides) to the EMA module, as
+        ultralytics does; a DataParallel or DistributedDataParallel model is unwrapped first."""
         if self.enabled:
-            copy_attr(self.ema, unwrap_model(model), include, exclude)
+            for k, v in unwrap_model(model).__dict__.items():
+                if not ((include and k not in include) or k.startswith("_") or k in exclude):
+                    setattr(self.ema, k, v)
