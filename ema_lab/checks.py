@@ -65,7 +65,7 @@ def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tenso
             )
         if decay.dim() != 0 or not decay.is_floating_point():
             raise ValueError(
-                f"a tensor decay must be a 0-dim floating tensor, got {tuple(decay.shape)} {decay.dtype}"
+                f"a tensor decay must be a 0-dim floating tensor, got {decay.shape} {decay.dtype}"
             )
         return decay
     # Inline, not is_real/require: every update runs it (tests/core/test_call_depth.py).
@@ -107,9 +107,8 @@ def validate_pairs(
     seen: dict[int, int] = {}
     for i, (e, m) in enumerate(zip(ema, model)):
         if not isinstance(e, Tensor) or not isinstance(m, Tensor):
-            raise ValueError(
-                f"{_label(i, names)}: expected two tensors, got {type(e).__name__} and {type(m).__name__}"
-            )
+            kinds = f"{type(e).__name__} and {type(m).__name__}"
+            raise ValueError(f"{_label(i, names)}: expected two tensors, got {kinds}")
         if not e.is_floating_point() or not m.is_floating_point():
             raise ValueError(
                 f"{_label(i, names)}: EMA and model tensors must be floating point, "

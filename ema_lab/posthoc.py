@@ -378,7 +378,7 @@ class PostHocEMA(ModelEMA):
             for ema, schedule in zip(self.emas, self.schedules):
                 if schedule.gamma not in saved:
                     raise ValueError(
-                        f"no snapshot of update {updates} with gamma {schedule.gamma!r} in {self.folder}"
+                        f"no snapshot of update {updates}, gamma {schedule.gamma!r} in {self.folder}"
                     )
                 data = _read(saved[schedule.gamma])
                 ema.load_state_dict(data["tensors"])
