@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 
 __all__ = ["unique", "group", "empty_flat", "into_one_buffer", "whole_storage", "tiles_in_order"]
-__all__ += ["USE_COUNT"]
 
 _T = TypeVar("_T")
 
@@ -87,9 +86,3 @@ def tiles_in_order(tensors: Sequence[Tensor], dense: Callable[[Tensor], bool] = 
             return False
         end += t.numel()
     return end * first.element_size() == first.untyped_storage().nbytes()
-
-
-#: A private binding of torch (from 2.1; absent from CPU-only builds before mid-2025): how many tensors hold a
-#: storage. Without it the flat step checks every slot per update, and flatten_model cannot see memory held
-#: outside the model.
-USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)

@@ -155,7 +155,7 @@ class BaseEMA:
             return check_decay(d)
         except (TypeError, ValueError):
             raise ValueError(
-                f"the schedule {schedule!r} gave decay {d!r} at update {n}: not in [0, 1]"
+                f"the schedule {schedule!r} gave decay {d!r} at update {n}, not a number in [0, 1]"
             ) from None
 
     @property

@@ -16,9 +16,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .buffers import USE_COUNT, empty_flat, group, tiles_in_order, unique, whole_storage
+from .buffers import empty_flat, group, tiles_in_order, unique, whole_storage
 
 __all__ = ["flatten_model", "unflatten_model", "flatten_tensors"]
+
+#: A private binding of torch (from 2.1; absent from CPU-only builds before mid-2025): how many tensors hold a
+#: storage. Without it flatten_model cannot see memory held outside the model, and does not check it.
+USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _is_dense(t: Tensor) -> bool:

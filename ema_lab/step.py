@@ -11,9 +11,10 @@ watched module: ``.to()``, ``.half()``, ``p.data = ...`` and ``swap_tensors`` sh
 The flat step keeps each EMA in one buffer per (device, EMA dtype, model dtype) group, one ``lerp_`` or
 ``_foreach_lerp_`` each: ``fused`` (the model's tensors tile one storage, as after ``flatten_model``: one
 ``lerp_``), ``cast`` (another dtype: one ``_foreach_copy_`` into scratch, one ``lerp_``), ``cat``,
-``foreach``, ``cat+foreach`` (small tensors gathered by ``torch.cat``, large ones read as they are). Its flat
-buffers are watched by their storages' reference counts, O(1) each; when a count moved, every slot is
-checked once. A 0-dim tensor decay is a tensor weight: no host sync.
+``foreach``, ``cat+foreach`` (small tensors gathered by ``torch.cat``, large ones read as they are). Its watch
+reads every EMA slot and every model slot not read live (the small 1-D tensors of a ``cat``): a kept
+reference (``kept = ema.ema.state_dict()``) cannot hide a replacement, as a reference count could. A 0-dim
+tensor decay is a tensor weight: no host sync.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _foreach_utils
 
-from .buffers import USE_COUNT, empty_flat, group, into_one_buffer, tiles_in_order, whole_storage
+from .buffers import empty_flat, group, into_one_buffer, tiles_in_order, whole_storage
 from .checks import validate_pairs
 from .gates import foreach_lerp_supported
 from .pairs import Pairs, Slot, local_tensor
@@ -197,9 +198,8 @@ class _FusedGroup(_Group):
     """The model's tensors of the group tile one storage: one ``lerp_`` (after one cast-copy if needed)."""
 
     mode = "fused"
-    checked_slots: list[Slot] = []  # watched by the storages' reference counts instead
 
-    def __init__(self, emas: list[list[Tensor]], model: list[Tensor]) -> None:
+    def __init__(self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot]) -> None:
         self.model = whole_storage(model[0])
         order = sorted(range(len(model)), key=lambda i: model[i].storage_offset())
         self.emas = _buffers(emas, order)  # the model's layout: one lerp_ covers all
@@ -207,7 +207,7 @@ class _FusedGroup(_Group):
         cast = model[0].dtype != first.dtype  # bf16/fp16 model, fp32 EMA
         self.scratch = empty_flat(first.numel(), first.dtype, first.device) if cast else None
         self.source = self.model if self.scratch is None else self.scratch
-        self.storages = [*(e.untyped_storage() for e in self.emas), self.model.untyped_storage()]
+        self.checked_slots = slots
 
     def read(self) -> None:
         if self.scratch is not None:
@@ -226,7 +226,7 @@ class _CastGroup(_Group):
         off = [0, *accumulate(m.numel() for m in model)]
         self.scratch_views = [scratch[a:b].view(m.shape) for a, b, m in zip(off, off[1:], model)]
         self.model, self.source = model, scratch
-        self.storages, self.checked_slots = [e.untyped_storage() for e in self.emas], slots
+        self.checked_slots = slots
 
     def read(self) -> None:
         torch._foreach_copy_(self.scratch_views, self.model)
@@ -253,7 +253,6 @@ class _SameDtypeGroup:
         self.checked_slots = [slots[i] for i in range(len(model)) if i not in live]
         self.mode = "cat+foreach" if small and large else "cat" if small else "foreach"
         self.emas = _buffers(emas, small + large)
-        self.storages = [e.untyped_storage() for e in self.emas]
         numels = [model[i].numel() for i in small]
         ends = [0, *accumulate(numels)]
         # One cat at one thread (or off the CPU); at 2+ threads runs under CAT_RUN_NUMEL (see above).
@@ -351,37 +350,25 @@ class FlatStep:
             es, ms = [[e[i] for i in idx] for e in emas], [mod[i] for i in idx]
             slots = [floats[i].model_slot for i in idx]
             if tiles_in_order(sorted(ms, key=Tensor.storage_offset)):
-                self.groups.append(_FusedGroup(es, ms))
+                self.groups.append(_FusedGroup(es, ms, slots))
             elif ms[0].dtype != es[0][0].dtype:
                 self.groups.append(_CastGroup(es, ms, slots))
             else:
                 self.groups.append(_SameDtypeGroup(es, ms, slots, options.cat_max_numel))
         self.counters = Counters.of(pairs)
         self.modes = [g.mode for g in self.groups]
-        # The model slots read without a view of a watched buffer, checked per step (counters included);
-        # every slot, when a buffer's reference count moved.
-        checked = [slot for g in self.groups for slot in g.checked_slots]
+        # Every slot but the model's live ones (read per update by the gather).
+        checked = [s for e in (*floats, *pairs.counters) for s in e.ema_slots]
+        checked += [slot for g in self.groups for slot in g.checked_slots]
         checked += [e.model_slot for e in pairs.counters]
-        self.checked_slots_watch = Watch(model, checked, pairs.modules)
-        self.all_slots_watch = Watch(model, pairs.slots())
-        self.storages = [s for g in self.groups for s in g.storages]
-        self.counts = self.use_counts()
-
-    def use_counts(self) -> list[int]:
-        """How many tensors (views included) hold each flat buffer now; [] if this torch cannot say."""
-        return [] if USE_COUNT is None else [USE_COUNT(s._cdata) for s in self.storages]
+        self.watch = Watch(model, checked, pairs.modules)
 
     def ready(self, model: nn.Module) -> bool:
-        """Per-slot check of the reads no watched buffer holds, O(1) per flat buffer (every slot if a count
-        moved); then every group gathers the model (False if a live slot holds None or another size, dtype
-        or device): :meth:`apply` updates from what this gathered."""
-        if not self.checked_slots_watch.current(model):
+        """True while every EMA slot and every model slot not read live holds the memory it was built over,
+        once every group has gathered the model (False if a live slot holds None or another size, dtype or
+        device): :meth:`apply` updates from what this gathered."""
+        if not self.watch.current(model):
             return False
-        counts = self.use_counts()
-        if not counts or counts != self.counts:  # [] where torch cannot count: every slot, every update
-            if not self.all_slots_watch.current(model):
-                return False
-            self.counts = counts  # a view made or dropped elsewhere: the new intact state
         try:
             for g in self.groups if self.gathers else ():
                 g.read()

@@ -244,11 +244,15 @@ def test_the_default_reads_every_1d_cat_tensor_live_and_checks_the_rest() -> Non
     one_d = {k for k, v in float_entries(model).items() if v.dim() == 1}
     (group,) = ema._step.groups
     assert sum(len(keys) for _, _, _, keys, _ in group.runs) == len(one_d)  # BatchNorm's vectors, Linear bias
-    # data_ptr() checked: the 5 conv weights and the Linear weight (foreach or N-D), and the 5 counters
-    assert len(ema._step.checked_slots_watch.keys) == len(float_entries(model)) - len(one_d) + 5 == 11
+    # data_ptr() checked: every EMA entry, and of the model's the 5 conv weights and the Linear weight
+    # (foreach or N-D) and the 5 counters
+    assert (
+        len(ema._step.watch.keys) - len(ema.ema.state_dict())
+        == len(float_entries(model)) - len(one_d) + 5
+        == 11
+    )
 
 
-@pytest.mark.requires_torch("2.1", "torch._C._storage_Use_Count")
 @pytest.mark.parametrize(
     "how",
     [
