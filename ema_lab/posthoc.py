@@ -14,6 +14,7 @@ second writer gets a ``ValueError``). Each snapshot names its run; :func:`synthe
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -31,7 +32,7 @@ from torch import Tensor, nn
 
 from .checks import check_gamma, check_int, is_int, key_diff, one_of, require
 from .ema import ModelEMA
-from .schedules import Power, power, sigma_rel_to_gamma
+from .schedules import power, sigma_rel_to_gamma
 
 __all__ = ["PostHocEMA", "power_inner_products", "solve_weights", "synthesize", "Snapshot", "check_folder"]
 __all__ += ["save_step", "list_snapshots", "load_snapshot"]
@@ -350,10 +351,9 @@ class PostHocEMA(ModelEMA):
         snapshot_every: int = 1000,
         updates: int = 0,
     ) -> None:
-        try:  # a list, a tuple, a NumPy array: any non-empty run of numbers
+        lengths = []  # a list, a tuple, a NumPy array: any non-empty run of numbers
+        with contextlib.suppress(TypeError):
             lengths = [] if isinstance(sigma_rels, (str, bytes)) else list(sigma_rels)
-        except TypeError:
-            lengths = []
         if not lengths:
             raise ValueError(f"sigma_rels must be a non-empty sequence of lengths, got {sigma_rels!r}")
         schedules = [power(sigma_rel=s) for s in lengths]
@@ -371,7 +371,6 @@ class PostHocEMA(ModelEMA):
                 "update> or give an empty folder"
             )
         super().__init__(model, decay=schedules, updates=updates, strategy="flat")
-        self.schedules: list[Power]
         self.run, self.saved = secrets.token_hex(8), updates  # the last update this run saved (or resumed at)
         if updates:
             saved = {s.gamma: s for s in listed if s.step == updates}
@@ -408,16 +407,10 @@ class PostHocEMA(ModelEMA):
         holds a later update than this run saved (another run writes there)."""
         later = [s.step for s in list_snapshots(self.folder) if s.step > self.saved]
         if later:
-            raise ValueError(
-                f"{self.folder} holds update {max(later)}, after run {self.run}'s last save ({self.saved}): "
-                "another run writes there; give each run its own folder"
-            )
-        save_step(
-            self.folder,
-            self.updates,
-            {s.gamma: e.state_dict() for e, s in zip(self.emas, self.schedules)},
-            self.run,
-        )
+            why = f"after run {self.run}'s last save ({self.saved}): another run writes there"
+            raise ValueError(f"{self.folder} holds update {max(later)}, {why}; give each run its own folder")
+        states = {s.gamma: e.state_dict() for e, s in zip(self.emas, self.schedules)}
+        save_step(self.folder, self.updates, states, self.run)
         self.saved = self.updates
 
     def state_dict(self) -> dict:

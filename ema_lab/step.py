@@ -183,53 +183,32 @@ def fused_foreach_devices() -> list[str]:
     return ["cuda"] if listed is None else listed()
 
 
-class _Group:
-    """A group moves each EMA's buffer (``emas``, laid out alike) towards ``source`` (what ``read`` left)."""
+class _OneLerpGroup:
+    """One ``lerp_`` over each EMA's whole buffer: ``fused`` (the model's tensors tile one storage; one
+    cast-copy into scratch first if the dtypes differ) or ``cast`` (another dtype: one ``_foreach_copy_``
+    casts the model into scratch)."""
 
-    emas: list[Tensor]
-    source: Tensor
+    def __init__(self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], fused: bool) -> None:
+        order = sorted(range(len(model)), key=lambda i: model[i].storage_offset()) if fused else None
+        self.emas = _buffers(
+            emas, order or range(len(model))
+        )  # fused: the model's layout, one lerp_ covers all
+        first, self.checked_slots, self.mode = self.emas[0], slots, "fused" if fused else "cast"
+        self.model = whole_storage(model[0]) if fused else model
+        same = fused and model[0].dtype == first.dtype
+        self.source = self.model if same else empty_flat(first.numel(), first.dtype, first.device)
+        off = [0, *accumulate(m.numel() for m in model)]
+        self.views = [] if fused else [self.source[a:b].view(m.shape) for a, b, m in zip(off, off[1:], model)]
+
+    def read(self) -> None:
+        if self.mode == "cast":
+            torch._foreach_copy_(self.views, self.model)
+        elif self.source is not self.model:  # a bf16/fp16 model, an fp32 EMA
+            self.source.copy_(self.model)
 
     def lerp(self, k: int, weight: float | Tensor) -> None:
         """``e += weight * (m - e)`` over EMA ``k``'s whole buffer: one ``lerp_``."""
         self.emas[k].lerp_(self.source, weight)
-
-
-class _FusedGroup(_Group):
-    """The model's tensors of the group tile one storage: one ``lerp_`` (after one cast-copy if needed)."""
-
-    mode = "fused"
-
-    def __init__(self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot]) -> None:
-        self.model = whole_storage(model[0])
-        order = sorted(range(len(model)), key=lambda i: model[i].storage_offset())
-        self.emas = _buffers(emas, order)  # the model's layout: one lerp_ covers all
-        first = self.emas[0]
-        cast = model[0].dtype != first.dtype  # bf16/fp16 model, fp32 EMA
-        self.scratch = empty_flat(first.numel(), first.dtype, first.device) if cast else None
-        self.source = self.model if self.scratch is None else self.scratch
-        self.checked_slots = slots
-
-    def read(self) -> None:
-        if self.scratch is not None:
-            self.scratch.copy_(self.model)
-
-
-class _CastGroup(_Group):
-    """Model dtype differs from the EMA's: one ``_foreach_copy_`` casts into scratch, then one ``lerp_``."""
-
-    mode = "cast"
-
-    def __init__(self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot]) -> None:
-        self.emas = _buffers(emas, range(len(model)))
-        first = self.emas[0]
-        scratch = empty_flat(first.numel(), first.dtype, first.device)
-        off = [0, *accumulate(m.numel() for m in model)]
-        self.scratch_views = [scratch[a:b].view(m.shape) for a, b, m in zip(off, off[1:], model)]
-        self.model, self.source = model, scratch
-        self.checked_slots = slots
-
-    def read(self) -> None:
-        torch._foreach_copy_(self.scratch_views, self.model)
 
 
 class _SameDtypeGroup:
@@ -344,15 +323,14 @@ class FlatStep:
         mod = [m.detach() for m in pairs.model_floats()]
         emas = [pairs.ema_floats(k) for k in range(pairs.count)]
         validate_pairs(emas[0], mod, [e.key for e in floats])
-        self.groups: list[_FusedGroup | _CastGroup | _SameDtypeGroup] = []
+        self.groups: list[_OneLerpGroup | _SameDtypeGroup] = []
         first = emas[0]
         for idx in group(range(len(floats)), lambda i: (first[i].device, first[i].dtype, mod[i].dtype)):
             es, ms = [[e[i] for i in idx] for e in emas], [mod[i] for i in idx]
             slots = [floats[i].model_slot for i in idx]
-            if tiles_in_order(sorted(ms, key=Tensor.storage_offset)):
-                self.groups.append(_FusedGroup(es, ms, slots))
-            elif ms[0].dtype != es[0][0].dtype:
-                self.groups.append(_CastGroup(es, ms, slots))
+            fused = tiles_in_order(sorted(ms, key=Tensor.storage_offset))
+            if fused or ms[0].dtype != es[0][0].dtype:
+                self.groups.append(_OneLerpGroup(es, ms, slots, fused))
             else:
                 self.groups.append(_SameDtypeGroup(es, ms, slots, options.cat_max_numel))
         self.counters = Counters.of(pairs)
