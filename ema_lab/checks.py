@@ -94,12 +94,8 @@ def validate_pairs(
     *,
     same_dtype: bool = False,
 ) -> None:
-    """Raise ``ValueError`` naming the first bad pair; touch nothing.
-
-    Checks: equal list lengths, tensors on both sides, floating dtypes, equal shapes and devices,
-    equal dtypes when ``same_dtype``, and no EMA tensor listed twice (tied weights would be
-    decayed twice per step).
-    """
+    """Raise ``ValueError`` naming the first bad pair, touching nothing: equal lengths, floating tensors of
+    equal shapes and devices (and dtypes, when ``same_dtype``), no EMA tensor twice (decayed twice)."""
     if len(ema) != len(model):
         raise ValueError(f"got {len(ema)} EMA tensors but {len(model)} model tensors")
     if names is not None and len(names) != len(ema):
@@ -110,10 +106,8 @@ def validate_pairs(
             kinds = f"{type(e).__name__} and {type(m).__name__}"
             raise ValueError(f"{_label(i, names)}: expected two tensors, got {kinds}")
         if not e.is_floating_point() or not m.is_floating_point():
-            raise ValueError(
-                f"{_label(i, names)}: EMA and model tensors must be floating point, "
-                f"got EMA {e.dtype} and model {m.dtype}"
-            )
+            dtypes = f"got EMA {e.dtype} and model {m.dtype}"
+            raise ValueError(f"{_label(i, names)}: EMA and model tensors must be floating point, {dtypes}")
         if e.shape != m.shape or e.device != m.device or (same_dtype and e.dtype != m.dtype):
             raise ValueError(f"{_label(i, names)}: EMA {_describe(e)} does not match model {_describe(m)}")
         if e.numel():

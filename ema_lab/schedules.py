@@ -61,10 +61,8 @@ class _Schedule:
 
 @dataclass(frozen=True, repr=False)
 class Ramp(_Schedule):
-    """ultralytics' ramp ``decay * (1 - exp(-n / tau))``: what ``ModelEMA(decay=<a number>, tau)`` runs.
-
-    Matches ``ultralytics.utils.torch_utils.ModelEMA(model, decay, tau)``'s ``ema.decay(n)`` bit for bit.
-    """
+    """ultralytics' ramp ``decay * (1 - exp(-n / tau))``, what ``ModelEMA(decay=<a number>, tau)`` runs:
+    ``ultralytics.utils.torch_utils.ModelEMA(model, decay, tau)``'s ``ema.decay(n)``, bit for bit."""
 
     decay: float = 0.9999
     tau: float = 2000
@@ -75,7 +73,6 @@ class Ramp(_Schedule):
         require(is_real(self.tau) and self.tau > 0, "tau", self.tau, "a positive number")
 
     def at(self, n: int) -> float:
-        """The decay of update ``n``."""
         return self.decay * (1 - math.exp(-n / self.tau))
 
 
@@ -102,7 +99,6 @@ class Warmup(_Schedule):
         require(is_real(self.power) and self.power > 0, "power", self.power, "a positive number")
 
     def at(self, n: int) -> float:
-        """The decay of update ``n``."""
         s = n - self.after - 1
         if s <= 0:
             return 0.0
@@ -122,16 +118,13 @@ class Constant(_Schedule):
         _check_decays(self.decay, 0.0, self.after)
 
     def at(self, n: int) -> float:
-        """The decay of update ``n``."""
         return 0.0 if n - self.after - 1 <= 0 else float(self.decay)
 
 
 @dataclass(frozen=True, repr=False)
 class Harmonic(_Schedule):
-    """``(1 + s) / (10 + s)`` in [min_decay, decay], ``s = n - after - 1``.
-
-    Matches diffusers ``EMAModel(use_ema_warmup=False, decay, min_decay, update_after_step=after)``.
-    """
+    """``(1 + s) / (10 + s)`` in [min_decay, decay], ``s = n - after - 1``: diffusers
+    ``EMAModel(use_ema_warmup=False, decay, min_decay, update_after_step=after)``."""
 
     decay: float = 0.9999
     min_decay: float = 0.0
@@ -141,7 +134,6 @@ class Harmonic(_Schedule):
         _check_decays(self.decay, self.min_decay, self.after)
 
     def at(self, n: int) -> float:
-        """The decay of update ``n``."""
         s = n - self.after - 1
         if s <= 0:
             return 0.0
@@ -163,7 +155,6 @@ class Power(_Schedule):
         return gamma_to_sigma_rel(self.gamma)
 
     def at(self, n: int) -> float:
-        """The decay of update ``n``."""
         return (1 - 1 / n) ** (self.gamma + 1)
 
 
