@@ -75,7 +75,11 @@ def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tenso
 
 
 def weight_of(decay: float | Tensor) -> float | Tensor:
-    """The lerp weight of a checked decay, ``1 - decay``: a float in double precision, or a 0-dim tensor."""
+    """The lerp weight of a checked decay, ``1 - decay``: a float in double precision, or a 0-dim tensor
+    clamped to [0, 1] on its device, NaN taken as 0 (a bad tensor decay keeps the EMA within what it has
+    seen and never poisons it; refusing it would need its value on the host: a sync per update)."""
+    if isinstance(decay, Tensor):
+        return (1.0 - decay).nan_to_num_(0.0).clamp_(0.0, 1.0)
     return 1.0 - decay
 
 
@@ -110,6 +114,11 @@ def validate_pairs(
             raise ValueError(f"{_label(i, names)}: EMA and model tensors must be floating point, {dtypes}")
         if e.shape != m.shape or e.device != m.device or (same_dtype and e.dtype != m.dtype):
             raise ValueError(f"{_label(i, names)}: EMA {_describe(e)} does not match model {_describe(m)}")
+        if e.is_meta:  # every meta tensor's data_ptr() is 0: without this, "tied weights?" below
+            raise ValueError(
+                f"{_label(i, names)} is on the meta device (no values): build the EMA once the model's "
+                "weights are materialized (model.to_empty(device=...), then load or initialize them)"
+            )
         if e.numel():
             ptr = e.data_ptr()
             if ptr in seen:

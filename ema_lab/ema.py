@@ -137,7 +137,10 @@ class BaseEMA:
 
     @ema.setter
     def ema(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ema must be a torch.nn.Module, got {type(module).__name__}")
         self.emas[0] = module
+        self._step = None  # the cached step moves the old module: the next update() builds one over this one
 
     # The name torch's AveragedModel and timm's EMAs give it: timm's unwrap_model and CheckpointSaver read it.
     module = ema
@@ -182,15 +185,14 @@ class BaseEMA:
         """Move every EMA one step towards ``model`` (wrapped models are unwrapped).
 
         ``decay`` overrides the schedules for this step (with ``every=k``: for the k steps at once); with
-        "flat" it may be a 0-dim tensor on the model's device: no host sync, no recompiles. With
+        "flat" it may be a 0-dim tensor on the model's device: no host sync, no recompiles, and so no check
+        of its value either: it is used clamped to [0, 1], NaN as 1 (the EMA keeps its weights). With
         ``every=k`` only every k-th call updates, by the product of the k decays (the others only count).
         """
         if not self.enabled:
             return
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not self.ranks_checked:  # once: buffers that DDP/FSDP2 ranks compute apart need sync_buffers()
-            self._warn_unsynced(model)
         if decay is not None:
             decay = check_decay(decay, self._step_type.tensor_decay)
         n = self.updates + 1
@@ -208,6 +210,8 @@ class BaseEMA:
             decays.append(d)
             weights.append(weight_of(d))  # 1 - decay, once
         model = unwrap_model(model)
+        if not self.ranks_checked:  # once: buffers that the ranks compute apart need sync_buffers()
+            self._warn_unsynced(model)
         with torch.no_grad():
             step = self._step
             if step is None or not step.ready(model):  # stale, or a live read no longer fits: rebuilt
@@ -251,18 +255,27 @@ class BaseEMA:
                     b.copy_(piece.view_as(b))  # in place: the EMA's cached step keeps its tensors
 
     def _warn_unsynced(self, model: nn.Module) -> None:
-        """Warn, once, when the EMA averages buffers that the ranks of a DDP or FSDP2 run compute apart."""
+        """Warn, once, when the EMA averages float buffers that the ranks compute apart: in a default group of
+        more than one rank, whatever reaches ``update()`` (a DDP wrapper, ``ddp.module``, a LightningModule),
+        a rank-local buffer (not SyncBatchNorm's) that differs from the model's, i.e. that a forward changed
+        since the EMA was made (a constant buffer is alike on every rank). One comparison per buffer, once."""
         self.ranks_checked = True
-        distributed = isinstance(model, nn.parallel.DistributedDataParallel) or self.sharded
+        if _world_size() == 1:
+            return
         # SyncBatchNorm reduces its batch statistics over the ranks: its buffers are equal on every rank.
-        norms = [m for e in self.emas for m in e.modules() if isinstance(m, nn.SyncBatchNorm)]
-        synced = {id(t) for m in norms for t in m.buffers()}
-        if distributed and _world_size() > 1 and any(id(t) not in synced for t in self.rank_local_tensors()):
+        synced = {id(t) for m in self.ema.modules() if isinstance(m, nn.SyncBatchNorm) for t in m.buffers()}
+        local = {id(t) for t in self.rank_local_tensors()} - synced
+        now = model.state_dict(keep_vars=True)
+        mine = self.ema.state_dict(keep_vars=True).items()
+        moved = [
+            k for k, t in mine if id(t) in local and k in now and not torch.equal(t, now[k].detach().to(t))
+        ]
+        if moved:
             warnings.warn(
-                f"{type(self).__name__}: each rank updates the model's float buffers (BatchNorm's running "
-                "statistics) from its own batch, so the EMA's buffers differ between ranks; call "
-                "ema.sync_buffers() on every rank before you evaluate or save the EMA (an EMA kept on one "
-                "rank only holds that rank's)",
+                f"{type(self).__name__}: each rank updates the model's float buffers ({moved[0]!r}: "
+                "BatchNorm's running statistics) from its own batch, so the EMA's buffers differ between "
+                "ranks; call ema.sync_buffers() on every rank before you evaluate or save the EMA (an EMA "
+                "kept on one rank only holds that rank's)",
                 stacklevel=3,
             )
 
@@ -320,6 +333,9 @@ class ModelEMA(BaseEMA):
     buffer (clone the subset first). Under DDP call ``ema.sync_buffers()`` on every rank before evaluating or
     saving. ``cat_max_numel``: smaller model tensors are gathered by ``torch.cat``. ``cuda_graph=True`` (one
     CUDA device, "flat"): the update is replayed from a CUDA graph (:mod:`ema_lab.graph_step`).
+
+    Not thread-safe: call ``update()`` from one thread at a time (two threads updating one EMA lose update
+    counts and interleave the step's writes; use a lock), and read ``.ema`` between updates.
     """
 
     def _average_of(self, model: nn.Module) -> nn.Module:
