@@ -226,14 +226,10 @@ class BaseEMA:
         return [t for t in found if t.is_floating_point() and not hasattr(t, "placements")]
 
     def sync_buffers(self, src: int = 0, group: object = None) -> None:
-        """Overwrite every rank's EMA float buffers with rank ``src``'s (of ``group``, by default the world):
-        a collective, call it on every rank before evaluating or saving.
-
-        Under DDP and FSDP2 each rank's BatchNorm updates its buffers from its own batch, so the EMA's
-        buffers differ between ranks. Not inside ``update()``: a collective there would hang where the EMA
-        lives on one rank, and cost one per step for what an evaluation reads once. One coalesced
-        ``broadcast`` per (dtype, device); none outside torch.distributed or on one rank.
-        """
+        """Overwrite every rank's EMA float buffers with rank ``src``'s (of ``group``, default the world): a
+        collective, on every rank before evaluating or saving (each rank's BatchNorm updates its buffers from
+        its own batch). Not in ``update()``: it would hang where the EMA lives on one rank, and cost one per
+        step. One coalesced ``broadcast`` per (dtype, device); none off torch.distributed or on one rank."""
         if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
             raise TypeError(
                 f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"

@@ -66,16 +66,9 @@ def _by_storage(named: Sequence[tuple[str, Tensor]]) -> dict[int, list[tuple[str
     for name, t in named:
         out.setdefault(_storage_key(t), []).append((name, t))
     for on_one in out.values():
-        spans = sorted(  # by start, then in the model's order (names reported in that order)
-            (
-                t.storage_offset() * t.element_size(),
-                i,
-                (t.storage_offset() + t.numel()) * t.element_size(),
-                name,
-            )
-            for i, (name, t) in enumerate(on_one)
-            if t.numel()
-        )
+        bytes_at = [(t.storage_offset() * t.element_size(), t.numel() * t.element_size()) for _, t in on_one]
+        # By start, then in the model's order (names reported in that order).
+        spans = sorted((a, i, a + n, on_one[i][0]) for i, (a, n) in enumerate(bytes_at) if n)
         for (_, _, end, a), (start, _, _, b) in zip(spans, spans[1:]):
             if start < end:  # sorted by start: if any two spans overlap, two neighbours do
                 raise ValueError(
@@ -194,10 +187,7 @@ def _model_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
 
 
 def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Move each (device, dtype) group of ``tensors`` into one new buffer; return the buffers.
-
-    The checks and guarantees of :func:`flatten_model`, the tensors named by their place in ``tensors``.
-    """
+    """:func:`flatten_model` for a list of tensors (named by their place in it); returns the buffers."""
     return _flatten(_named(tensors))
 
 

@@ -52,11 +52,8 @@ _TMP = re.compile(r"\.step-\d+\.(.+)\.(\d+)\.[0-9a-f]+\.tmp")  # .step-<step>.<h
 
 
 def power_inner_products(t_a: Tensor, gamma_a: Tensor, t_b: Tensor, gamma_b: Tensor) -> Tensor:
-    """Inner products of the normalized power profiles ``(g + 1) / t * (x / t) ** g`` on ``[0, t]``.
-
-    Broadcasts; EDM2's ``power_function_correlation`` in another form: the integral of the product ends at the
-    shorter profile's end, where the longer one has fallen to ``(t_short / t_long) ** g_long``.
-    """
+    """Inner products of the normalized power profiles ``(g + 1) / t * (x / t) ** g`` on ``[0, t]``
+    (broadcasting; EDM2's ``power_function_correlation``: the integral ends with the shorter profile)."""
     t_short, t_long = torch.minimum(t_a, t_b), torch.maximum(t_a, t_b)
     g_long = torch.where(t_a > t_b, gamma_a, gamma_b)
     return (gamma_a + 1) * (gamma_b + 1) / (gamma_a + gamma_b + 1) * (t_short / t_long) ** g_long / t_long
@@ -154,15 +151,11 @@ def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
 def save_step(
     folder: str | os.PathLike, step: int, states: Mapping[float, Mapping[str, Tensor]], run: str | None = None
 ) -> Path:
-    """Save the snapshots of every profile of update ``step`` (gamma -> the EMA's tensors, moved to the CPU),
-    each naming ``run``, as ``folder/step-<step>/``, complete or not at all; returns that path.
-
-    A step saved once is never replaced: a second save of it (a retry of a save that succeeded, another
-    process saving the same step) raises ValueError and changes nothing; in a run of several processes only
-    one saves (rank 0), or each to its own folder. A failed save leaves no trace of the step to a reader, so a
-    retry saves it whole; a killed one may leave a hidden ``.step-*.tmp`` folder, which :func:`check_folder`
-    removes. A subset of views of one storage (a flat EMA's state_dict) stores all of it: clone them first.
-    """
+    """Save every profile of update ``step`` (gamma -> the EMA's tensors, moved to the CPU), each naming
+    ``run``, as ``folder/step-<step>/``, complete or not at all; returns that path. A saved step is never
+    replaced (a second save raises ValueError: in a run of several processes only rank 0 saves, or each to
+    its own folder); a failed one leaves no trace to a reader (a killed one a hidden ``.step-*.tmp`` folder,
+    which :func:`check_folder` removes). A subset of views of one storage stores all of it: clone it first."""
     check_step("step", step)
     if not (isinstance(states, Mapping) and states):
         raise ValueError(f"states must be a non-empty dict of gamma -> tensors, got {type(states).__name__}")
@@ -251,12 +244,11 @@ def _read(snapshot: Snapshot) -> dict:
         raise ValueError(f"{path} is not a readable snapshot ({_first_line(e)})") from None
     if not (isinstance(data, dict) and data.keys() == FIELDS.keys()):
         raise ValueError(f"{path} is not an ema_lab snapshot file (no {FORMAT!r} payload)")
-    if data["format"] != FORMAT:
-        shown = data["format"] if isinstance(data["format"], str) else f"a {type(data['format']).__name__}"
-        raise ValueError(f"{path} is in format {shown!r}; this version reads {FORMAT!r}")
     wrong = [k for k, kind in FIELDS.items() if not isinstance(data[k], kind) or isinstance(data[k], bool)]
     if wrong:
         raise ValueError(f"{path} holds a {type(data[wrong[0]]).__name__} as its {wrong[0]}")
+    if data["format"] != FORMAT:
+        raise ValueError(f"{path} is in format {data['format']!r}; this version reads {FORMAT!r}")
     if (data["step"], data["gamma"]) != (snapshot.step, snapshot.gamma):
         raise ValueError(
             f"{path} holds step {data['step']}, gamma {data['gamma']!r}; its name says step {snapshot.step}"
@@ -335,12 +327,10 @@ class PostHocEMA(ModelEMA):
     default), all moved by one step from one read of the model; every ``snapshot_every`` updates all are
     saved in ``folder``, and :meth:`synthesize` then makes the EMA of any length after training.
 
-    ``.emas`` holds the EMA modules and ``.schedules`` their :func:`~ema_lab.schedules.power` schedules, in
-    the order of ``sigma_rels``; ``.ema`` is the first. The lengths must be distinct and in (0, 0.2887]
-    (checked before anything is made). ``.run`` names the run in every snapshot. ``updates=N`` resumes a run
-    from its snapshots of update N (a folder holding later ones, another run's, is refused); then
-    :meth:`load_state_dict` continues from a checkpoint bit for bit. A snapshot is never written over. An
-    update whose snapshots fail to save is undone (the EMAs and ``updates`` as before), its error raised.
+    ``.emas`` and ``.schedules`` (:func:`~ema_lab.schedules.power`) follow ``sigma_rels`` (distinct, in
+    (0, 0.2887]); ``.ema`` is the first; ``.run`` names the run in every snapshot. ``updates=N`` resumes from
+    the snapshots of update N (a folder holding later ones, another run's, is refused), then
+    :meth:`load_state_dict` continues from a checkpoint bit for bit. An update whose save fails is undone.
     """
 
     def __init__(

@@ -96,11 +96,8 @@ def loop_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, name
 
 
 def foreach_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, names: Names = None) -> None:
-    """The post-change fast path: one ``torch._foreach_lerp_(ema, model, 1 - d)`` call.
-
-    Every pair must agree in dtype (``_foreach_lerp_`` raises otherwise, after updating the
-    pairs before the bad one); this checks that first and raises ``ValueError`` instead.
-    """
+    """The post-change fast path: one ``torch._foreach_lerp_(ema, model, 1 - d)``; pairs of mixed dtypes
+    are refused first (``_foreach_lerp_`` would raise after updating the pairs before the bad one)."""
     _run("foreach", ema_tensors, model_tensors, decay, names)
 
 

@@ -85,6 +85,7 @@ def test_cuda_graph_replays_the_eager_flat_step_bit_for_bit(layout: str, device:
         _shift(model, 0.25 * (i + 1))
         graphed.update(model)
         eager.update(model)
+    # The step's private replay: this test is about the recording.
     assert graphed.rebuilds == 1 and graphed._step.replay is not None  # recorded once, replayed 5 times
     assert graphed.modes == eager.modes
     want = eager.ema.state_dict()
@@ -176,5 +177,5 @@ def test_cuda_graph_recording_that_fails_raises_the_error_of_the_update() -> Non
         raise ValueError("the update's own error")
 
     with pytest.raises(ValueError, match="the update's own error"):
-        graph_step._record(body, torch.device("cuda"))
+        graph_step._record(body, torch.device("cuda"))  # the private recorder: this test is about it
     torch.cuda.synchronize()  # nothing left capturing

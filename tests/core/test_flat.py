@@ -362,7 +362,7 @@ def test_converting_only_the_buffers_of_a_flattened_model_is_detected():
 
 def test_cat_runs_stay_under_the_grain_and_cover_every_tensor_in_order() -> None:
     numels = [1000] * 70 + [30000, 5, 40000, 7]
-    runs = flat_step._runs(numels, 32768)
+    runs = flat_step._runs(numels, 32768)  # the private run splitter: this test is about it
     assert [i for r in runs for i in r] == list(range(len(numels)))
     assert all(sum(numels[i] for i in r) < 32768 or len(r) == 1 for r in runs)
     assert [len(r) for r in runs] == [32, 32, 6, 2, 1, 1]  # a 33rd 1000 would reach 32768; 40000 runs alone
@@ -385,7 +385,10 @@ def test_the_cat_part_gives_the_same_bits_built_at_one_and_two_threads() -> None
             e.update(model, decay=0.9)
     finally:
         torch.set_num_threads(before)
-    assert [len(e._step.groups[0].runs) for e in emas] == [1, 9]
+    assert [len(e._step.groups[0].runs) for e in emas] == [
+        1,
+        9,
+    ]  # the step's private runs: this test's subject
     for (k, a), b in zip(emas[0].ema.state_dict().items(), emas[1].ema.state_dict().values()):
         assert torch.equal(a, b), k
 

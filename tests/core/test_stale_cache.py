@@ -403,7 +403,7 @@ def test_an_ema_unpickled_where_no_ema_was_made_still_sees_a_replaced_module(mon
     ema = ModelEMA(model)
     ema.update(model)
     blob = pickle.dumps(ema)
-    for handle in step._hooks:  # as in a fresh process
+    for handle in step._hooks:  # as in a fresh process (the private hook list: this test is about it)
         handle.remove()
     monkeypatch.setattr(step, "_hooks", [])
     fresh = pickle.loads(blob)
