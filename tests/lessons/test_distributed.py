@@ -248,16 +248,18 @@ def test_the_warning_leaves_out_syncbatchnorm_whose_buffers_are_equal_on_every_r
             nn.Module.__init__(self)
             self.module = module
 
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # a two-rank run, as torch says
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     for norm, warns in ((nn.SyncBatchNorm(4), False), (nn.BatchNorm1d(4), True)):
         model = nn.Sequential(nn.Linear(3, 4), norm)
         ema = ModelEMA(model)
         model(torch.randn(8, 3))  # a forward moves the statistics (SyncBatchNorm's alike on every rank)
+        # Then a two-rank run, as torch says (patched after the forward: SyncBatchNorm would sync on a GPU).
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ema.update(Wrapped(model))
         assert len(caught) == warns, (norm, [str(w.message) for w in caught])
+        monkeypatch.undo()
 
 
 # --- the command line, failures, skips -------------------------------------------------------------------
