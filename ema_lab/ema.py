@@ -323,7 +323,8 @@ class ModelEMA(BaseEMA):
     ``p.data = ...``, ``swap_tensors``, a new parameter), non-float entries are copied, tied weights averaged
     once, and a failed update changes nothing. It holds no view of a module tensor (``swap_tensors`` works).
 
-    ``decay``: a number in [0, 1] (ultralytics' ramp, with ``tau``) or a schedule (:mod:`ema_lab.schedules`).
+    ``decay``: a number in [0, 1] (ultralytics' ramp, with ``tau``), a schedule (:mod:`ema_lab.schedules`) or
+    a list of schedules (one EMA each, ``.emas``, all moved by one step from one read of the model).
     ``every=k``: update on every k-th call only. With "flat" (what "auto" picks for ordinary tensors) the EMA
     module's tensors are views of one buffer per group: saving a *subset* of its state_dict stores the whole
     buffer (clone the subset first). Under DDP call ``ema.sync_buffers()`` on every rank before evaluating or
