@@ -8,8 +8,8 @@ float buffers from one rank, one collective per dtype: call it on every rank bef
 
 Why not inside ``update()``: a collective there would hang (or pair with DDP's own broadcast of the next
 forward) where the EMA lives on rank 0 only, and it would cost a collective on every step for what is read
-once an evaluation; ``update()`` stays local. :func:`warn_unsynced` makes the call hard to forget: the first
-update that averages such buffers warns once, naming it.
+once an evaluation; ``update()`` stays local. :func:`warn_unsynced` makes the call hard to forget: in a
+process group of more than one rank, the first update that averages such buffers warns once, naming it.
 """
 
 from __future__ import annotations
