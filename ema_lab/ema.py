@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from copy import deepcopy
 from dataclasses import is_dataclass
 from functools import partial
+from itertools import zip_longest
 
 import torch
 import torch.distributed as dist
@@ -292,7 +293,9 @@ class BaseEMA:
             if state[key] != own[key]:
                 raise ValueError(f"the checkpoint's {key} is {state[key]!r}, this EMA's {own[key]!r}")
         check_int("updates", state["updates"], 0)
-        for saved, mine in zip(state["emas"], own["emas"]):
+        emas = state["emas"] if isinstance(state["emas"], list) else []
+        for saved, mine in zip_longest(emas, own["emas"], fillvalue={}):  # one more or fewer: all differ
+            saved = saved if isinstance(saved, dict) else {}
             shape = {k: getattr(v, "shape", None) for k, v in saved.items()}  # a non-tensor: None
             diff = [k for k in {**shape, **mine} if shape.get(k) != getattr(mine.get(k), "shape", None)]
             if diff:

@@ -178,6 +178,14 @@ def test_what_is_not_a_state_dict_is_refused(state: object, match: str) -> None:
     _refused(ModelEMA(build("tiny_cnn")), state, match)
 
 
+@pytest.mark.parametrize("emas", [[], [None], "ema", "two"], ids=["none", "not a dict", "not a list", "two"])
+def test_a_checkpoint_holding_other_emas_is_refused(emas: object) -> None:
+    model = build("tiny_cnn")
+    state = _checkpoint(model)
+    state["emas"] = state["emas"] * 2 if emas == "two" else emas
+    _refused(ModelEMA(build("tiny_cnn")), state, r"^the checkpoint is another model's: entries \[")
+
+
 def test_a_negative_update_count_is_refused() -> None:
     model = build("tiny_cnn")
     state = {**_checkpoint(model), "updates": -1}
