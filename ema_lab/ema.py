@@ -183,13 +183,11 @@ class BaseEMA:
         return step
 
     def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:
-        """Move every EMA one step towards ``model`` (wrapped models are unwrapped).
-
-        ``decay`` overrides the schedules for this step (with ``every=k``: for the k steps at once); with
-        "flat" it may be a 0-dim tensor on the model's device: no host sync, no recompiles, and so no check
-        of its value either: it is used clamped to [0, 1], NaN as 1 (the EMA keeps its weights). With
-        ``every=k`` only every k-th call updates, by the product of the k decays (the others only count).
-        """
+        """Move every EMA one step towards ``model`` (wrapped models are unwrapped). ``decay`` overrides the
+        schedules for this step (with ``every=k``: the k steps'); with "flat" it may be a 0-dim tensor on the
+        model's device: no host sync, no recompiles, so no check of its value either: it is used clamped to
+        [0, 1], NaN as 1 (the EMA keeps its weights). With ``every=k`` only every k-th call updates, by the
+        product of the k decays (the others only count)."""
         if not self.enabled:
             return
         if not isinstance(model, nn.Module):

@@ -163,13 +163,10 @@ ramp, warmup, constant, harmonic = Ramp, Warmup, Constant, Harmonic
 
 
 def power(gamma: float | None = None, *, sigma_rel: float | None = None) -> Power:
-    """Karras et al. 2024's power-function EMA ``(1 - 1 / n) ** (gamma + 1)``, by gamma or sigma_rel.
-
-    Matches EDM2's ``power_function_beta(std=sigma_rel, t_next=n, t_delta=1)``. ema-pytorch
-    ``KarrasEMA(gamma=gamma, update_every=1)`` applies this schedule's value at ``n + 1`` on its n-th call
-    (its counter starts at 0 after a copy). Updated every k steps, apply :func:`decay_over` (the k-step
-    product ``((n - k) / n) ** (gamma + 1)``) to keep the profile.
-    """
+    """Karras et al. 2024's power-function EMA ``(1 - 1 / n) ** (gamma + 1)``, by gamma or sigma_rel: EDM2's
+    ``power_function_beta(std=sigma_rel, t_next=n, t_delta=1)``; ema-pytorch ``KarrasEMA(gamma=gamma,
+    update_every=1)`` applies its value at ``n + 1`` on its n-th call (its counter starts at 0 after a copy).
+    Updated every k steps, :func:`decay_over` (``((n - k) / n) ** (gamma + 1)``) keeps the profile."""
     one_of("gamma", gamma, "sigma_rel", sigma_rel)
     return Power(sigma_rel_to_gamma(sigma_rel) if gamma is None else gamma)
 
@@ -186,13 +183,10 @@ _TINY_SIGMA_REL = 1e-150
 
 
 def sigma_rel_to_gamma(sigma_rel: float) -> float:
-    """The gamma whose profile has relative length ``sigma_rel`` (EDM2's std_to_exp, Algorithm 2).
-
-    The largest real root of ``g**3 + 7 g**2 + (16 - t) g + 12 - t``, ``t = sigma_rel ** -2``, by Newton's
-    method from ``sqrt(t)``: the cubic is convex and positive there, so the iterates fall to the root. For
-    ``sigma_rel`` under 1e-150 (where ``t`` overflows) the root's expansion ``1 / sigma_rel - 3`` is exact to
-    double precision.
-    """
+    """The gamma whose profile has relative length ``sigma_rel`` (EDM2's std_to_exp, Algorithm 2): the largest
+    real root of ``g**3 + 7 g**2 + (16 - t) g + 12 - t``, ``t = sigma_rel ** -2``, by Newton's method from
+    ``sqrt(t)`` (the cubic is convex and positive there: the iterates fall to the root). Under 1e-150 (where
+    ``t`` overflows) the root's expansion ``1 / sigma_rel - 3`` is exact to double precision."""
     ok = is_real(sigma_rel) and 0 < sigma_rel <= MAX_SIGMA_REL
     require(ok, "sigma_rel", sigma_rel, f"in (0, {MAX_SIGMA_REL!r}] (gamma >= 0)")
     sigma_rel = float(sigma_rel)  # a numpy float32 would run Newton's method (and give gamma) in float32

@@ -213,11 +213,8 @@ class _OneLerpGroup:
 
 class _SameDtypeGroup:
     """Same dtype: the small tensors (first in the buffer) by ``torch.cat`` runs, the large read as they are.
-
-    The small 1-D tensors (BatchNorm's vectors, biases) are read live from their module slots by
-    :meth:`read`, with no ``data_ptr()`` check: whatever a slot holds now is what is read, and one that
-    changed size, dtype or device fails the gather, before anything is written.
-    """
+    The small 1-D ones (BatchNorm's vectors, biases) are read live from their slots, unwatched: one that
+    changed size, dtype or device fails the gather, before anything is written."""
 
     def __init__(
         self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], cat_max_numel: int
@@ -271,11 +268,9 @@ class _SameDtypeGroup:
         self.sources = gathered + self.large
 
     def lerp(self, k: int, weight: float | Tensor) -> None:
-        """``e += weight * (m - e)`` over EMA ``k``'s targets: one ``_foreach_lerp_`` (one ``lerp_`` per
-        target off the foreach gate).
-
-        Where foreach is fused, a tensor weight goes as views of one buffer filled with it (one kernel, no
-        sync), and the targets above ``DENSE_WEIGHT_NUMEL`` one by one."""
+        """``e += weight * (m - e)`` over EMA ``k``'s targets: one ``_foreach_lerp_`` (off the gate, one
+        ``lerp_`` each). Where foreach is fused, a tensor weight goes as views of one buffer filled with it
+        (one kernel, no sync), and the targets above ``DENSE_WEIGHT_NUMEL`` one by one."""
         targets, sources = self.targets[k], self.sources
         if not self.dense or isinstance(weight, float):
             lerp_pairs(targets, sources, weight, self.foreach)
