@@ -161,13 +161,9 @@ def save_step(
         raise ValueError(f"states must be a non-empty dict of gamma -> tensors, got {type(states).__name__}")
     for gamma, tensors in states.items():
         check_gamma("a profile's gamma", gamma)
-        ok = isinstance(tensors, Mapping) and tensors
-        if not ok or any(
-            not (isinstance(k, str) and isinstance(v, Tensor)) or v.is_meta for k, v in tensors.items()
-        ):
-            raise ValueError(
-                f"gamma {gamma!r}: tensors must be a non-empty dict: map names to Tensors with data"
-            )
+        named = isinstance(tensors, Mapping) and tensors and all(isinstance(k, str) for k in tensors)
+        if not (named and all(isinstance(v, Tensor) and not v.is_meta for v in tensors.values())):
+            raise ValueError(f"gamma {gamma!r}: need a non-empty dict: map names to Tensors with data")
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"no snapshot folder at {str(folder)!r} (check_folder makes one; was it deleted?)")
