@@ -55,15 +55,15 @@ def sync_buffers(ema: object, src: int = 0, group: object = None) -> None:
     ema.ranks_checked = True  # its user syncs: no warning
     if world == 1:
         return
-    groups: dict[tuple, list[Tensor]] = {}
-    for b in rank_local_tensors(ema):
-        groups.setdefault((b.dtype, b.device), []).append(b)
+    buffers = rank_local_tensors(ema)
+    # torch's own coalesced broadcast (DDP's): it copies the buffers in place (the EMA's cached step keeps its
+    # tensors) through flat tensors made in C++. A flat tensor made in Python aborted the process at exit
+    # (SIGABRT, "terminate called without an active exception"): gloo's worker thread frees the finished work
+    # after the call returned, and freeing a Python-owned tensor needs the GIL, which a thread asking for it
+    # while the interpreter shuts down cannot get (CPython exits that thread through a noexcept destructor).
     with torch.no_grad():
-        for buffers in groups.values():
-            flat = torch.cat([b.reshape(-1) for b in buffers])
-            dist.broadcast(flat, src if group is None else dist.get_global_rank(group, src), group)
-            for b, piece in zip(buffers, flat.split([b.numel() for b in buffers])):
-                b.copy_(piece.view_as(b))  # in place: the EMA's cached step keeps its tensors
+        size = sum(b.numel() * b.element_size() for b in buffers)  # one bucket per (dtype, device)
+        dist._broadcast_coalesced(dist.group.WORLD if group is None else group, buffers, size, src)
 
 
 def warn_unsynced(ema: object, model: nn.Module) -> None:
