@@ -12,7 +12,8 @@ Every further EMA (``PostHocEMA``'s profiles) gets buffers laid out like the fir
 it from the same gathered sources: one read of the model for all of them, one more lerp per EMA.
 Its watch reads the ``data_ptr()`` of every EMA slot and of every model slot not read live (the small 1-D
 tensors of a ``cat``): a reference kept to a buffer (``kept = ema.ema.state_dict()``) cannot hide a
-replacement, as a reference count could.
+replacement, as a reference count could. That is one read per entry and update: torch has no hook for
+``p.data = x`` or ``swap_tensors``, so nothing cheaper sees every replacement.
 A 0-dim tensor decay is a tensor weight (no ``.item()``): sync-free, and data under ``torch.compile``.
 """
 
