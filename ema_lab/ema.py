@@ -239,15 +239,15 @@ class BaseEMA:
         self.ranks_checked = True  # its user syncs: no warning
         if world == 1:
             return
-        groups: dict[tuple, list[Tensor]] = {}
-        for b in self.rank_local_tensors():
-            groups.setdefault((b.dtype, b.device), []).append(b)
+        buffers = self.rank_local_tensors()
+        # torch's own coalesced broadcast (DDP's) copies the buffers in place (the step keeps its tensors)
+        # through flat tensors made in C++. One made in Python aborted the process at exit (SIGABRT): gloo's
+        # worker thread frees the finished work after the call returned, and freeing a Python-owned tensor
+        # needs the GIL, which no thread gets while the interpreter shuts down (it exits through a noexcept
+        # destructor).
         with torch.no_grad():
-            for buffers in groups.values():
-                flat = torch.cat([b.reshape(-1) for b in buffers])
-                dist.broadcast(flat, src if group is None else dist.get_global_rank(group, src), group)
-                for b, piece in zip(buffers, flat.split([b.numel() for b in buffers])):
-                    b.copy_(piece.view_as(b))  # in place: the EMA's cached step keeps its tensors
+            size = sum(b.numel() * b.element_size() for b in buffers)  # one bucket per (dtype, device)
+            dist._broadcast_coalesced(dist.group.WORLD if group is None else group, buffers, size, src)
 
     def _warn_unsynced(self, model: nn.Module) -> None:
         """Warn, once, when the EMA averages float buffers that the ranks compute apart: in a default group of

@@ -13,8 +13,9 @@ The flat step keeps each EMA in one buffer per (device, EMA dtype, model dtype) 
 ``lerp_``), ``cast`` (another dtype: one ``_foreach_copy_`` into scratch, one ``lerp_``), ``cat``,
 ``foreach``, ``cat+foreach`` (small tensors gathered by ``torch.cat``, large ones read as they are). Its watch
 reads every EMA slot and every model slot not read live (the small 1-D tensors of a ``cat``): a kept
-reference (``kept = ema.ema.state_dict()``) cannot hide a replacement, as a reference count could. A 0-dim
-tensor decay is a tensor weight: no host sync.
+reference (``kept = ema.ema.state_dict()``) cannot hide a replacement, as a reference count could: one read
+per entry and update (torch has no hook for ``p.data = x`` or ``swap_tensors``). A 0-dim tensor decay is a
+tensor weight: no host sync.
 """
 
 from __future__ import annotations
