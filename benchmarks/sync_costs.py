@@ -21,7 +21,6 @@ from result_homes import add_study_out, write_study
 from ema_lab import ModelEMA
 from ema_lab.bench import models
 from ema_lab.lessons.distributed import launch
-from ema_lab.sync import rank_local_tensors
 
 
 def rank_times(rank: int, world: int, name: str, rounds: int, calls: int) -> dict[str, object]:
@@ -53,7 +52,7 @@ def rank_times(rank: int, world: int, name: str, rounds: int, calls: int) -> dic
             for _ in range(calls):
                 candidates[k]()
             times[k].append((time.perf_counter() - start) / calls)
-    buffers = rank_local_tensors(ema)
+    buffers = ema.rank_local_tensors()
     return {
         "times": times,
         "buffers": len(buffers),

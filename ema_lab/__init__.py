@@ -1,16 +1,15 @@
 """ema_lab: an EMA of model weights updated with one batched ``torch._foreach_lerp_`` (or one flat ``lerp_``).
 
-The core needs torch alone: ``ModelEMA`` (:mod:`ema_lab.ema`) keeps one cached step (:mod:`ema_lab.step`),
-a :class:`~ema_lab.updates.ListStep` or a :class:`~ema_lab.flat_step.FlatStep`, built over the matched
-entries (:mod:`ema_lab.pairs`) and rebuilt when its watch sees them move; ``PostHocEMA``
-(:mod:`ema_lab.posthoc`) keeps several EMAs in that one step. Every decay is a schedule
-(:mod:`ema_lab.schedules`); the argument checks are :mod:`ema_lab.checks`. ``ema_lab.bench`` (timing,
+The core needs torch alone: ``ModelEMA`` (:mod:`ema_lab.ema`) keeps one cached step (:mod:`ema_lab.step`)
+over the matched entries (:mod:`ema_lab.pairs`), rebuilt when its watch sees them move; ``PostHocEMA``
+(:mod:`ema_lab.posthoc`, with its snapshot store) keeps several EMAs in that one step. Every decay is a
+schedule (:mod:`ema_lab.schedules`); the argument checks are :mod:`ema_lab.checks`. ``ema_lab.bench`` (timing,
 counting, the ``python -m ema_lab bench`` sweep) and ``ema_lab.lessons`` (the pieces the notebooks reuse)
 are subpackages with their own extras.
 """
 
 from .ema import STRATEGIES, ModelEMA
-from .flat import flatten_model, flatten_tensors, unflatten_model, unflatten_tensors
+from .flat import flatten_model, flatten_tensors, unflatten_model
 from .gates import foreach_lerp_supported
 from .posthoc import PostHocEMA
 from .sharded import ShardedModelEMA
@@ -19,6 +18,5 @@ from .updates import foreach_update, gated_update, loop_update
 __version__ = "0.1.0"
 
 __all__ = ["ModelEMA", "PostHocEMA", "ShardedModelEMA", "STRATEGIES", "loop_update", "foreach_update"]
-__all__ += ["gated_update"]
-__all__ += ["foreach_lerp_supported", "flatten_model", "unflatten_model", "flatten_tensors"]
-__all__ += ["unflatten_tensors", "__version__"]
+__all__ += ["gated_update", "foreach_lerp_supported", "flatten_model", "unflatten_model", "flatten_tensors"]
+__all__ += ["__version__"]

@@ -7,12 +7,13 @@ and the value, before anything is changed.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from numbers import Integral, Real
 
 from torch import Tensor
 
-__all__ = ["is_int", "is_real", "require", "check_int", "check_decay", "weight_of", "validate_pairs"]
+__all__ = ["is_int", "is_real", "require", "check_int", "check_gamma", "check_decay", "weight_of", "one_of"]
+__all__ += ["key_diff", "validate_pairs"]
 
 
 def is_int(x: object) -> bool:
@@ -36,6 +37,23 @@ def check_int(name: str, value: object, least: int) -> None:
     require(is_int(value) and value >= least, name, value, f"an int >= {least}")
 
 
+def check_gamma(name: str, gamma: object) -> None:
+    """A power profile's exponent: a finite number >= 0."""
+    require(is_real(gamma) and gamma >= 0, name, gamma, "a number >= 0")
+
+
+def key_diff(a: Iterable[str], b: Iterable[str]) -> str:
+    """How two sets of names differ, in one line: the first's missing in the second, the second's extra."""
+    missing, extra = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+    return f"missing {missing[:5]}, extra {extra[:5]} ({len(missing)} and {len(extra)} in all)"
+
+
+def one_of(a: str, a_value: object, b: str, b_value: object) -> None:
+    """Exactly one of two alternative arguments must be given (not None)."""
+    if (a_value is None) == (b_value is None):
+        raise ValueError(f"give one of {a} and {b}, got {a}={a_value!r}, {b}={b_value!r}")
+
+
 def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tensor:
     """The one decay rule: a finite real number in [0, 1] (returned as a float) or, where ``tensor_ok``,
     a 0-dim floating tensor (returned as is: checking its value would sync the host with its device)."""
@@ -47,9 +65,10 @@ def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tenso
             )
         if decay.dim() != 0 or not decay.is_floating_point():
             raise ValueError(
-                f"a tensor decay must be a 0-dim floating tensor, got {tuple(decay.shape)} {decay.dtype}"
+                f"a tensor decay must be a 0-dim floating tensor, got {decay.shape} {decay.dtype}"
             )
         return decay
+    # Inline, not is_real/require: every update runs it (tests/core/test_call_depth.py).
     if not (isinstance(decay, Real) and not isinstance(decay, bool) and 0.0 <= decay <= 1.0):
         raise ValueError(f"decay must be a finite number in [0, 1], got {decay!r}")
     return float(decay)
@@ -79,12 +98,8 @@ def validate_pairs(
     *,
     same_dtype: bool = False,
 ) -> None:
-    """Raise ``ValueError`` naming the first bad pair; touch nothing.
-
-    Checks: equal list lengths, tensors on both sides, floating dtypes, equal shapes and devices,
-    equal dtypes when ``same_dtype``, and no EMA tensor listed twice (tied weights would be
-    decayed twice per step).
-    """
+    """Raise ``ValueError`` naming the first bad pair, touching nothing: equal lengths, floating tensors of
+    equal shapes and devices (and dtypes, when ``same_dtype``), no EMA tensor twice (decayed twice)."""
     if len(ema) != len(model):
         raise ValueError(f"got {len(ema)} EMA tensors but {len(model)} model tensors")
     if names is not None and len(names) != len(ema):
@@ -92,14 +107,11 @@ def validate_pairs(
     seen: dict[int, int] = {}
     for i, (e, m) in enumerate(zip(ema, model)):
         if not isinstance(e, Tensor) or not isinstance(m, Tensor):
-            raise ValueError(
-                f"{_label(i, names)}: expected two tensors, got {type(e).__name__} and {type(m).__name__}"
-            )
+            kinds = f"{type(e).__name__} and {type(m).__name__}"
+            raise ValueError(f"{_label(i, names)}: expected two tensors, got {kinds}")
         if not e.is_floating_point() or not m.is_floating_point():
-            raise ValueError(
-                f"{_label(i, names)}: EMA and model tensors must be floating point, "
-                f"got EMA {e.dtype} and model {m.dtype}"
-            )
+            dtypes = f"got EMA {e.dtype} and model {m.dtype}"
+            raise ValueError(f"{_label(i, names)}: EMA and model tensors must be floating point, {dtypes}")
         if e.shape != m.shape or e.device != m.device or (same_dtype and e.dtype != m.dtype):
             raise ValueError(f"{_label(i, names)}: EMA {_describe(e)} does not match model {_describe(m)}")
         if e.is_meta:  # every meta tensor's data_ptr() is 0: without this, "tied weights?" below

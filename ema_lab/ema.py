@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from copy import deepcopy
 from dataclasses import is_dataclass
@@ -9,21 +10,20 @@ from functools import partial
 from itertools import zip_longest
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from .checks import check_decay, check_int, weight_of
-from .flat_step import FlatStep
 from .graph_step import GraphStep
-from .pairs import collect_pairs
-from .schedules import Ramp, Schedule, decay_over, ramp
-from .step import CAT_MAX_NUMEL, Pairs, Step, StepOptions
-from .sync import sync_buffers, warn_unsynced
+from .pairs import Pairs, collect_pairs
+from .schedules import Schedule, decay_over, ramp
+from .step import CAT_MAX_NUMEL, FlatStep, StepOptions
 from .updates import LIST_STRATEGIES, ListStep
 
 __all__ = ["ModelEMA", "BaseEMA", "STRATEGIES", "unwrap_model"]
 
-#: Each strategy's step: the list strategies of :mod:`ema_lab.updates`, and "flat"; "auto"
-#: (:func:`resolve_strategy`) picks one of them per model.
+Step = ListStep | FlatStep  # a cached step: its class says what it can do (GraphStep is a FlatStep)
+#: Each strategy's step; "auto" (:func:`resolve_strategy`) picks one of them per model.
 STEPS: dict[str, type[Step]] = {**dict.fromkeys(LIST_STRATEGIES, ListStep), "flat": FlatStep}
 STRATEGIES = (*STEPS, "auto")
 
@@ -52,47 +52,39 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def _is_fully_sharded(model: nn.Module) -> bool:
-    # FSDP2 swaps each sharded module's class for a subclass of FSDPModule: public from torch 2.6,
-    # under torch.distributed._composable.fsdp in 2.4 and 2.5.
-    try:
+    try:  # FSDP2 gives each sharded module a subclass of FSDPModule: public from torch 2.6
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
-        try:
+        try:  # torch 2.4 and 2.5
             from torch.distributed._composable.fsdp import FSDPModule
         except ImportError:
             return False
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def copy_attr(a: object, b: object, include: tuple = (), exclude: tuple = ()) -> None:
-    """Copy plain attributes (not starting with ``_``) from ``b`` to ``a``, as ultralytics does."""
-    for k, v in b.__dict__.items():
-        if (include and k not in include) or k.startswith("_") or k in exclude:
-            continue
-        setattr(a, k, v)
+def _world_size(group: object = None) -> int:
+    """The size of ``group`` (the default group when None), 1 outside torch.distributed."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def _name(schedule: Schedule) -> str:
-    """A schedule as a checkpoint names it: the call that makes it (``ramp(decay=0.9999, tau=2000)``),
-    or a function's qualified name."""
-    return (
-        repr(schedule) if is_dataclass(schedule) else getattr(schedule, "__qualname__", repr(type(schedule)))
-    )
+    """A schedule as a checkpoint names it: the call that makes it, or a function's qualified name."""
+    named = getattr(schedule, "__qualname__", repr(type(schedule)))
+    return repr(schedule) if is_dataclass(schedule) else named
 
 
 class BaseEMA:
-    """The constructor, decay schedules, counters and cached step's lifecycle of ``ModelEMA``,
-    ``ShardedModelEMA`` and ``PostHocEMA``: each says only how it holds an EMA (:meth:`_average_of`) and
-    whether it is ``sharded``. It keeps one or more EMAs of the model (``.emas``, one schedule each in
-    ``.schedules``; ``.ema`` and ``.schedule`` are the first), all moved by one step."""
+    """What ``ModelEMA``, ``ShardedModelEMA`` and ``PostHocEMA`` share: each says only how it holds an EMA
+    (``_average_of(model)``) and whether it is ``sharded``. It keeps one EMA of the model per schedule
+    (``.emas``, ``.schedules``; ``.ema`` and ``.schedule`` are the first), all moved by one cached step."""
 
     sharded = False  # ShardedModelEMA: the EMA stays in DTensor shards, so its step must update in place
-    ranks_checked = False  # set by the first update() or sync_buffers() (ema_lab.sync)
+    ranks_checked = False  # set by the first update() or sync_buffers(): no warning about unsynced buffers
 
     def __init__(
         self,
         model: nn.Module,
-        decay: float | Schedule = 0.9999,
+        decay: float | Schedule | Sequence[Schedule] = 0.9999,
         tau: float = 2000,
         updates: int = 0,
         strategy: str = "auto",
@@ -103,37 +95,38 @@ class BaseEMA:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        # A number is ultralytics' ramp (max_decay, tau); a callable is the schedule itself.
-        schedule = decay if callable(decay) else ramp(check_decay(decay), tau)
+        # A number is ultralytics' ramp (decay, tau); a callable is the schedule itself; a list, one EMA each.
+        schedules = list(decay) if isinstance(decay, (list, tuple)) else [decay]
+        schedules = [s if callable(s) else ramp(check_decay(s), tau) for s in schedules]
         check_int("updates", updates, 0)
         check_int("every", every, 1)
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
         if self.sharded and strategy != "auto" and not STEPS[strategy].in_place:
+            use = ["auto", *(s for s, step in STEPS.items() if step.in_place)]
             raise ValueError(
                 f"strategy {strategy!r} moves the EMA into new buffers; a sharded EMA keeps its DTensor "
-                "shards in place: use 'auto', 'gated', 'foreach' or 'loop'"
+                f"shards in place: use one of {use}"
             )
         if cuda_graph and self.sharded:
             raise ValueError("cuda_graph=True records one device's update; a sharded EMA cannot use it")
         with torch.inference_mode(False):  # built under inference_mode, the EMA would be read-only outside
             ema = self._average_of(unwrap_model(model))
+            self.emas: list[nn.Module] = [ema, *(deepcopy(ema) for _ in schedules[1:])]
         floats = [t for t in (*ema.parameters(), *ema.buffers()) if t.is_floating_point()]
         self.resolved_strategy = resolve_strategy(strategy, floats, in_place=self.sharded)
-        step_type = STEPS[self.resolved_strategy]
-        if cuda_graph and not step_type.recordable:
+        self._step_type: type[Step] = STEPS[self.resolved_strategy]
+        if cuda_graph and not self._step_type.recordable:
             raise ValueError(
                 f"cuda_graph=True records the 'flat' step; strategy {strategy!r} runs "
                 f"{self.resolved_strategy!r} for this model"
             )
         if cuda_graph:
             GraphStep.check_devices([*ema.parameters(), *ema.buffers()])
-            step_type = GraphStep
-        self._step_type: type[Step] = step_type
+            self._step_type = GraphStep
         self._options = StepOptions(self.resolved_strategy, cat_max_numel, self.sharded)
         self._step: Step | None = None
-        self.emas: list[nn.Module] = [ema]
-        self.schedules: list[Schedule] = [schedule]
+        self.schedules: list[Schedule] = schedules
         self.updates, self.every, self.strategy, self.cuda_graph = updates, every, strategy, cuda_graph
         self.enabled = True
         self.rebuilds = 0  # how many times the cached step was (re)built
@@ -158,20 +151,6 @@ class BaseEMA:
         """The (first) EMA's decay schedule: :func:`ema_lab.schedules.ramp` for a number."""
         return self.schedules[0]
 
-    @property
-    def max_decay(self) -> float | None:
-        """The ramp's top decay, as ultralytics names it (None for another schedule)."""
-        return self.schedule.decay if isinstance(self.schedule, Ramp) else None
-
-    @property
-    def tau(self) -> float | None:
-        """The ramp's time constant (None for another schedule)."""
-        return self.schedule.tau if isinstance(self.schedule, Ramp) else None
-
-    def _average_of(self, model: nn.Module) -> nn.Module:
-        """The module that holds the EMA, made from the (unwrapped) model."""
-        raise NotImplementedError
-
     def decay(self, n: int, schedule: Schedule | None = None) -> float:
         """The decay of update number ``n`` by ``schedule`` (default: the first EMA's), checked."""
         schedule = self.schedule if schedule is None else schedule
@@ -193,25 +172,22 @@ class BaseEMA:
         return collect_pairs(self.emas, model)
 
     def _rebuild(self, model: nn.Module) -> Step:
-        """A new step over ``model`` and the EMAs, checked and gathered like a cached one (never a stale
-        one)."""
+        """A new step over ``model`` and the EMAs, checked and gathered like a cached one."""
         self._step = None  # a failed rebuild must not leave the stale step behind
         with torch.inference_mode(False):  # its buffers must stay writable outside inference_mode too
             step = self._step_type(self._collect(model), model, self._options)
-        if not (step.intact(model) and step.try_gather()):  # only a model changed meanwhile fails here
+        if not step.ready(model):  # only a model changed meanwhile fails here
             raise RuntimeError("the model changed while its EMA step was being built")
         self._step = step
         self.rebuilds += 1
         return step
 
     def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:
-        """Move every EMA one step towards ``model`` (wrapped models are unwrapped).
-
-        ``decay`` overrides the schedules for this step (with ``every=k``: for the k steps at once); with
-        "flat" it may be a 0-dim tensor on the model's device: no host sync, no recompiles, and so no check
-        of its value either: it is used clamped to [0, 1], NaN as 1 (the EMA keeps its weights). With
-        ``every=k`` only every k-th call updates, by the product of the k decays (the others only count).
-        """
+        """Move every EMA one step towards ``model`` (wrapped models are unwrapped). ``decay`` overrides the
+        schedules for this step (with ``every=k``: the k steps'); with "flat" it may be a 0-dim tensor on the
+        model's device: no host sync, no recompiles, so no check of its value either: it is used clamped to
+        [0, 1], NaN as 1 (the EMA keeps its weights). With ``every=k`` only every k-th call updates, by the
+        product of the k decays (the others only count)."""
         if not self.enabled:
             return
         if not isinstance(model, nn.Module):
@@ -234,27 +210,75 @@ class BaseEMA:
             weights.append(weight_of(d))  # 1 - decay, once
         model = unwrap_model(model)
         if not self.ranks_checked:  # once: buffers that the ranks compute apart need sync_buffers()
-            warn_unsynced(self, model)
-        step = self._step
-        if step is None or not step.intact(model) or not step.try_gather():
-            step = self._rebuild(model)
-        step.apply(decays, weights)
+            self._warn_unsynced(model)
+        with torch.no_grad():
+            step = self._step
+            if step is None or not step.ready(model):  # stale, or a live read no longer fits: rebuilt
+                step = self._rebuild(model)
+            step.apply(decays, weights)
         self.updates = n
 
+    def rank_local_tensors(self) -> list[Tensor]:
+        """The EMAs' float tensors that ranks compute apart: buffers, and in a ``ShardedModelEMA`` (it holds
+        buffers as parameters) every tensor that is not a DTensor shard."""
+        found = [t for e in self.emas for t in (*(e.parameters() if self.sharded else ()), *e.buffers())]
+        return [t for t in found if t.is_floating_point() and not hasattr(t, "placements")]
+
     def sync_buffers(self, src: int = 0, group: object = None) -> None:
-        """Give every rank rank ``src``'s EMA float buffers: a collective, call it on every rank before
-        evaluating or saving (DDP and FSDP2 ranks' BatchNorm statistics differ; :mod:`ema_lab.sync`)."""
-        sync_buffers(self, src, group)
+        """Overwrite every rank's EMA float buffers with rank ``src``'s (of ``group``, default the world): a
+        collective, on every rank before evaluating or saving (each rank's BatchNorm updates its buffers from
+        its own batch). Not in ``update()``: it would hang where the EMA lives on one rank, and cost one per
+        step. One coalesced ``broadcast`` per (dtype, device); none off torch.distributed or on one rank."""
+        if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+            raise TypeError(
+                f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
+            )
+        world = _world_size(group)
+        if not (isinstance(src, int) and not isinstance(src, bool) and 0 <= src < world):
+            raise ValueError(f"src must be a rank of the group, 0 to {world - 1}, got {src!r}")
+        self.ranks_checked = True  # its user syncs: no warning
+        if world == 1:
+            return
+        buffers = self.rank_local_tensors()
+        # torch's own coalesced broadcast (DDP's) copies the buffers in place (the step keeps its tensors)
+        # through flat tensors made in C++. One made in Python aborted the process at exit (SIGABRT): gloo's
+        # worker thread frees the finished work after the call returned, and freeing a Python-owned tensor
+        # needs the GIL, which no thread gets while the interpreter shuts down (it exits through a noexcept
+        # destructor).
+        with torch.no_grad():
+            size = sum(b.numel() * b.element_size() for b in buffers)  # one bucket per (dtype, device)
+            dist._broadcast_coalesced(dist.group.WORLD if group is None else group, buffers, size, src)
+
+    def _warn_unsynced(self, model: nn.Module) -> None:
+        """Warn, once, when the EMA averages float buffers that the ranks compute apart: in a default group of
+        more than one rank, whatever reaches ``update()`` (a DDP wrapper, ``ddp.module``, a LightningModule),
+        a rank-local buffer (not SyncBatchNorm's) that differs from the model's, i.e. that a forward changed
+        since the EMA was made (a constant buffer is alike on every rank). One comparison per buffer, once."""
+        self.ranks_checked = True
+        if _world_size() == 1:
+            return
+        # SyncBatchNorm reduces its batch statistics over the ranks: its buffers are equal on every rank.
+        synced = {id(t) for m in self.ema.modules() if isinstance(m, nn.SyncBatchNorm) for t in m.buffers()}
+        local = {id(t) for t in self.rank_local_tensors()} - synced
+        now = model.state_dict(keep_vars=True)
+        mine = self.ema.state_dict(keep_vars=True).items()
+        moved = [
+            k for k, t in mine if id(t) in local and k in now and not torch.equal(t, now[k].detach().to(t))
+        ]
+        if moved:
+            warnings.warn(
+                f"{type(self).__name__}: each rank updates the model's float buffers ({moved[0]!r}: "
+                "BatchNorm's running statistics) from its own batch, so the EMA's buffers differ between "
+                "ranks; call ema.sync_buffers() on every rank before you evaluate or save the EMA (an EMA "
+                "kept on one rank only holds that rank's)",
+                stacklevel=3,
+            )
 
     def state_dict(self) -> dict:
         """What a resumed run needs to continue bit for bit: each EMA module's ``state_dict()`` (views, as
         torch's), the update count, and what :meth:`load_state_dict` checks (the schedules, ``every``)."""
-        return {
-            "emas": [ema.state_dict() for ema in self.emas],
-            "updates": self.updates,
-            "schedules": [_name(s) for s in self.schedules],
-            "every": self.every,
-        }
+        emas, schedules = [e.state_dict() for e in self.emas], [_name(s) for s in self.schedules]
+        return {"emas": emas, "updates": self.updates, "schedules": schedules, "every": self.every}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (:meth:`state_dict`'s, loaded with ``torch.load(weights_only=True)``):
@@ -294,25 +318,19 @@ class BaseEMA:
 class ModelEMA(BaseEMA):
     """Exponential moving average of a model's weights, with the ramp ``decay * (1 - exp(-n / tau))``.
 
-    Compatible with ``ultralytics.utils.torch_utils.ModelEMA``: ``.ema`` (a deep copy in eval mode,
-    no grad), ``.updates``, ``.decay(n)``, ``.update(model)``, ``.update_attr(model)``, ``.enabled``.
-    Unlike it, the (EMA, model) pairs are collected once into a step that is rebuilt when the model's
-    or the EMA's tensors are replaced (``.to()``, ``.half()``, ``p.data = ...``, ``swap_tensors``, a new
-    parameter), non-float entries are copied from the model, tied weights are averaged once, and a failed
-    update changes nothing (:mod:`ema_lab.step`). It holds no view of a module tensor, so torch's
-    ``swap_tensors`` and ``set_swap_module_params_on_conversion(True)`` keep working.
+    Compatible with ``ultralytics.utils.torch_utils.ModelEMA``: ``.ema`` (a deep copy in eval mode, no
+    grad), ``.updates``, ``.decay(n)``, ``.update(model)``, ``.update_attr(model)``, ``.enabled``. Unlike it,
+    the pairs are collected once into a step rebuilt when a tensor is replaced (``.to()``, ``.half()``,
+    ``p.data = ...``, ``swap_tensors``, a new parameter), non-float entries are copied, tied weights averaged
+    once, and a failed update changes nothing. It holds no view of a module tensor (``swap_tensors`` works).
 
-    ``decay``: a number in [0, 1] (ultralytics' ramp, with ``tau``) or a schedule, a callable of the update
-    number returning the decay (:mod:`ema_lab.schedules`). ``every=k``: update on every k-th call only.
-    With "flat" (the default "auto" picks it for ordinary tensors) the EMA module's float tensors (and its
-    integer counters) are views of one buffer per group: ``torch.save(ema.ema.state_dict())`` stores each
-    buffer once, but saving a *subset* of the entries stores the whole buffer; clone the subset first.
-    Under DDP each rank's BatchNorm statistics differ: call ``ema.sync_buffers()`` on every rank before
-    evaluating or saving (:mod:`ema_lab.sync`).
-    ``cat_max_numel``: model tensors under this many elements are gathered by ``torch.cat``.
-    ``cuda_graph=True`` (EMA on one CUDA device, "auto" or "flat"): the update is recorded once in a CUDA
-    graph and replayed: two launches (the weight, the replay) instead of one per kernel
-    (:mod:`ema_lab.graph_step`).
+    ``decay``: a number in [0, 1] (ultralytics' ramp, with ``tau``), a schedule (:mod:`ema_lab.schedules`) or
+    a list of schedules (one EMA each, ``.emas``, all moved by one step from one read of the model).
+    ``every=k``: update on every k-th call only. With "flat" (what "auto" picks for ordinary tensors) the EMA
+    module's tensors are views of one buffer per group: saving a *subset* of its state_dict stores the whole
+    buffer (clone the subset first). Under DDP call ``ema.sync_buffers()`` on every rank before evaluating or
+    saving. ``cat_max_numel``: smaller model tensors are gathered by ``torch.cat``. ``cuda_graph=True`` (one
+    CUDA device, "flat"): the update is replayed from a CUDA graph (:mod:`ema_lab.graph_step`).
 
     Not thread-safe: call ``update()`` from one thread at a time (two threads updating one EMA lose update
     counts and interleave the step's writes; use a lock), and read ``.ema`` between updates.
@@ -333,7 +351,9 @@ class ModelEMA(BaseEMA):
     def update_attr(
         self, model: nn.Module, include: tuple = (), exclude: tuple = ("process_group", "reducer")
     ) -> None:
-        """Copy the model's plain attributes to the EMA module (names, strides, ...); a DataParallel or
-        DistributedDataParallel model is unwrapped first, as ultralytics does."""
+        """Copy the model's plain attributes (not starting with ``_``: names, strides) to the EMA module, as
+        ultralytics does; a DataParallel or DistributedDataParallel model is unwrapped first."""
         if self.enabled:
-            copy_attr(self.ema, unwrap_model(model), include, exclude)
+            for k, v in unwrap_model(model).__dict__.items():
+                if not ((include and k not in include) or k.startswith("_") or k in exclude):
+                    setattr(self.ema, k, v)

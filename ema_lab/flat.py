@@ -1,107 +1,28 @@
-"""Flat buffers: many tensors as views of one contiguous buffer, so an update is one ``lerp_`` per buffer.
+"""``flatten_model``: the model's tensors moved into one buffer per (device, dtype), so an EMA update is one
+``lerp_`` per buffer.
 
-:func:`flatten_model` is the visible, opt-in call that does it to the training model: every parameter
-and buffer keeps its object, value, shape, strides and ``requires_grad`` (optimizers, hooks and module
-slots still hold it); only its memory moves into one buffer per (device, dtype), after checks that
-refuse what a move would silently break (its docstring). ``state_dict()`` then returns views of those
-buffers (``torch.save`` stores each buffer once; clone a subset to save only what it holds).
-An EMA of a flattened model finds every group of contiguous tensors ``fused``: one ``lerp_`` per group
-and one ``copy_`` for the BatchNorm counters. Flatten before building the optimizer and the EMA;
-``.to()``, ``.half()`` or a new parameter give tensors their own memory again (still correct, no
-longer fused). :func:`unflatten_model` undoes it. docs/beyond_foreach_details.md says what it costs.
+Opt-in and visible: every parameter and buffer keeps its object, value, shape, strides and ``requires_grad``
+(optimizers, hooks and module slots still hold it); only its memory moves, after checks that refuse what a
+move would silently break. ``state_dict()`` then returns views of the buffers. Flatten before building the
+optimizer and the EMA; ``.to()``, ``.half()`` or a new parameter give tensors their own memory again (still
+correct, no longer fused). docs/beyond_foreach_details.md says what it costs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import mmap
-from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["flatten_model", "unflatten_model", "flatten_tensors", "unflatten_tensors"]
+from .buffers import empty_flat, group, tiles_in_order, unique, whole_storage
 
-_T = TypeVar("_T")
+__all__ = ["flatten_model", "unflatten_model", "flatten_tensors"]
 
-
-def unique(items: Iterable[_T], tensor: Callable[[_T], Tensor] = lambda t: t) -> list[_T]:
-    """``items`` without repeats of the same tensor object (tied weights), first occurrence kept, in order."""
-    first: dict[int, _T] = {}
-    for item in items:
-        first.setdefault(id(tensor(item)), item)
-    return list(first.values())
-
-
-def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]:
-    """Positions grouped by ``key``, in first-seen order (torch's foreach grouping keys on one list only)."""
-    out: dict[object, list[int]] = {}
-    for i in items:
-        out.setdefault(key(i), []).append(i)
-    return list(out.values())
-
-
-#: The transparent huge page of x86-64 (and arm64 with 4 KiB pages): buffers from this size up get a mapping
-#: of their own, so one TLB entry covers 2 MiB of the stream an update reads (benchmarks/cat_runs.py).
-#: torch's own switch, the environment variable THP_MEM_ALLOC_ENABLE=1, is read once when torch first
-#: allocates and then applies to every CPU tensor of the process: a library cannot turn it on for its buffers.
-_HUGE_PAGE = 2 << 20
-
-
-def empty_flat(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
-    """An uninitialised 1-D buffer; on Linux CPU, from 2 MiB up, in transparent huge pages where granted."""
-    device = torch.device(device)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(numel, dtype=dtype, device=device)
-    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # a kernel without THP: the mapping is still good memory
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
-    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=-start % _HUGE_PAGE)
-
-
-def into_one_buffer(tensors: Sequence[Tensor], like: Tensor | None = None) -> Tensor:
-    """A new 1-D buffer holding ``tensors`` back to back (one dtype and device, or ``like``'s); each becomes
-    a view of it."""
-    like = tensors[0] if like is None else like
-    buf = empty_flat(sum(t.numel() for t in tensors), like.dtype, like.device)
-    off = 0
-    with torch.no_grad():
-        for t in tensors:
-            view = buf[off : off + t.numel()].view(t.shape)
-            view.copy_(t)  # a fresh buffer: tensors that shared memory before are still read intact
-            t.data = view  # keeps the Parameter object (optimizers, hooks and module slots hold it)
-            off += t.numel()
-    return buf
-
-
-def whole_storage(t: Tensor) -> Tensor:
-    """A 1-D tensor over all of ``t``'s storage, in ``t``'s dtype."""
-    n = t.untyped_storage().nbytes() // t.element_size()
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, (n,), (1,))
-
-
-def tiles_in_order(tensors: Sequence[Tensor]) -> bool:
-    """True when the tensors are contiguous, lie back to back in list order and cover one whole storage."""
-    if not tensors:
-        return False
-    first, end = tensors[0], 0
-    ptr = first.untyped_storage().data_ptr()
-    for t in tensors:
-        if t.dtype != first.dtype or not t.is_contiguous() or t.storage_offset() != end:
-            return False
-        if t.untyped_storage().data_ptr() != ptr:
-            return False
-        end += t.numel()
-    return end * first.element_size() == first.untyped_storage().nbytes()
-
-
-#: A private binding (see flat_step.py; absent from CPU-only builds before mid-2025): how many tensors hold a
+#: A private binding of torch (from 2.1; absent from CPU-only builds before mid-2025): how many tensors hold a
 #: storage. Without it flatten_model cannot see memory held outside the model, and does not check it.
-_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _is_dense(t: Tensor) -> bool:
@@ -145,16 +66,9 @@ def _by_storage(named: Sequence[tuple[str, Tensor]]) -> dict[int, list[tuple[str
     for name, t in named:
         out.setdefault(_storage_key(t), []).append((name, t))
     for on_one in out.values():
-        spans = sorted(  # by start, then in the model's order (names reported in that order)
-            (
-                t.storage_offset() * t.element_size(),
-                i,
-                (t.storage_offset() + t.numel()) * t.element_size(),
-                name,
-            )
-            for i, (name, t) in enumerate(on_one)
-            if t.numel()
-        )
+        bytes_at = [(t.storage_offset() * t.element_size(), t.numel() * t.element_size()) for _, t in on_one]
+        # By start, then in the model's order (names reported in that order).
+        spans = sorted((a, i, a + n, on_one[i][0]) for i, (a, n) in enumerate(bytes_at) if n)
         for (_, _, end, a), (start, _, _, b) in zip(spans, spans[1:]):
             if start < end:  # sorted by start: if any two spans overlap, two neighbours do
                 raise ValueError(
@@ -164,25 +78,16 @@ def _by_storage(named: Sequence[tuple[str, Tensor]]) -> dict[int, list[tuple[str
     return out
 
 
-def _fills_one_storage(tensors: Sequence[Tensor]) -> bool:
-    """True when the tensors lie, disjoint, on one storage they fill: flattened already, nothing to move."""
-    if len({_storage_key(t) for t in tensors}) != 1:
-        return False
-    return (
-        sum(t.numel() for t in tensors) * tensors[0].element_size() == tensors[0].untyped_storage().nbytes()
-    )
-
-
 def _check_held_outside(named: Sequence[tuple[str, Tensor]], on_storage: dict[int, list]) -> None:
     """Refuse a tensor whose storage more tensors hold than the model's: they would keep the old memory."""
-    if _USE_COUNT is None:
+    if USE_COUNT is None:
         return
     probe = torch.empty(1)
-    extra = _USE_COUNT(probe.untyped_storage()._cdata) - 1  # what a query itself adds (the storage object)
+    extra = USE_COUNT(probe.untyped_storage()._cdata) - 1  # what a query itself adds (the storage object)
 
     def outside(t: Tensor) -> int:
         key = _storage_key(t)
-        return _USE_COUNT(key) - extra - len(on_storage[key])
+        return USE_COUNT(key) - extra - len(on_storage[key])
 
     held = [(name, t) for name, t in named if outside(t) > 0]
     if held:
@@ -224,7 +129,10 @@ def _flatten(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
         [named[i] for i in idx]
         for idx in group(range(len(named)), lambda i: (named[i][1].device, named[i][1].dtype))
     ]
-    flat_already = [_fills_one_storage([t for _, t in g]) for g in groups]  # a second call moves nothing
+    # A group that tiles one storage (disjoint: checked above) is flat already: a second call moves nothing.
+    flat_already = [
+        tiles_in_order(sorted((t for _, t in g), key=Tensor.storage_offset), _is_dense) for g in groups
+    ]
     _check_held_outside([item for g, done in zip(groups, flat_already) if not done for item in g], on_storage)
     buffers, moves = [], []
     # Normal tensors even under torch.inference_mode() (a model of inference tensors cannot be trained).
@@ -279,36 +187,22 @@ def _model_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
 
 
 def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Move each (device, dtype) group of ``tensors`` into one new buffer; return the buffers.
-
-    The checks and guarantees of :func:`flatten_model`, the tensors named by their place in ``tensors``.
-    """
+    """:func:`flatten_model` for a list of tensors (named by their place in it); returns the buffers."""
     return _flatten(_named(tensors))
-
-
-def unflatten_tensors(tensors: Sequence[Tensor]) -> None:
-    """Give every tensor its own memory again (undoes :func:`flatten_tensors`; as :func:`unflatten_model`)."""
-    _unflatten(_named(tensors))
 
 
 def flatten_model(model: nn.Module) -> list[Tensor]:
     """Move the model's parameters and buffers into one buffer per (device, dtype); return the buffers.
 
-    Every tensor keeps its object, value, shape, strides (channels_last stays channels_last) and
-    ``requires_grad``; tied weights (one Parameter under two names) move once. Everything is checked
-    before anything moves, and a failure while moving (out of memory) puts every tensor back: on a
-    ``ValueError`` naming the tensor and the reason, the model is as it was. Refused: a sparse, nested,
-    quantized, meta, lazy (uninitialized) or wrapper-subclass (DTensor) tensor, or one with gaps or
-    overlaps in its strides; two tensors whose memory overlaps (a buffer that is a view of a parameter, a
-    ``.data`` shared between two parameters), as each would get its own copy; a tensor whose storage
-    more tensors hold than the model's own (a ``.data`` or view cached by an optimizer or your code, an
-    EMA built before), as they would keep the old memory: flatten first, then build them. That last
-    check needs ``torch._C._storage_Use_Count``; on a torch without it (CPU-only builds before mid-2025)
-    it is skipped. A (device, dtype) group that already fills one buffer (a second call) is not moved.
-    The fused EMA update (one ``lerp_`` per group) needs contiguous tensors: a group holding a
-    channels_last or transposed tensor is updated correctly, but not in one ``lerp_``. A group with a
-    pinned tensor gets a pinned buffer. The buffers are normal tensors even under
-    ``torch.inference_mode()`` (inference tensors become normal ones).
+    Every tensor keeps its object, value, shape, strides (channels_last stays so) and ``requires_grad``;
+    tied weights move once. All is checked first, and a failure while moving (out of memory) puts every
+    tensor back. Refused, with a ``ValueError`` naming the tensor: a sparse, nested, quantized, meta, lazy or
+    wrapper-subclass (DTensor) tensor, or strides with gaps or overlaps; two tensors whose memory overlaps
+    (each would get its own copy); a tensor whose storage more tensors hold than the model's (a ``.data``
+    or view kept by an optimizer or an earlier EMA would keep the old memory; checked where torch has
+    ``_storage_Use_Count``). A group that already fills one buffer is not moved; a channels_last group is
+    correct but not one ``lerp_``; pinned memory stays pinned; the buffers are normal tensors even under
+    ``torch.inference_mode()``.
     """
     return _flatten(_model_tensors(model))
 

@@ -1,23 +1,12 @@
 """``ModelEMA(..., cuda_graph=True)``: the flat step recorded once in a CUDA graph, then replayed per update.
 
-On a GPU the arithmetic of an EMA update is nearly free; what remains is host work per kernel launch. A
-CUDA graph records the kernels of one update once and launches them all with one ``replay()``. It costs:
-
-- fixed addresses: a replay reads and writes the memory it was recorded over. The step is rebuilt and
-  recorded again whenever the staleness watch (:mod:`ema_lab.step`) says a slot moved, and every model
-  tensor is read through a watched slot: the flat step is built with ``cat_max_numel=0`` (no live
-  ``torch.cat`` reads, which also copy every small tensor once more);
-- the weight on the device: a replay cannot take a new Python number, so each update first writes its
-  weight ``1 - decay`` (computed once, in double on the host, by the EMA) into a 0-dim float32 device
-  tensor that the graph reads. ``fill_`` carries the number as a kernel argument: no host sync, and no
-  pinned host buffer that the next update could overwrite before its copy ran. A float16 or bfloat16 EMA
-  reads that weight rounded to its own dtype (a tensor weight must match it), where the eager step keeps
-  it in float32: its steps differ by under 0.4 % of their size;
-- recording: the first update after a (re)build runs eagerly (it also warms the kernels up), the second
-  records the graph on a side stream (nothing runs while recording) and replays it. A failed recording
-  raises before anything is written;
-- memory: the graph's private pool keeps what the update allocates (the weight in the dtype of a group
-  that is not float32); benchmarks/peers.py measures the device memory each EMA adds, at its peak and held.
+On a GPU the arithmetic of an update is nearly free; what remains is host work per kernel launch, which one
+``replay()`` replaces. Its costs: fixed addresses (the step is rebuilt and recorded again whenever the watch
+says a slot moved, and built with ``cat_max_numel=0``: no live ``torch.cat`` reads); the weight on the device
+(each update ``fill_``s ``1 - decay`` into a 0-dim float32 tensor the graph reads: no host sync; a float16 or
+bfloat16 EMA reads it rounded to its dtype, within 0.4 % of each step); recording (the first update after a
+build runs eagerly, the second records on a side stream, then replays; a failed recording raises before
+anything is written); memory (the graph's pool keeps what the update allocates: benchmarks/peers.py).
 """
 
 from __future__ import annotations
@@ -29,8 +18,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from .flat_step import FlatStep
-from .step import Pairs, StepOptions
+from .pairs import Pairs
+from .step import FlatStep, StepOptions
 
 __all__ = ["GraphStep"]
 
@@ -57,6 +46,7 @@ class GraphStep(FlatStep):
     """The flat step without gathers, run eagerly once, then recorded in a CUDA graph and replayed."""
 
     recordable = False  # already a recording
+    gathers = False  # the graph reads the model itself
 
     @staticmethod
     def check_devices(tensors: Iterable[Tensor]) -> torch.device:
@@ -76,24 +66,16 @@ class GraphStep(FlatStep):
         self.replay: Callable[[], None] | None = None  # set when the graph is recorded
         self.warm = False  # the first update runs eagerly
 
-    def try_gather(self) -> bool:
-        """Nothing to gather here: the graph reads the model itself (an intact step's reads cannot fail)."""
-        return True
-
     def apply(self, decays: Sequence[float | Tensor], weights: Sequence[float | Tensor]) -> None:
         """Write each weight where the graph reads it, then replay the graph (recording it on first use)."""
-        device = self.weights[0].device
-        for w in weights:
-            if isinstance(w, Tensor) and w.device != device:
-                raise ValueError(f"decay is on {w.device} but the EMA is on {device}")
+        self.check_weights(weights)
         if self.replay is None and self.warm:
-            self.replay = _record(self._update, device)
-        with torch.no_grad():
-            for into, w in zip(self.weights, weights):
-                if isinstance(w, Tensor):
-                    into.copy_(w)
-                else:
-                    into.fill_(w)
+            self.replay = _record(self._update, self.weights[0].device)
+        for into, w in zip(self.weights, weights):
+            if isinstance(w, Tensor):
+                into.copy_(w)
+            else:
+                into.fill_(w)
         if self.replay is None:
             self._update()
             self.warm = True
@@ -101,7 +83,6 @@ class GraphStep(FlatStep):
             self.replay()
 
     def _update(self) -> None:
-        with torch.no_grad():
-            for g in self.groups:  # with no gathers, every read is a copy between fixed tensors
-                g.read()
+        for g in self.groups:  # with no gathers, every read is a copy between fixed tensors
+            g.read()
         FlatStep.apply(self, self.weights, self.weights)

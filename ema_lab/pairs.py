@@ -1,21 +1,63 @@
-"""The entries of a model and its EMAs, matched once by state_dict key, tied weights once.
+"""The (EMA, model) pairs a step is built over: every entry matched once by state_dict key, tied weights once.
 
-A step reads the model through the *slots* that hold its tensors (a module's ``_parameters`` or
-``_buffers`` dict and a name): what a slot holds now is what the model uses now, which is how
-:mod:`ema_lab.step` notices a replaced tensor.
+A step reads the model through the *slots* that hold its tensors (a module's ``_parameters`` or ``_buffers``
+dict and a name): what a slot holds now is what the model uses now.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from operator import getitem
 
-from torch import nn
+from torch import Tensor, nn
 
-from .flat import unique
-from .step import Entry, Pairs, Slot
+from .buffers import unique
+from .checks import key_diff
 
-__all__ = ["module_entries", "collect_pairs"]
+__all__ = ["Slot", "Entry", "Pairs", "local_tensor", "module_entries", "collect_pairs"]
+
+Slot = tuple[dict, str]  # (the module dict that holds an entry, its name): what the entry is *now*
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (no copy), else ``t`` itself."""
+    # What to_local() returns without grad, minus a dispatched view: the per-step check reads it too.
+    return getattr(t, "_local_tensor", t)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One state_dict entry, matched across the EMAs and the model."""
+
+    key: str
+    emas: tuple[Tensor, ...]  # each EMA's tensor, the first EMA's first
+    model: Tensor
+    ema_slots: tuple[Slot, ...]  # where each EMA holds it
+    model_slot: Slot  # where the model holds it
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """What a step is built over: the float entries (averaged), the counters (copied), and every module
+    of the model and the EMAs (whose registrations the step's watch listens to)."""
+
+    floats: list[Entry]
+    counters: list[Entry]  # non-float entries (BatchNorm's num_batches_tracked): copied, not averaged
+    modules: list[nn.Module]
+    count: int  # how many EMAs
+
+    def ema_floats(self, k: int = 0) -> list[Tensor]:
+        """EMA ``k``'s float tensors, in entry order."""
+        return [e.emas[k] for e in self.floats]
+
+    def model_floats(self) -> list[Tensor]:
+        """The model's float tensors, in entry order."""
+        return [e.model for e in self.floats]
+
+    def slots(self) -> list[Slot]:
+        """Every slot of every entry, the EMAs' and the model's."""
+        return [s for e in (*self.floats, *self.counters) for s in (*e.ema_slots, e.model_slot)]
 
 
 def module_entries(module: nn.Module) -> Iterator[tuple[str, Slot]]:
@@ -31,25 +73,17 @@ def module_entries(module: nn.Module) -> Iterator[tuple[str, Slot]]:
                 yield dot + name, (mod._buffers, name)
 
 
-def _mismatch(what: str, a: set[str], b: set[str]) -> ValueError:
-    missing, extra = sorted(a - b), sorted(b - a)
-    return ValueError(
-        f"{what} do not hold the same entries: missing in the second {missing[:5]}, not in the first "
-        f"{extra[:5]} ({len(missing)} and {len(extra)} in all)"
-    )
-
-
 def collect_pairs(emas: Sequence[nn.Module], model: nn.Module) -> Pairs:
     """Match every parameter and persistent buffer of each EMA module with ``model``'s by key (else a clear
     error); the EMAs after the first must hold tensors shaped like the first's."""
     first = dict(module_entries(emas[0]))
     model_slots = dict(module_entries(model))
     if first.keys() != model_slots.keys():
-        raise _mismatch("EMA and model", set(first), set(model_slots))
+        raise ValueError(f"EMA and model do not hold the same entries: {key_diff(first, model_slots)}")
     others = [dict(module_entries(ema)) for ema in emas[1:]]
     for k, slots in enumerate(others, 2):
         if slots.keys() != first.keys():
-            raise _mismatch(f"EMA 1 and EMA {k}", set(first), set(slots))
+            raise ValueError(f"EMA 1 and EMA {k} do not hold the same entries: {key_diff(first, slots)}")
     floats, counters = [], []
     for key, slot in unique(first.items(), lambda item: getitem(*item[1])):
         ema_slots = (slot, *(slots[key] for slots in others))

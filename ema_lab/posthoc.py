@@ -1,44 +1,67 @@
 """Post-hoc EMA (Karras et al. 2024, "Analyzing and Improving the Training Dynamics of Diffusion Models").
 
-Track power-function EMAs (:func:`ema_lab.schedules.power`) of two lengths during training and save
-their snapshots every N updates (:func:`ema_lab.snapshots.save_step`); afterwards, :func:`synthesize`
-the EMA of any length ``sigma_rel`` as the weighted sum of the snapshots whose profiles ``t ** gamma``
-on ``[0, step]`` best fit the wanted one in least squares (Algorithm 3: the profiles' inner products in
-closed form).
-The anchors are EDM2's ``training/phema.py`` (``power_function_correlation``,
-``solve_posthoc_coefficients``: it solves the same system and also scales the weights to sum 1) and
-ema-pytorch's ``PostHocEMA`` (``torch.linalg.solve``, weights not scaled).
+Track power-function EMAs of a few lengths in training, save their snapshots every N updates, and afterwards
+:func:`synthesize` the EMA of any length ``sigma_rel`` as the sum of the snapshots whose profiles
+``t ** gamma`` best fit it in least squares (Algorithm 3, closed-form inner products; as EDM2's
+``training/phema.py``, weights scaled to sum 1; ema-pytorch's ``PostHocEMA`` solves it unscaled).
 
-The snapshot files (:mod:`ema_lab.snapshots`) hold every profile of a saved update or none of them.
+The snapshot store: one folder per saved update, ``step-<step, 12 digits or more>/``, one file per profile,
+``g<repr(gamma)>.pt`` (``torch.save`` of :data:`FIELDS`). A step is written under a hidden temporary name,
+each file flushed to disk, then renamed in one system call: a reader sees a step whole or not at all, whenever
+the writer dies, and a rename never replaces a folder holding files, so a saved step is never replaced (a
+second writer gets a ``ValueError``). Each snapshot names its run; :func:`synthesize` never blends two runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import os
-from collections.abc import Iterable, Sequence
-from copy import deepcopy
+import re
+import secrets
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from .checks import check_int
+from .checks import check_gamma, check_int, is_int, key_diff, one_of, require
 from .ema import ModelEMA
-from .schedules import Power, power, sigma_rel_to_gamma
-from .snapshots import _check_gamma, _check_step, check_folder, list_snapshots, load_snapshot, save_step
+from .schedules import power, sigma_rel_to_gamma
 
-__all__ = ["PostHocEMA", "power_inner_products", "solve_weights", "synthesize"]
+__all__ = ["PostHocEMA", "power_inner_products", "solve_weights", "synthesize", "Snapshot", "check_folder"]
+__all__ += ["save_step", "list_snapshots", "load_snapshot"]
+
+#: What a snapshot file says it is (its ``"format"`` entry).
+FORMAT = "ema_lab snapshot 3"
+#: A snapshot file's fields and the type of each: a new field is one more entry here and in save_step.
+FIELDS = {"format": str, "step": int, "gamma": float, "run": (str, type(None)), "tensors": dict}
+#: The largest step a snapshot may have: the synthesis computes with steps as float64, exact up to 2**53.
+MAX_STEP = 2**53
+
+_STEP = re.compile(r"step-(\d+)")
+_FILE = re.compile(r"g(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\.pt")
+_OLD_FILE = re.compile(r"ema-\d+-g.*\.pt")  # ema_lab 0.1.0's layout
+_HOST = socket.gethostname()
+_TMP = re.compile(r"\.step-\d+\.(.+)\.(\d+)\.[0-9a-f]+\.tmp")  # .step-<step>.<host>.<pid>.<random>.tmp
 
 
 def power_inner_products(t_a: Tensor, gamma_a: Tensor, t_b: Tensor, gamma_b: Tensor) -> Tensor:
-    """Inner products of the normalized power profiles ``(g + 1) / t * (x / t) ** g`` on ``[0, t]``.
-
-    Broadcasts; EDM2's ``power_function_correlation`` (Algorithm 3's ``p_dot_p``) in another form: the
-    integral of the product ends at the shorter profile's end, where the longer one has fallen to
-    ``(t_short / t_long) ** g_long``.
-    """
+    """Inner products of the normalized power profiles ``(g + 1) / t * (x / t) ** g`` on ``[0, t]``
+    (broadcasting; EDM2's ``power_function_correlation``: the integral ends with the shorter profile)."""
     t_short, t_long = torch.minimum(t_a, t_b), torch.maximum(t_a, t_b)
     g_long = torch.where(t_a > t_b, gamma_a, gamma_b)
     return (gamma_a + 1) * (gamma_b + 1) / (gamma_a + gamma_b + 1) * (t_short / t_long) ** g_long / t_long
+
+
+def check_step(name: str, step: object) -> None:
+    """A snapshot's update count: an int in [1, 2**53]."""
+    require(is_int(step) and 1 <= step <= MAX_STEP, name, step, "an int in [1, 2**53]")
 
 
 def solve_weights(
@@ -51,38 +74,190 @@ def solve_weights(
 ) -> Tensor:
     """The float64 weights of the snapshots whose sum best fits the power profile of the target.
 
-    Least squares over the profiles: Algorithm 3's Gram system (the normal equations of the fit) solved by
-    ``torch.linalg.lstsq``, which also copes with a singular one (a snapshot saved twice); then scaled to
-    sum 1 as EDM2 does, so that weights that never move are reproduced exactly.
+    Least squares over the profiles: Algorithm 3's Gram system solved by ``torch.linalg.lstsq``, which also
+    copes with a singular one (a snapshot saved twice); then scaled to sum 1 as EDM2 does, so that weights
+    that never move are reproduced exactly.
     """
-    if (target_gamma is None) == (target_sigma_rel is None):
-        raise ValueError(
-            f"give one of target_gamma and target_sigma_rel, got {target_gamma!r} and {target_sigma_rel!r}"
-        )
+    one_of("target_gamma", target_gamma, "target_sigma_rel", target_sigma_rel)
     if len(snapshot_gammas) != len(snapshot_steps) or not snapshot_steps:
         raise ValueError(
             f"need as many snapshot gammas as steps, at least one: got {len(snapshot_gammas)} and "
             f"{len(snapshot_steps)}"
         )
-    for g in snapshot_gammas:
-        _check_gamma("a snapshot gamma", g)
-    for s in snapshot_steps:
-        _check_step("a snapshot step", s)
-    _check_step("target_step", target_step)
+    for g, s in zip(snapshot_gammas, snapshot_steps):
+        check_gamma("a snapshot gamma", g)
+        check_step("a snapshot step", s)
+    check_step("target_step", target_step)
     if target_gamma is None:
         target_gamma = sigma_rel_to_gamma(target_sigma_rel)
-    _check_gamma("target_gamma", target_gamma)
-    g = torch.tensor(snapshot_gammas, dtype=torch.float64)
-    t = torch.tensor(snapshot_steps, dtype=torch.float64)
-    gram = power_inner_products(t[:, None], g[:, None], t[None], g[None])
-    target = power_inner_products(
-        t[:, None],
-        g[:, None],
-        torch.tensor(float(target_step), dtype=torch.float64),
-        torch.tensor(float(target_gamma), dtype=torch.float64),
-    )
-    weights = torch.linalg.lstsq(gram, target, driver="gelsd").solution[:, 0]
+    check_gamma("target_gamma", target_gamma)
+    g, t = (torch.tensor(x, dtype=torch.float64)[:, None] for x in (snapshot_gammas, snapshot_steps))
+    gram = power_inner_products(t, g, t.T, g.T)
+    target = [torch.tensor(float(x), dtype=torch.float64) for x in (target_step, target_gamma)]
+    weights = torch.linalg.lstsq(gram, power_inner_products(t, g, *target), driver="gelsd").solution[:, 0]
     return weights / weights.sum()
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One saved EMA: its file, the update count it was saved at, and its profile's exponent gamma."""
+
+    path: Path
+    step: int
+    gamma: float
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        pass
+    return True
+
+
+def check_folder(folder: str | os.PathLike) -> Path:
+    """``folder`` as an absolute Path (a later chdir does not move it), made if missing, checked writable, and
+    rid of the temporary folders of dead writers on this host (saves killed midway), never a live one's."""
+    path = Path(folder).absolute()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+        for p in path.iterdir() if os.name == "posix" else ():  # Windows' os.kill would end the process
+            if (m := _TMP.fullmatch(p.name)) and m[1] == _HOST and not _alive(int(m[2])):
+                shutil.rmtree(p, ignore_errors=True)
+    except OSError as e:
+        raise ValueError(f"cannot write snapshots to {str(path)!r}: {e.strerror or _first_line(e)}") from None
+    return path
+
+
+def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
+    """Flush a file or (POSIX only: Windows cannot open one) a folder's entries to disk."""
+    if os.name == "posix" or not path.is_dir():
+        fd = os.open(path, flags)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def save_step(
+    folder: str | os.PathLike, step: int, states: Mapping[float, Mapping[str, Tensor]], run: str | None = None
+) -> Path:
+    """Save every profile of update ``step`` (gamma -> the EMA's tensors, moved to the CPU), each naming
+    ``run``, as ``folder/step-<step>/``, complete or not at all; returns that path. A saved step is never
+    replaced (a second save raises ValueError: in a run of several processes only rank 0 saves, or each to
+    its own folder); a failed one leaves no trace to a reader (a killed one a hidden ``.step-*.tmp`` folder,
+    which :func:`check_folder` removes). A subset of views of one storage stores all of it: clone it first."""
+    check_step("step", step)
+    if not (isinstance(states, Mapping) and states):
+        raise ValueError(f"states must be a non-empty dict of gamma -> tensors, got {type(states).__name__}")
+    for gamma, tensors in states.items():
+        check_gamma("a profile's gamma", gamma)
+        named = isinstance(tensors, Mapping) and tensors and all(isinstance(k, str) for k in tensors)
+        if not (named and all(isinstance(v, Tensor) and not v.is_meta for v in tensors.values())):
+            raise ValueError(f"gamma {gamma!r}: need a non-empty dict: map names to Tensors with data")
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"no snapshot folder at {str(folder)!r} (check_folder makes one; was it deleted?)")
+    final = folder / f"step-{step:012d}"
+    taken = ValueError(f"{final} exists: a saved step is never replaced")
+    if final.exists() or final.is_symlink():  # early and cheap; the rename below decides
+        raise taken
+    tmp = folder / f".step-{step:012d}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        os.mkdir(tmp)
+        for gamma, tensors in states.items():
+            payload = {"format": FORMAT, "step": int(step), "gamma": float(gamma), "run": run}
+            payload["tensors"] = {k: v.detach().cpu() for k, v in tensors.items()}
+            data = io.BytesIO()  # in memory first: a failed write then raises the OS's reason, not torch's
+            torch.save(payload, data)
+            path = tmp / f"g{float(gamma)!r}.pt"
+            with open(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666), "wb") as f:
+                f.write(data.getbuffer())
+            _fsync(path, os.O_WRONLY)
+        _fsync(tmp)
+        try:
+            os.rename(tmp, final)  # fails where final is a folder with files, or not a folder
+        except OSError as e:
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                raise taken from None
+            raise
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        message = f"step {step} not saved to {final}: {e.strerror or _first_line(e)}"
+        raise (OSError(e.errno, message) if e.errno else OSError(message)) from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        _fsync(folder)
+    except OSError as e:  # the step is saved and visible; whether it would outlive a power cut is not known
+        raise OSError(e.errno, f"step {step} saved to {final}, but {folder} not flushed: {e.strerror}") from e
+    return final
+
+
+def list_snapshots(folder: str | os.PathLike) -> list[Snapshot]:
+    """The snapshots in ``folder`` (complete steps only: a step is published whole), by step then gamma; a
+    name like a snapshot's that is no regular file is refused (a FIFO would block its reader)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"no snapshot folder at {str(folder)!r}")
+    found = []
+    try:
+        for p in folder.iterdir():
+            if _OLD_FILE.fullmatch(p.name):
+                raise ValueError(f"{p} was written by ema_lab 0.1.0, whose files this version does not read")
+            if not (m := _STEP.fullmatch(p.name)):
+                continue
+            if not 1 <= int(m[1]) <= MAX_STEP:
+                raise ValueError(f"{p} is named like a saved step, but its step is not in [1, 2**53]")
+            if not p.is_dir():
+                raise ValueError(f"{p} is named like a saved step but is not a folder")
+            for f in p.iterdir():
+                if g := _FILE.fullmatch(f.name):
+                    if not f.is_file():
+                        raise ValueError(f"{f} is named like a snapshot but is not a regular file")
+                    found.append(Snapshot(f, int(m[1]), float(g[1])))
+    except OSError as e:  # the folder deleted or changed while listed
+        raise ValueError(f"cannot list the snapshots in {str(folder)!r}: {_first_line(e)}") from None
+    return sorted(found, key=lambda s: (s.step, s.gamma))
+
+
+def _read(snapshot: Snapshot) -> dict:
+    """The fields of one snapshot file, memory-mapped, checked to be what its name says."""
+    path = snapshot.path
+    try:  # str: torch 2.1 memory-maps a file given by name only
+        data = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # any file torch cannot read: truncated, empty, foreign, gone
+        raise ValueError(f"{path} is not a readable snapshot ({_first_line(e)})") from None
+    if not (isinstance(data, dict) and data.keys() == FIELDS.keys()):
+        raise ValueError(f"{path} is not an ema_lab snapshot file (no {FORMAT!r} payload)")
+    wrong = [k for k, kind in FIELDS.items() if not isinstance(data[k], kind) or isinstance(data[k], bool)]
+    if wrong:
+        raise ValueError(f"{path} holds a {type(data[wrong[0]]).__name__} as its {wrong[0]}")
+    if data["format"] != FORMAT:
+        raise ValueError(f"{path} is in format {data['format']!r}; this version reads {FORMAT!r}")
+    if (data["step"], data["gamma"]) != (snapshot.step, snapshot.gamma):
+        raise ValueError(
+            f"{path} holds step {data['step']}, gamma {data['gamma']!r}; its name says step {snapshot.step}"
+        )
+    tensors = data["tensors"]
+    if not (tensors and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in tensors.items())):
+        raise ValueError(f"{path} does not hold a non-empty dict of name -> Tensor")
+    return data
+
+
+def load_snapshot(snapshot: Snapshot) -> dict[str, Tensor]:
+    """The tensors of one snapshot, memory-mapped from its file, checked to be what its name says."""
+    return _read(snapshot)["tensors"]
 
 
 def synthesize(
@@ -94,13 +269,12 @@ def synthesize(
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, Tensor]:
     """The EMA of length ``sigma_rel`` (or exponent ``gamma``) at ``step`` (default: the last snapshot's),
-    combined from the snapshots saved up to ``step``.
+    combined from the snapshots of one run saved up to ``step``.
 
     Streams: one snapshot is read at a time (memory-mapped), its float tensors added with its weight into
     sums of ``dtype``; other entries (integer counters) are the last snapshot's.
     """
-    if (gamma is None) == (sigma_rel is None):
-        raise ValueError(f"give one of sigma_rel and gamma, got sigma_rel={sigma_rel!r}, gamma={gamma!r}")
+    one_of("sigma_rel", sigma_rel, "gamma", gamma)
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     snapshots = list_snapshots(folder)
@@ -117,15 +291,22 @@ def synthesize(
         [s.gamma for s in used], [s.step for s in used], step, target_gamma=gamma, target_sigma_rel=sigma_rel
     )
     out: dict[str, Tensor] = {}
-    layout: dict[str, tuple] = {}  # the first snapshot's: every other must hold the same model's tensors
+    first: tuple = ()  # the first snapshot's run and layout: every other must be of that run and model
     for snapshot, w in zip(used, weights.tolist()):
-        tensors = load_snapshot(snapshot)
-        this = {k: (v.shape, v.is_floating_point()) for k, v in tensors.items()}
-        layout = layout or this
-        if this != layout:
-            raise ValueError(
-                f"{snapshot.path} holds another model's tensors than {used[0].path} ({_diff(layout, this)})"
-            )
+        data = _read(snapshot)
+        tensors = data["tensors"]
+        kind = {
+            k: f"{tuple(v.shape)} {'float' if v.is_floating_point() else 'not float'}"
+            for k, v in tensors.items()
+        }
+        run, layout = first = first or (data["run"], kind)
+        if data["run"] != run:
+            why = f"of run {data['run']!r}, {used[0].path} of run {run!r}"
+            raise ValueError(f"{snapshot.path} is {why}: a folder holds the snapshots of one run")
+        if kind != layout:
+            bad = [k for k in kind if kind[k] != layout.get(k)]
+            why = key_diff(layout, kind) if kind.keys() != layout.keys() else f"{bad[0]!r}: {kind[bad[0]]}"
+            raise ValueError(f"{snapshot.path} holds another model's tensors than {used[0].path} ({why})")
         for k, v in tensors.items():
             if not v.is_floating_point():
                 out[k] = v.clone()
@@ -133,19 +314,8 @@ def synthesize(
                 out[k].add_(v, alpha=w)
             else:
                 out[k] = v.to(dtype) * w
-        del tensors  # unmaps the file before the next one is read
+        del data, tensors  # unmaps the file before the next one is read
     return out
-
-
-def _diff(first: dict[str, tuple], other: dict[str, tuple]) -> str:
-    """One line on how two snapshots' (shape, is float) layouts differ."""
-    if first.keys() != other.keys():
-        missing, extra = sorted(first.keys() - other.keys()), sorted(other.keys() - first.keys())
-        return f"missing {missing[:3]}, extra {extra[:3]}"
-    k = next(k for k in first if first[k] != other[k])
-    (shape_a, float_a), (shape_b, float_b) = first[k], other[k]
-    kind = lambda f: "float" if f else "not float"  # noqa: E731
-    return f"{k!r}: {tuple(shape_b)} {kind(float_b)} instead of {tuple(shape_a)} {kind(float_a)}"
 
 
 class PostHocEMA(ModelEMA):
@@ -153,12 +323,10 @@ class PostHocEMA(ModelEMA):
     default), all moved by one step from one read of the model; every ``snapshot_every`` updates all are
     saved in ``folder``, and :meth:`synthesize` then makes the EMA of any length after training.
 
-    ``.emas`` holds the EMA modules and ``.schedules`` their :func:`~ema_lab.schedules.power` schedules
-    (``.gamma``, ``.sigma_rel``), in the order of ``sigma_rels``; ``.ema`` is the first, as in ``ModelEMA``.
-    The lengths must be distinct and in (0, 0.2887] (checked before anything is made). ``updates=N`` resumes
-    a run from its snapshots of update N; a snapshot is never written over. An update whose snapshots fail to
-    save is undone (every EMA and ``updates`` as before it) and the error propagates: a retried
-    ``update()`` applies it once.
+    ``.emas`` and ``.schedules`` (:func:`~ema_lab.schedules.power`) follow ``sigma_rels`` (distinct, in
+    (0, 0.2887]); ``.ema`` is the first; ``.run`` names the run in every snapshot. ``updates=N`` resumes from
+    the snapshots of update N (a folder holding later ones, another run's, is refused), then
+    :meth:`load_state_dict` continues from a checkpoint bit for bit. An update whose save fails is undone.
     """
 
     def __init__(
@@ -169,56 +337,46 @@ class PostHocEMA(ModelEMA):
         snapshot_every: int = 1000,
         updates: int = 0,
     ) -> None:
-        try:  # a list, a tuple, a NumPy array: any non-empty run of numbers
+        lengths = []  # a list, a tuple, a NumPy array: any non-empty run of numbers
+        with contextlib.suppress(TypeError):
             lengths = [] if isinstance(sigma_rels, (str, bytes)) else list(sigma_rels)
-        except TypeError:
-            lengths = []
         if not lengths:
             raise ValueError(f"sigma_rels must be a non-empty sequence of lengths, got {sigma_rels!r}")
-        sigma_rels = lengths
-        schedules = [power(sigma_rel=s) for s in sigma_rels]
+        schedules = [power(sigma_rel=s) for s in lengths]
         gammas = [s.gamma for s in schedules]
         if len(set(gammas)) != len(gammas):
-            raise ValueError(
-                f"sigma_rels must be distinct profiles, got {list(sigma_rels)!r} (gammas {gammas})"
-            )
+            raise ValueError(f"sigma_rels must be distinct profiles, got {lengths!r} (gammas {gammas})")
         check_int("snapshot_every", snapshot_every, 1)
         check_int("updates", updates, 0)
         self.folder, self.snapshot_every = check_folder(folder), snapshot_every  # a bad folder fails here
-        later = [s.step for s in list_snapshots(self.folder) if s.step > updates]
+        listed = list_snapshots(self.folder)
+        later = [s.step for s in listed if s.step > updates]
         if later:
             raise ValueError(
                 f"{self.folder} holds snapshots up to update {max(later)}: resume with updates=<a saved "
                 "update> or give an empty folder"
             )
-        super().__init__(model, decay=schedules[0], updates=updates, strategy="flat")
-        with torch.inference_mode(False):  # as the first EMA: writable outside inference_mode
-            self.emas += [deepcopy(self.ema) for _ in schedules[1:]]
-        self.schedules: list[Power] = schedules
+        super().__init__(model, decay=schedules, updates=updates, strategy="flat")
+        self.run, self.saved = secrets.token_hex(8), updates  # the last update this run saved (or resumed at)
         if updates:
-            self._resume(updates)
-
-    def _resume(self, step: int) -> None:
-        """Load every EMA from its snapshot of update ``step``."""
-        saved = {s.gamma: s for s in list_snapshots(self.folder) if s.step == step}
-        for ema, schedule in zip(self.emas, self.schedules):
-            if schedule.gamma not in saved:
-                raise ValueError(
-                    f"no snapshot of update {step} with gamma {schedule.gamma!r} in {self.folder}"
-                )
-            ema.load_state_dict(load_snapshot(saved[schedule.gamma]))
+            saved = {s.gamma: s for s in listed if s.step == updates}
+            for ema, schedule in zip(self.emas, self.schedules):
+                if schedule.gamma not in saved:
+                    raise ValueError(
+                        f"no snapshot of update {updates}, gamma {schedule.gamma!r} in {self.folder}"
+                    )
+                data = _read(saved[schedule.gamma])
+                ema.load_state_dict(data["tensors"])
+                self.run = data["run"]
 
     def update(self, model: nn.Module) -> None:
         """Move every EMA one step towards ``model``; every ``snapshot_every`` updates, save them all. If the
         save raises, the update is undone (the EMAs and ``updates`` as before it) and the error propagates."""
-        if not self.enabled:
-            return
-        if (self.updates + 1) % self.snapshot_every:
+        if not self.enabled or (self.updates + 1) % self.snapshot_every:
             super().update(model)
             return
         before = self.updates
-        # Only on a snapshot update: a copy of every EMA to undo it with.
-        copies = [{k: v.clone() for k, v in ema.state_dict().items()} for ema in self.emas]
+        copies = [{k: v.clone() for k, v in ema.state_dict().items()} for ema in self.emas]  # to undo it
         super().update(model)
         try:
             self.save()
@@ -231,9 +389,28 @@ class PostHocEMA(ModelEMA):
             raise
 
     def save(self) -> None:
-        """Save every EMA's snapshot of this update as one step, complete or none (ema_lab.snapshots)."""
+        """Save every EMA's snapshot of this update as one step, complete or none; refused where the folder
+        holds a later update than this run saved (another run writes there)."""
+        later = [s.step for s in list_snapshots(self.folder) if s.step > self.saved]
+        if later:
+            why = f"after run {self.run}'s last save ({self.saved}): another run writes there"
+            raise ValueError(f"{self.folder} holds update {max(later)}, {why}; give each run its own folder")
         states = {s.gamma: e.state_dict() for e, s in zip(self.emas, self.schedules)}
-        save_step(self.folder, self.updates, states)
+        save_step(self.folder, self.updates, states, self.run)
+        self.saved = self.updates
+
+    def state_dict(self) -> dict:
+        """:meth:`ModelEMA.state_dict` and the run it continues."""
+        return {**super().state_dict(), "run": self.run}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``: :meth:`ModelEMA.load_state_dict`, and the run, which must be the one whose
+        snapshots this object resumed from (if it resumed from any)."""
+        run = state.get("run", self.run) if isinstance(state, dict) else self.run  # no run: the base refuses
+        if self.saved and run != self.run:
+            raise ValueError(f"the state is of run {run!r}, the snapshots in {self.folder} of {self.run!r}")
+        super().load_state_dict(state)
+        self.run = run
 
     def synthesize(self, sigma_rel: float, step: int | None = None) -> dict[str, Tensor]:
         """The state_dict of the EMA of length ``sigma_rel`` at ``step`` (default: the last snapshot)."""

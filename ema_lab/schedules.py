@@ -1,15 +1,10 @@
 """The peers' decay schedules: callables of the update number ``n`` (1 for the first update) -> the decay.
 
-``ModelEMA(model, decay=schedule)`` calls ``schedule(n)`` once per update, as ultralytics calls
-``self.decay(self.updates)`` after ``self.updates += 1``. Each schedule matches its peer's code with the
-arguments named in its docstring (``benchmarks/peer_schedules.py`` runs the peers and compares, over
-100,000 steps; docs/schedules.md has the figures). ultralytics' ramp ``decay * (1 - exp(-n / tau))``
-(:func:`ramp`) is what ``ModelEMA`` runs for a number (``decay=0.9999, tau=2000``).
-
-Start late (``after``): timm, diffusers and ema-pytorch all shift the update number by
-``s = n - after - 1`` and give decay 0 (the EMA copies the model) while ``s <= 0``, so the first
-``after + 1`` updates copy, whatever the floor ``min_decay``. The schedules are frozen dataclasses:
-picklable, comparable, and their repr reads as the call that makes them.
+``ModelEMA(model, decay=schedule)`` calls ``schedule(n)`` once per update (ultralytics calls
+``self.decay(self.updates)`` after ``self.updates += 1``). Each matches its peer's code with the arguments its
+docstring names (``benchmarks/peer_schedules.py`` compares over 100,000 steps; docs/schedules.md). Start late
+(``after``): timm, diffusers and ema-pytorch give decay 0 (a copy) while ``s = n - after - 1 <= 0``, whatever
+``min_decay``. Frozen dataclasses: picklable, comparable, their repr the call that makes them.
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from numbers import Integral
 
-from .checks import check_int, is_int, is_real, require
+from .checks import check_decay, check_gamma, check_int, is_int, is_real, one_of, require
 
 __all__ = ["ramp", "warmup", "constant", "harmonic", "power", "sigma_rel_to_gamma", "gamma_to_sigma_rel"]
 __all__ += ["decay_over", "Ramp", "Warmup", "Constant", "Harmonic", "Power", "Schedule", "MAX_SIGMA_REL"]
@@ -36,7 +31,7 @@ _LARGEST_N = int(sys.float_info.max)
 
 
 def _check_decays(decay: float, min_decay: float, after: int = 0) -> None:
-    require(is_real(decay) and 0 <= decay <= 1, "decay", decay, "a number in [0, 1]")
+    check_decay(decay)
     require(is_real(min_decay) and 0 <= min_decay <= decay, "min_decay", min_decay, f"in [0, decay={decay}]")
     check_int("after", after, 0)
 
@@ -66,10 +61,8 @@ class _Schedule:
 
 @dataclass(frozen=True, repr=False)
 class Ramp(_Schedule):
-    """ultralytics' ramp ``decay * (1 - exp(-n / tau))``: what ``ModelEMA(decay=<a number>, tau)`` runs.
-
-    Matches ``ultralytics.utils.torch_utils.ModelEMA(model, decay, tau)``'s ``ema.decay(n)`` bit for bit.
-    """
+    """ultralytics' ramp ``decay * (1 - exp(-n / tau))``, what ``ModelEMA(decay=<a number>, tau)`` runs:
+    ``ultralytics.utils.torch_utils.ModelEMA(model, decay, tau)``'s ``ema.decay(n)``, bit for bit."""
 
     decay: float = 0.9999
     tau: float = 2000
@@ -80,7 +73,6 @@ class Ramp(_Schedule):
         require(is_real(self.tau) and self.tau > 0, "tau", self.tau, "a positive number")
 
     def at(self, n: int) -> float:
-        """The decay of update ``n``."""
         return self.decay * (1 - math.exp(-n / self.tau))
 
 
@@ -107,7 +99,6 @@ class Warmup(_Schedule):
         require(is_real(self.power) and self.power > 0, "power", self.power, "a positive number")
 
     def at(self, n: int) -> float:
-        """The decay of update ``n``."""
         s = n - self.after - 1
         if s <= 0:
             return 0.0
@@ -127,16 +118,13 @@ class Constant(_Schedule):
         _check_decays(self.decay, 0.0, self.after)
 
     def at(self, n: int) -> float:
-        """The decay of update ``n``."""
         return 0.0 if n - self.after - 1 <= 0 else float(self.decay)
 
 
 @dataclass(frozen=True, repr=False)
 class Harmonic(_Schedule):
-    """``(1 + s) / (10 + s)`` in [min_decay, decay], ``s = n - after - 1``.
-
-    Matches diffusers ``EMAModel(use_ema_warmup=False, decay, min_decay, update_after_step=after)``.
-    """
+    """``(1 + s) / (10 + s)`` in [min_decay, decay], ``s = n - after - 1``: diffusers
+    ``EMAModel(use_ema_warmup=False, decay, min_decay, update_after_step=after)``."""
 
     decay: float = 0.9999
     min_decay: float = 0.0
@@ -146,7 +134,6 @@ class Harmonic(_Schedule):
         _check_decays(self.decay, self.min_decay, self.after)
 
     def at(self, n: int) -> float:
-        """The decay of update ``n``."""
         s = n - self.after - 1
         if s <= 0:
             return 0.0
@@ -160,7 +147,7 @@ class Power(_Schedule):
     gamma: float
 
     def __post_init__(self) -> None:
-        require(is_real(self.gamma) and self.gamma >= 0, "gamma", self.gamma, "a number >= 0")
+        check_gamma("gamma", self.gamma)
 
     @property
     def sigma_rel(self) -> float:
@@ -168,7 +155,6 @@ class Power(_Schedule):
         return gamma_to_sigma_rel(self.gamma)
 
     def at(self, n: int) -> float:
-        """The decay of update ``n``."""
         return (1 - 1 / n) ** (self.gamma + 1)
 
 
@@ -177,21 +163,17 @@ ramp, warmup, constant, harmonic = Ramp, Warmup, Constant, Harmonic
 
 
 def power(gamma: float | None = None, *, sigma_rel: float | None = None) -> Power:
-    """Karras et al. 2024's power-function EMA ``(1 - 1 / n) ** (gamma + 1)``, by gamma or sigma_rel.
-
-    Matches EDM2's ``power_function_beta(std=sigma_rel, t_next=n, t_delta=1)``. ema-pytorch
-    ``KarrasEMA(gamma=gamma, update_every=1)`` applies this schedule's value at ``n + 1`` on its n-th call
-    (its counter starts at 0 after a copy). Updated every k steps, apply :func:`decay_over` (the k-step
-    product ``((n - k) / n) ** (gamma + 1)``) to keep the profile.
-    """
-    if (gamma is None) == (sigma_rel is None):
-        raise ValueError(f"give one of gamma and sigma_rel, got gamma={gamma!r}, sigma_rel={sigma_rel!r}")
+    """Karras et al. 2024's power-function EMA ``(1 - 1 / n) ** (gamma + 1)``, by gamma or sigma_rel: EDM2's
+    ``power_function_beta(std=sigma_rel, t_next=n, t_delta=1)``; ema-pytorch ``KarrasEMA(gamma=gamma,
+    update_every=1)`` applies its value at ``n + 1`` on its n-th call (its counter starts at 0 after a copy).
+    Updated every k steps, :func:`decay_over` (``((n - k) / n) ** (gamma + 1)``) keeps the profile."""
+    one_of("gamma", gamma, "sigma_rel", sigma_rel)
     return Power(sigma_rel_to_gamma(sigma_rel) if gamma is None else gamma)
 
 
 def gamma_to_sigma_rel(gamma: float) -> float:
     """The relative length (std / training time) of the power profile ``t ** gamma`` (EDM2's exp_to_std)."""
-    require(is_real(gamma) and gamma >= 0, "gamma", gamma, "a number >= 0")
+    check_gamma("gamma", gamma)
     # sqrt((g + 1) / (g + 2) ** 2 / (g + 3)) without squaring: (g + 2) ** 2 overflows from g = 1.4e154.
     return math.sqrt((gamma + 1) / (gamma + 3)) / (gamma + 2)
 
@@ -201,13 +183,10 @@ _TINY_SIGMA_REL = 1e-150
 
 
 def sigma_rel_to_gamma(sigma_rel: float) -> float:
-    """The gamma whose profile has relative length ``sigma_rel`` (EDM2's std_to_exp, Algorithm 2).
-
-    The largest real root of ``g**3 + 7 g**2 + (16 - t) g + 12 - t``, ``t = sigma_rel ** -2``, by Newton's
-    method from ``sqrt(t)``: the cubic is convex and positive there, so the iterates fall to the root. For
-    ``sigma_rel`` under 1e-150 (where ``t`` overflows) the root's expansion ``1 / sigma_rel - 3`` is exact to
-    double precision.
-    """
+    """The gamma whose profile has relative length ``sigma_rel`` (EDM2's std_to_exp, Algorithm 2): the largest
+    real root of ``g**3 + 7 g**2 + (16 - t) g + 12 - t``, ``t = sigma_rel ** -2``, by Newton's method from
+    ``sqrt(t)`` (the cubic is convex and positive there: the iterates fall to the root). Under 1e-150 (where
+    ``t`` overflows) the root's expansion ``1 / sigma_rel - 3`` is exact to double precision."""
     ok = is_real(sigma_rel) and 0 < sigma_rel <= MAX_SIGMA_REL
     require(ok, "sigma_rel", sigma_rel, f"in (0, {MAX_SIGMA_REL!r}] (gamma >= 0)")
     sigma_rel = float(sigma_rel)  # a numpy float32 would run Newton's method (and give gamma) in float32

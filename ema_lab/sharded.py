@@ -1,12 +1,10 @@
 """``ShardedModelEMA``: the EMA of an FSDP2 (``fully_shard``) model, kept as this rank's shards only.
 
-``ModelEMA`` deep-copies the model, which a ``fully_shard``-ed module refuses (``ModelEMA`` checks first and
-points here), and a full copy per rank would cost the memory FSDP exists to save. The EMA is elementwise, so
-each rank averages just the shard it owns: ``lerp(ema_shard, param.to_local(), 1 - d)``, no communication.
-Only a checkpoint needs the whole EMA: ``full_state_dict()`` gathers it with torch's ``get_model_state_dict``.
-The shards live in ``.ema``, a module holding them as DTensor parameters (same mesh, placements and names as
-the model's), so torch's state-dict tools treat it like the model. It is a container, not a runnable
-network: load it into an FSDP model with :meth:`copy_to` to evaluate.
+A ``fully_shard``-ed module refuses a deep copy, and a full copy per rank would cost the memory FSDP saves.
+The EMA is elementwise, so each rank averages the shard it owns, with no communication; the shards live in
+``.ema``, a container holding them as DTensor parameters (the model's mesh, placements and names), so torch's
+state-dict tools treat it like the model: ``full_state_dict()`` gathers it, :meth:`copy_to` loads it into an
+FSDP model to evaluate.
 """
 
 from __future__ import annotations
@@ -17,10 +15,9 @@ from operator import getitem, itemgetter
 import torch
 from torch import Tensor, nn
 
+from .buffers import unique
 from .ema import BaseEMA, unwrap_model
-from .flat import unique
-from .pairs import collect_pairs, module_entries
-from .step import Entry, Pairs, local_tensor
+from .pairs import Entry, Pairs, collect_pairs, local_tensor, module_entries
 
 __all__ = ["ShardedModelEMA"]
 
@@ -39,8 +36,7 @@ def _dtensor_cls() -> type | None:
 def _holder(entries: dict[str, Tensor]) -> nn.Module:
     """A bare module tree holding a detached clone of each of ``entries`` under its dotted name; an entry
     listed under several names (tied weights) is cloned once and registered under every name."""
-    root = nn.Module()
-    made = {}
+    root, made = nn.Module(), {}
     for t in unique(entries.values()):
         copy = t.detach().clone()  # a DTensor clones only its local shard
         made[id(t)] = nn.Parameter(copy, requires_grad=False) if copy.is_floating_point() else copy
@@ -48,26 +44,18 @@ def _holder(entries: dict[str, Tensor]) -> nn.Module:
         *path, name = key.split(".")
         mod = root
         for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, nn.Module())
-            mod = getattr(mod, part)
+            mod = mod._modules.setdefault(part, nn.Module())
         value = made[id(t)]
-        if isinstance(value, nn.Parameter):
-            mod.register_parameter(name, value)
-        else:
-            mod.register_buffer(name, value)
+        (mod.register_parameter if isinstance(value, nn.Parameter) else mod.register_buffer)(name, value)
     return root
 
 
 class ShardedModelEMA(BaseEMA):
     """EMA of a model whose parameters are sharded DTensors (FSDP2): local shards, no communication.
 
-    Same constructor, schedules, counters and step lifecycle as ``ModelEMA`` (``.updates``, ``.enabled``,
-    ``.update(model, decay=None)``). Call :meth:`update` after ``optimizer.step()``, when FSDP has
-    resharded the parameters; plain (replicated) tensors such as buffers are averaged whole, each rank's
-    own: call ``sync_buffers()`` on every rank before evaluating or saving (:mod:`ema_lab.sync`). Only the
-    strategies that update in place run: "auto" runs "gated", as "flat" would move the EMA out of its
-    DTensors (which the state-dict and checkpoint calls read).
+    ``ModelEMA``'s constructor, schedules and update; call :meth:`update` after ``optimizer.step()`` (FSDP
+    has resharded). Replicated tensors (buffers) are each rank's own: call ``sync_buffers()`` on every rank
+    before evaluating or saving. Only in-place strategies run ("auto" runs "gated").
     """
 
     sharded = True

@@ -1,22 +1,21 @@
-"""What a cached EMA step is built from, how it knows it went stale, and the pieces both kinds of step use.
+"""The cached step an EMA updates with: the "flat" step, the watch that tells a stale step, the counters.
 
-A step is built once per model layout: :class:`ema_lab.updates.ListStep` runs ``"loop"``, ``"foreach"`` and
-``"gated"``; :class:`ema_lab.flat_step.FlatStep` runs ``"flat"``, and :class:`ema_lab.graph_step.GraphStep`
-the flat step recorded in a CUDA graph (``ModelEMA(cuda_graph=True)``). One step moves one or more EMAs of
-one model (``PostHocEMA`` keeps several), each with its own weight, from one read of the model. ``ModelEMA``
-and ``ShardedModelEMA`` keep one step and rebuild it when :meth:`Step.intact` says a tensor moved.
+A step is built once per model layout over the matched entries (:mod:`ema_lab.pairs`) and moves every EMA
+(``PostHocEMA`` keeps several) from one read of the model: :class:`FlatStep` runs "flat",
+:class:`ema_lab.updates.ListStep` the list strategies, :class:`ema_lab.graph_step.GraphStep` a CUDA graph of
+the flat step. It reads the model through detached aliases (no autograd, nothing that makes
+``swap_tensors`` refuse). :class:`Watch` compares the ``data_ptr()`` each module slot holds with the one it
+was built from and hears, through torch's global registration hooks, of a tensor or module registered on a
+watched module: ``.to()``, ``.half()``, ``p.data = ...`` and ``swap_tensors`` show up, and the EMA rebuilds.
 
-A step reads the model through detached aliases (same memory, no autograd, no reference that would make
-``swap_tensors`` refuse). Before each update :class:`Watch` compares the ``data_ptr()`` each watched module
-slot holds now with the one it was built from (the flat step reads its small 1-D model tensors live
-instead; a buffer's reference count would not do: a view kept elsewhere hides a replaced tensor), and
-whether torch's global registration hooks (:func:`install_hooks`, when the first watch is made, never at
-import) saw a parameter, buffer or submodule registered on one of the modules it watches (the model's and
-the EMAs'; a module built anywhere else costs nothing): ``.to()``, ``.half()``, a reassigned parameter,
-``p.data = ...`` and ``torch.utils.swap_tensors`` all show up as a moved pointer or a new registration,
-and the step is rebuilt. A tensor re-viewed in place (``p.data = p.view(shape)``, same memory) is averaged
-as that memory in the EMA's shape: the aliases keep theirs, so no foreach stops halfway. Every step also
-copies the model's integer entries (:class:`Counters`).
+The flat step keeps each EMA in one buffer per (device, EMA dtype, model dtype) group, one ``lerp_`` or
+``_foreach_lerp_`` each: ``fused`` (the model's tensors tile one storage, as after ``flatten_model``: one
+``lerp_``), ``cast`` (another dtype: one ``_foreach_copy_`` into scratch, one ``lerp_``), ``cat``,
+``foreach``, ``cat+foreach`` (small tensors gathered by ``torch.cat``, large ones read as they are). Its watch
+reads every EMA slot and every model slot not read live (the small 1-D tensors of a ``cat``): a kept
+reference (``kept = ema.ema.state_dict()``) cannot hide a replacement, as a reference count could: one read
+per entry and update (torch has no hook for ``p.data = x`` or ``swap_tensors``). A 0-dim tensor decay is a
+tensor weight: no host sync.
 """
 
 from __future__ import annotations
@@ -24,62 +23,33 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from operator import getitem
-from typing import Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _foreach_utils
 
-from .flat import group, into_one_buffer, tiles_in_order, whole_storage
+from .buffers import empty_flat, group, into_one_buffer, tiles_in_order, whole_storage
+from .checks import validate_pairs
+from .gates import foreach_lerp_supported
+from .pairs import Pairs, Slot, local_tensor
 
-__all__ = ["Step", "StepOptions", "CAT_MAX_NUMEL", "Slot", "Entry", "Pairs", "Watch", "Counters"]
-__all__ += ["install_hooks", "lerp_pairs", "local_tensor"]
+__all__ = ["StepOptions", "CAT_MAX_NUMEL", "CAT_RUN_NUMEL", "FlatStep", "Watch", "Counters"]
+__all__ += ["install_hooks", "lerp_pairs"]
 
 #: Below this many elements a model tensor is gathered by one ``torch.cat`` (about a third of the
 #: per-tensor cost of a foreach, plus one more pass over its elements); benchmarks/update_costs.py sweeps it.
 CAT_MAX_NUMEL = 2048
 
-Slot = tuple[dict, str]  # (the module dict that holds an entry, its name): what the entry is *now*
+#: ATen's ``GRAIN_SIZE``: a CPU ``torch.cat`` with a bigger result at 2+ threads copies input by input, so
+#: a step built at 2+ threads gathers in runs under it (benchmarks/cat_runs.py).
+CAT_RUN_NUMEL = 32768
 
-
-def local_tensor(t: Tensor) -> Tensor:
-    """This rank's part of ``t``: the local shard of a DTensor (no copy), else ``t`` itself."""
-    # What to_local() returns without grad, minus a dispatched view: the per-step check reads it too.
-    return getattr(t, "_local_tensor", t)
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One state_dict entry, matched across the EMAs and the model (:func:`ema_lab.pairs.collect_pairs`)."""
-
-    key: str
-    emas: tuple[Tensor, ...]  # each EMA's tensor, the first EMA's first
-    model: Tensor
-    ema_slots: tuple[Slot, ...]  # where each EMA holds it
-    model_slot: Slot  # where the model holds it
-
-
-@dataclass(frozen=True)
-class Pairs:
-    """What a step is built over: the float entries (averaged), the counters (copied), and every module
-    of the model and the EMAs (whose registrations the step's watch listens to)."""
-
-    floats: list[Entry]
-    counters: list[Entry]  # non-float entries (BatchNorm's num_batches_tracked): copied, not averaged
-    modules: list[nn.Module]
-    count: int  # how many EMAs
-
-    def ema_floats(self, k: int = 0) -> list[Tensor]:
-        """EMA ``k``'s float tensors, in entry order."""
-        return [e.emas[k] for e in self.floats]
-
-    def model_floats(self) -> list[Tensor]:
-        """The model's float tensors, in entry order."""
-        return [e.model for e in self.floats]
-
-    def slots(self) -> list[Slot]:
-        """Every slot of every entry, the EMAs' and the model's."""
-        return [s for e in (*self.floats, *self.counters) for s in (*e.ema_slots, e.model_slot)]
+#: Where foreach is fused (torch's own table: :func:`fused_foreach_devices`) a tensor weight goes as views
+#: of one buffer filled with it; a target above this many elements gets its own ``lerp_`` instead (one
+#: launch is small beside its bytes): the buffer stays near 4 MiB.
+DENSE_WEIGHT_NUMEL = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -89,30 +59,6 @@ class StepOptions:
     strategy: str  # "loop", "foreach", "gated" or "flat" ("auto" already resolved)
     cat_max_numel: int = CAT_MAX_NUMEL  # the flat step gathers smaller model tensors by torch.cat
     sharded: bool = False  # ShardedModelEMA: the step reads each DTensor's local shard
-
-
-class Step(Protocol):
-    """One update of every EMA over cached (EMA, model) pairs; the class says what it can do."""
-
-    tensor_decay: bool  # whether apply() takes 0-dim tensor decays (no host sync)
-    in_place: bool  # whether the EMA's tensors keep their storage (ShardedModelEMA's DTensors need it)
-    recordable: bool  # whether ``cuda_graph=True`` can record it (no live reads, fixed addresses)
-    modes: list[str]  # how each flat group is updated ([] for a list step)
-
-    def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None: ...
-
-    def intact(self, model: nn.Module) -> bool:
-        """True while ``model`` and the EMAs hold the memory the step was built over (no tensor read)."""
-        ...
-
-    def try_gather(self) -> bool:
-        """Gather what the update reads from the model; False if a slot read live no longer fits."""
-        ...
-
-    def apply(self, decays: Sequence[float | Tensor], weights: Sequence[float | Tensor]) -> None:
-        """Move each EMA by its ``decay`` (lerp ``weight = 1 - decay``) towards what was gathered, then copy
-        the counters."""
-        ...
 
 
 def lerp_pairs(
@@ -228,3 +174,194 @@ class Counters:
                 torch.cat(src, out=buf)
         if self.strided[0]:
             torch._foreach_copy_(*self.strided)
+
+
+def fused_foreach_devices() -> list[str]:
+    """The device types whose ``_foreach_lerp_`` has a fused kernel, as torch lists them (cuda on a torch
+    without the list). There it takes a tensor weight only as one tensor shaped like each target: with a
+    0-dim weight per target it launches one kernel per tensor."""
+    listed = getattr(_foreach_utils, "_get_foreach_kernels_supported_devices", None)
+    return ["cuda"] if listed is None else listed()
+
+
+class _OneLerpGroup:
+    """One ``lerp_`` over each EMA's whole buffer: ``fused`` (the model's tensors tile one storage; one
+    cast-copy into scratch first if the dtypes differ) or ``cast`` (another dtype: one ``_foreach_copy_``
+    casts the model into scratch)."""
+
+    def __init__(self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], fused: bool) -> None:
+        order = sorted(range(len(model)), key=lambda i: model[i].storage_offset()) if fused else None
+        self.emas = _buffers(
+            emas, order or range(len(model))
+        )  # fused: the model's layout, one lerp_ covers all
+        first, self.checked_slots, self.mode = self.emas[0], slots, "fused" if fused else "cast"
+        self.model = whole_storage(model[0]) if fused else model
+        same = fused and model[0].dtype == first.dtype
+        self.source = self.model if same else empty_flat(first.numel(), first.dtype, first.device)
+        off = [0, *accumulate(m.numel() for m in model)]
+        self.views = [] if fused else [self.source[a:b].view(m.shape) for a, b, m in zip(off, off[1:], model)]
+
+    def read(self) -> None:
+        if self.mode == "cast":
+            torch._foreach_copy_(self.views, self.model)
+        elif self.source is not self.model:  # a bf16/fp16 model, an fp32 EMA
+            self.source.copy_(self.model)
+
+    def lerp(self, k: int, weight: float | Tensor) -> None:
+        """``e += weight * (m - e)`` over EMA ``k``'s whole buffer: one ``lerp_``."""
+        self.emas[k].lerp_(self.source, weight)
+
+
+class _SameDtypeGroup:
+    """Same dtype: the small tensors (first in the buffer) by ``torch.cat`` runs, the large read as they are.
+    The small 1-D ones (BatchNorm's vectors, biases) are read live from their slots, unwatched: one that
+    changed size, dtype or device fails the gather, before anything is written."""
+
+    def __init__(
+        self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], cat_max_numel: int
+    ) -> None:
+        small = [i for i, m in enumerate(model) if m.numel() < cat_max_numel and m.is_contiguous()]
+        small.sort(key=lambda i: model[i].dim() != 1)  # the live 1-D ones first
+        # The large tensors that take a dense weight (see lerp) first: one slice of the lists holds them.
+        large = sorted(
+            set(range(len(model))) - set(small), key=lambda i: (model[i].numel() > DENSE_WEIGHT_NUMEL, i)
+        )
+        live = {i for i in small if model[i].dim() == 1}
+        self.checked_slots = [slots[i] for i in range(len(model)) if i not in live]
+        self.mode = "cat+foreach" if small and large else "cat" if small else "foreach"
+        self.emas = _buffers(emas, small + large)
+        numels = [model[i].numel() for i in small]
+        ends = [0, *accumulate(numels)]
+        # One cat at one thread (or off the CPU); at 2+ threads runs under CAT_RUN_NUMEL (see above).
+        device = self.emas[0].device
+        threaded = device.type == "cpu" and torch.get_num_threads() > 1
+        runs = _runs(numels, CAT_RUN_NUMEL) if threaded else [range(len(small))] if small else []
+        self.runs = []  # (slice of the buffer, live slots' dicts, their keys, the other 1-D aliases)
+        for r in runs:
+            members = [small[k] for k in r]
+            read = [slots[i] for i in members if i in live]
+            dicts, keys = (tuple(x) for x in zip(*read)) if read else ((), ())
+            aliases = [model[i].detach().view(-1) for i in members if i not in live]
+            self.runs.append((ends[r.start], ends[r.stop], dicts, keys, aliases))
+        # Each EMA's targets: its buffer's slice per run, then its large tensors (views of its buffer).
+        self.targets = [
+            [buffer[a:b] for a, b, *_ in self.runs] + [e[i].detach() for i in large]
+            for buffer, e in zip(self.emas, emas)
+        ]
+        self.large = [model[i] for i in large]
+        self.sources: list[Tensor] = []  # the runs' gathered values, then the large tensors: set by read()
+        self.foreach = len(self.targets[0]) > 1 and foreach_lerp_supported(None, device.type)
+        # Where foreach is fused, a tensor weight goes as views of one buffer (made on first use).
+        self.packed = len(self.runs) + sum(model[i].numel() <= DENSE_WEIGHT_NUMEL for i in large)
+        self.dense = self.foreach and self.packed > 0 and device.type in fused_foreach_devices()
+        self.dense_buffer: Tensor | None = None
+        self.dense_views: list[Tensor] = []
+
+    def read(self) -> None:
+        """Gather the small tensors; raises if a slot read live no longer fits."""
+        gathered = []
+        ema = self.emas[0]
+        for a, b, dicts, keys, aliases in self.runs:
+            src = torch.cat([*map(getitem, dicts, keys), *aliases])
+            if src.shape != (b - a,) or src.dtype != ema.dtype or src.device != ema.device:
+                raise ValueError(f"the model's tensors gather to {src.numel()} {src.dtype} on {src.device}")
+            gathered.append(src)
+        self.sources = gathered + self.large
+
+    def lerp(self, k: int, weight: float | Tensor) -> None:
+        """``e += weight * (m - e)`` over EMA ``k``'s targets: one ``_foreach_lerp_`` (off the gate, one
+        ``lerp_`` each). Where foreach is fused, a tensor weight goes as views of one buffer filled with it
+        (one kernel, no sync), and the targets above ``DENSE_WEIGHT_NUMEL`` one by one."""
+        targets, sources = self.targets[k], self.sources
+        if not self.dense or isinstance(weight, float):
+            lerp_pairs(targets, sources, weight, self.foreach)
+            return
+        n = self.packed
+        if self.dense_buffer is None:  # a cat run may exceed DENSE_WEIGHT_NUMEL: sized to the largest
+            numel = max(t.numel() for t in targets[:n])
+            self.dense_buffer = torch.empty(numel, dtype=weight.dtype, device=weight.device)
+            self.dense_views = [self.dense_buffer[: t.numel()].view(t.shape) for t in targets[:n]]
+        self.dense_buffer.fill_(weight)
+        lerp_pairs(targets[:n], sources[:n], self.dense_views)
+        lerp_pairs(targets[n:], sources[n:], weight, foreach=False)
+
+
+def _buffers(emas: list[list[Tensor]], order: Sequence[int]) -> list[Tensor]:
+    """Each EMA's tensors (``emas[k][i]``) moved, in ``order``, into a new buffer laid out like the first
+    EMA's (its dtype and device): the same offsets in every buffer."""
+    first = into_one_buffer([emas[0][i] for i in order])
+    return [first, *(into_one_buffer([e[i] for i in order], like=first) for e in emas[1:])]
+
+
+def _runs(numels: list[int], limit: int) -> list[range]:
+    """Consecutive tensors (by element count) in runs under ``limit`` elements; a bigger one runs alone."""
+    runs, start, total = [], 0, 0
+    for i, n in enumerate(numels):
+        if total + n >= limit and i > start:
+            runs.append(range(start, i))
+            start, total = i, 0
+        total += n
+    return [*runs, range(start, len(numels))] if numels else []
+
+
+class FlatStep:
+    """``"flat"``: one buffer per (device, EMA dtype, model dtype) group and EMA; modes in the module
+    docstring. A step's class says what it can do; ``ready(model)`` (False: rebuild) and ``apply(decays,
+    weights)`` (``weight = 1 - decay``) run under ``no_grad``."""
+
+    tensor_decay = True  # apply() takes 0-dim tensor decays (no host sync)
+    in_place = False  # the EMAs' tensors move into the groups' buffers (ShardedModelEMA needs in place)
+    recordable = True  # cuda_graph=True records it (graph_step.py): no live reads, fixed addresses
+    gathers = True  # ready() gathers the model (a CUDA graph's replay reads it itself)
+
+    def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None:
+        floats = pairs.floats
+        mod = [m.detach() for m in pairs.model_floats()]
+        emas = [pairs.ema_floats(k) for k in range(pairs.count)]
+        validate_pairs(emas[0], mod, [e.key for e in floats])
+        self.groups: list[_OneLerpGroup | _SameDtypeGroup] = []
+        first = emas[0]
+        for idx in group(range(len(floats)), lambda i: (first[i].device, first[i].dtype, mod[i].dtype)):
+            es, ms = [[e[i] for i in idx] for e in emas], [mod[i] for i in idx]
+            slots = [floats[i].model_slot for i in idx]
+            fused = tiles_in_order(sorted(ms, key=Tensor.storage_offset))
+            if fused or ms[0].dtype != es[0][0].dtype:
+                self.groups.append(_OneLerpGroup(es, ms, slots, fused))
+            else:
+                self.groups.append(_SameDtypeGroup(es, ms, slots, options.cat_max_numel))
+        self.counters = Counters.of(pairs)
+        self.modes = [g.mode for g in self.groups]
+        # Every slot but the model's live ones (read per update by the gather).
+        checked = [s for e in (*floats, *pairs.counters) for s in e.ema_slots]
+        checked += [slot for g in self.groups for slot in g.checked_slots]
+        checked += [e.model_slot for e in pairs.counters]
+        self.watch = Watch(model, checked, pairs.modules)
+
+    def ready(self, model: nn.Module) -> bool:
+        """True while every EMA slot and every model slot not read live holds the memory it was built over,
+        once every group has gathered the model (False if a live slot holds None or another size, dtype or
+        device): :meth:`apply` updates from what this gathered."""
+        if not self.watch.current(model):
+            return False
+        try:
+            for g in self.groups if self.gathers else ():
+                g.read()
+        except (KeyError, TypeError, RuntimeError, ValueError):  # KeyError: a live slot's entry deleted
+            return False
+        return True
+
+    def check_weights(self, weights: Sequence[float | Tensor]) -> None:
+        """A tensor weight must be on the device of every group it moves."""
+        for w in weights:
+            for g in self.groups if isinstance(w, Tensor) else ():
+                if w.device != g.emas[0].device:
+                    raise ValueError(f"decay is on {w.device} but the EMA is on {g.emas[0].device}")
+
+    def apply(self, decays: Sequence[float | Tensor], weights: Sequence[float | Tensor]) -> None:
+        """``e += weight * (m - e)`` in every group of each EMA, then the counters; a tensor weight is 0-dim
+        (no host sync; cast to each buffer's dtype, as torch < 2.10 wants them equal)."""
+        self.check_weights(weights)
+        for k, weight in enumerate(weights):
+            for g in self.groups:
+                g.lerp(k, weight if isinstance(weight, float) else weight.to(g.emas[0].dtype))
+        self.counters()

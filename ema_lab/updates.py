@@ -1,27 +1,16 @@
-"""The EMA update strategies, as pure functions over lists of (EMA, model) tensor pairs.
+"""The EMA update strategies as pure functions over lists of (EMA, model) tensor pairs, and their cached step.
 
-Every strategy computes ``ema = decay * ema + (1 - decay) * model`` for each pair, in place:
-
-- :func:`loop_update`: the code before ultralytics PR #25315, one pair at a time
-  (``v *= d; v += (1 - d) * m``: three dispatched ops and a temporary per tensor).
-- :func:`foreach_update`: the code after it, one ``torch._foreach_lerp_`` call.
-- :func:`gated_update`: the after-code behind its torch-version/device gate, made robust: one
-  foreach call per (device, dtype) group, a per-tensor path for pairs whose dtypes differ.
-- ``"flat"`` (:mod:`ema_lab.flat_step`): the EMA in one contiguous buffer per group, so the update
-  approaches one ``lerp_`` per group (exactly one after :func:`ema_lab.flatten_model`).
-
-All of them validate the whole input before touching any tensor, so a bad input raises a
-``ValueError`` and leaves the EMA bit-for-bit unchanged. That matters because a failed
-``torch._foreach_lerp_`` is not atomic: the pairs before the bad one are already updated.
-
-:func:`prepare` splits the two halves: validate once, then apply many times. ``ModelEMA`` caches
-the prepared step, a :class:`ListStep`, for as long as the tensors keep their memory (:mod:`ema_lab.step`).
+Each computes ``ema = decay * ema + (1 - decay) * model`` per pair, in place: :func:`loop_update` as before
+ultralytics PR #25315 (``v *= d; v += (1 - d) * m``), :func:`foreach_update` after it (one
+``torch._foreach_lerp_``), :func:`gated_update` behind its torch-version/device gate, grouped by (device,
+dtype), mixed dtypes one by one. Each validates the whole input first: a failed ``_foreach_lerp_`` is not
+atomic, so a bad pair raises ``ValueError`` with the EMA unchanged. :func:`prepare` validates once and
+returns the update; :class:`ListStep` caches it (``"flat"`` is :mod:`ema_lab.step`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +18,8 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .checks import check_decay, validate_pairs, weight_of
 from .gates import foreach_lerp_supported
-from .step import Counters, Pairs, StepOptions, Watch, lerp_pairs
+from .pairs import Pairs
+from .step import Counters, StepOptions, Watch, lerp_pairs
 
 __all__ = ["loop_update", "foreach_update", "gated_update", "prepare", "ListStep", "LIST_STRATEGIES"]
 
@@ -41,18 +31,16 @@ Names = Sequence[str] | None
 
 def _prepare_loop(ema: list[Tensor], model: list[Tensor]) -> Update:
     def update(d: float, w: float) -> None:
-        with torch.no_grad():
-            for v, m in zip(ema, model):
-                v *= d
-                v += w * m.detach()
+        for v, m in zip(ema, model):
+            v *= d
+            v += w * m.detach()
 
     return update
 
 
 def _prepare_foreach(ema: list[Tensor], model: list[Tensor]) -> Update:
     def update(d: float, w: float) -> None:
-        with torch.no_grad():
-            lerp_pairs(ema, model, w)
+        lerp_pairs(ema, model, w)
 
     return update
 
@@ -68,45 +56,38 @@ def _prepare_gated(ema: list[Tensor], model: list[Tensor]) -> Update:
     ]
 
     def update(d: float, w: float) -> None:
-        with torch.no_grad():
-            for es, ms, foreach in runs:  # behind the gate (mps before 2.4, npu): per tensor
-                lerp_pairs(es, ms, w, foreach)
-            # add_ computes in the promoted dtype and casts back, as the pre-change loop did.
-            for v, m in mixed:
-                v.mul_(d).add_(m, alpha=w)
+        for es, ms, foreach in runs:  # behind the gate (mps before 2.4, npu): per tensor
+            lerp_pairs(es, ms, w, foreach)
+        # add_ computes in the promoted dtype and casts back, as the pre-change loop did.
+        for v, m in mixed:
+            v.mul_(d).add_(m, alpha=w)
 
     return update
 
 
-@dataclass(frozen=True)
-class ListStrategy:
-    """A list strategy: whether every pair must share its dtype, and the builder of its update over
-    validated lists."""
-
-    same_dtype: bool
-    build: Callable[[list[Tensor], list[Tensor]], Update]
-
-
-#: The strategies over tensor lists; "flat" is :class:`ema_lab.flat_step.FlatStep`, which owns its buffers.
-LIST_STRATEGIES = {
-    "loop": ListStrategy(False, _prepare_loop),
-    "foreach": ListStrategy(True, _prepare_foreach),
-    "gated": ListStrategy(False, _prepare_gated),
+#: Each list strategy: whether its pairs must share a dtype, and the builder of its update over checked lists.
+LIST_STRATEGIES: dict[str, tuple[bool, Callable[[list[Tensor], list[Tensor]], Update]]] = {
+    "loop": (False, _prepare_loop),
+    "foreach": (True, _prepare_foreach),
+    "gated": (False, _prepare_gated),
 }
 
 
 def prepare(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, names: Names = None) -> Update:
-    """Validate the pairs once and return ``update(decay, weight)`` that applies ``strategy`` unchecked."""
+    """Validate the pairs once and return ``update(decay, weight)`` that applies ``strategy`` unchecked (call
+    it under ``torch.no_grad()`` where a tensor requires grad)."""
     if strategy not in LIST_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(LIST_STRATEGIES)}")
-    chosen = LIST_STRATEGIES[strategy]
-    validate_pairs(ema_tensors, model_tensors, names, same_dtype=chosen.same_dtype)
-    return chosen.build(list(ema_tensors), list(model_tensors))
+    same_dtype, build = LIST_STRATEGIES[strategy]
+    validate_pairs(ema_tensors, model_tensors, names, same_dtype=same_dtype)
+    return build(list(ema_tensors), list(model_tensors))
 
 
 def _run(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, decay: float, names: Names) -> None:
     decay = check_decay(decay)
-    prepare(strategy, ema_tensors, model_tensors, names)(decay, weight_of(decay))
+    update = prepare(strategy, ema_tensors, model_tensors, names)
+    with torch.no_grad():
+        update(decay, weight_of(decay))
 
 
 def loop_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, names: Names = None) -> None:
@@ -115,11 +96,8 @@ def loop_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, name
 
 
 def foreach_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, names: Names = None) -> None:
-    """The post-change fast path: one ``torch._foreach_lerp_(ema, model, 1 - d)`` call.
-
-    Every pair must agree in dtype (``_foreach_lerp_`` raises otherwise, after updating the
-    pairs before the bad one); this checks that first and raises ``ValueError`` instead.
-    """
+    """The post-change fast path: one ``torch._foreach_lerp_(ema, model, 1 - d)``; pairs of mixed dtypes
+    are refused first (``_foreach_lerp_`` would raise after updating the pairs before the bad one)."""
     _run("foreach", ema_tensors, model_tensors, decay, names)
 
 
@@ -146,13 +124,10 @@ class ListStep:
         self.counters = Counters.of(pairs)
         self.watch = Watch(model, pairs.slots(), pairs.modules, sharded=options.sharded)
 
-    def intact(self, model: nn.Module) -> bool:
-        """True while the model's and the EMAs' slots hold the memory this step was built over."""
+    def ready(self, model: nn.Module) -> bool:
+        """True while the model's and the EMAs' slots hold the memory this step was built over (the update
+        reads the model through its aliases: nothing to gather)."""
         return self.watch.current(model)
-
-    def try_gather(self) -> bool:
-        """Nothing to gather: the update reads the model through its aliases (always True)."""
-        return True
 
     def apply(self, decays: Sequence[float], weights: Sequence[float]) -> None:
         """One update of each EMA, then the counters."""

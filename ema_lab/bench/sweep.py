@@ -8,7 +8,7 @@ For each (device, model, thread count) the candidates (:func:`candidate_names`) 
 - every strategy of :data:`ema_lab.ema.STRATEGIES` through ``ModelEMA(model, strategy=s).update``, and
   ``flat_model``: the default ``ModelEMA`` of a twin of the model after ``ema_lab.flatten_model``;
 - ``floor``: one ``lerp_`` over two flat buffers of the model's floats, allocated as ema_lab's own are
-  (:func:`ema_lab.flat.empty_flat`): the best any update of that model can do, the reference of every
+  (:func:`ema_lab.buffers.empty_flat`): the best any update of that model can do, the reference of every
   row's ``floor_fraction``; ``copy``: one ``copy_`` of those bytes (on a CPU its store also reads its
   destination, write-allocate, so it is no cheaper yardstick than the floor and gets no fraction).
 
@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
+from ..buffers import empty_flat
 from ..ema import STRATEGIES, ModelEMA
-from ..flat import empty_flat, flatten_model
+from ..flat import flatten_model
 from . import models as zoo
 from .costmodel import run_cost_model
 from .counting import count_ops, kernel_launches_or_reason, without_views

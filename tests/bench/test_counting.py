@@ -172,5 +172,6 @@ def test_cuda_a_tensor_decay_keeps_the_fused_foreach_kernel():  # pragma: no cov
     with_float = sum(count_kernel_launches(ema.update, model).values())
     with_tensor = sum(count_kernel_launches(ema.update, model, decay=decay).values())
     # A third list (the weights) packs fewer tensors per launch (48 against 64 in torch 2.11's
-    # MultiTensorApply.cuh), plus 1 - decay and the buffer's fill; one launch per tensor would be 2,000.
+    # MultiTensorApply.cuh), plus 1 - decay, its clamp to [0, 1] (nan_to_num_, clamp_: checks.weight_of) and
+    # the buffer's fill; one launch per tensor would be 2,000.
     assert with_tensor <= 2 * with_float < 200

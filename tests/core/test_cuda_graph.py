@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from ema_lab import ModelEMA, flat_step, flatten_model, graph_step
+from ema_lab import ModelEMA, flatten_model, graph_step
+from ema_lab import step as flat_step  # the flat step's private switches: these tests are about them
 from ema_lab.bench import models
 from ema_lab.graph_step import GraphStep
 from ema_lab.schedules import power
@@ -84,6 +85,7 @@ def test_cuda_graph_replays_the_eager_flat_step_bit_for_bit(layout: str, device:
         _shift(model, 0.25 * (i + 1))
         graphed.update(model)
         eager.update(model)
+    # The step's private replay: this test is about the recording.
     assert graphed.rebuilds == 1 and graphed._step.replay is not None  # recorded once, replayed 5 times
     assert graphed.modes == eager.modes
     want = eager.ema.state_dict()
@@ -175,5 +177,5 @@ def test_cuda_graph_recording_that_fails_raises_the_error_of_the_update() -> Non
         raise ValueError("the update's own error")
 
     with pytest.raises(ValueError, match="the update's own error"):
-        graph_step._record(body, torch.device("cuda"))
+        graph_step._record(body, torch.device("cuda"))  # the private recorder: this test is about it
     torch.cuda.synchronize()  # nothing left capturing

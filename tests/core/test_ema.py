@@ -32,7 +32,7 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generat
 def test_defaults_and_ramp() -> None:
     model = models.build("tiny_cnn")
     ema = ModelEMA(model)
-    assert (ema.max_decay, ema.tau, ema.updates, ema.strategy, ema.enabled) == (
+    assert (ema.schedule.decay, ema.schedule.tau, ema.updates, ema.strategy, ema.enabled) == (
         0.9999,
         2000.0,
         0,
@@ -353,3 +353,23 @@ def test_sync_buffers_refuses_a_bad_group_or_src_in_one_line(kwargs: dict, error
     with pytest.raises(error, match=message):
         ema.sync_buffers(**kwargs)
     assert not ema.ranks_checked  # refused before anything: the unsynced warning still comes
+
+
+def test_a_list_of_schedules_keeps_one_ema_each_equal_to_its_own_model_ema() -> None:
+    from ema_lab.schedules import power, warmup
+
+    model = models.build("tiny_cnn")
+    schedules = [power(sigma_rel=0.1), warmup(decay=0.99)]
+    both = ModelEMA(model, decay=schedules)
+    alone = [ModelEMA(model, decay=s) for s in schedules]
+    for step in range(5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * (step + 1))
+        for ema in (both, *alone):
+            ema.update(model)
+    assert both.schedules == schedules and len(both.emas) == 2 and both.ema is both.emas[0]
+    for mine, other in zip(both.emas, alone):
+        want = other.ema.state_dict()
+        assert all(torch.equal(v, want[k]) for k, v in mine.state_dict().items())
+    assert both.rebuilds == 1  # one step moves both

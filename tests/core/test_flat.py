@@ -9,11 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from ema_lab import ModelEMA, flat_step, flatten_model, unflatten_model
+from ema_lab import ModelEMA, flatten_model, unflatten_model
+from ema_lab import step as flat_step  # the flat step's private pieces: these tests are about them
 from ema_lab.bench import models
 from ema_lab.bench.counting import count_ops
+from ema_lab.buffers import tiles_in_order
 from ema_lab.ema import resolve_strategy
-from ema_lab.flat import flatten_tensors, tiles_in_order, unflatten_tensors
+from ema_lab.flat import flatten_tensors
 from ema_lab.pairs import collect_pairs
 from ema_lab.step import CAT_MAX_NUMEL
 
@@ -133,7 +135,7 @@ def test_flatten_is_reversible_and_keeps_objects_values_and_grad_flags():
     assert list(model.parameters()) == params and all(p.requires_grad for p in params)
     assert all(p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for p in params)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    unflatten_tensors(params)
+    unflatten_model(model)
     ptrs = {p.untyped_storage().data_ptr() for p in params}
     assert len(ptrs) == len(params) and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
@@ -360,7 +362,7 @@ def test_converting_only_the_buffers_of_a_flattened_model_is_detected():
 
 def test_cat_runs_stay_under_the_grain_and_cover_every_tensor_in_order() -> None:
     numels = [1000] * 70 + [30000, 5, 40000, 7]
-    runs = flat_step._runs(numels, 32768)
+    runs = flat_step._runs(numels, 32768)  # the private run splitter: this test is about it
     assert [i for r in runs for i in r] == list(range(len(numels)))
     assert all(sum(numels[i] for i in r) < 32768 or len(r) == 1 for r in runs)
     assert [len(r) for r in runs] == [32, 32, 6, 2, 1, 1]  # a 33rd 1000 would reach 32768; 40000 runs alone
@@ -383,7 +385,10 @@ def test_the_cat_part_gives_the_same_bits_built_at_one_and_two_threads() -> None
             e.update(model, decay=0.9)
     finally:
         torch.set_num_threads(before)
-    assert [len(e._step.groups[0].runs) for e in emas] == [1, 9]
+    assert [len(e._step.groups[0].runs) for e in emas] == [
+        1,
+        9,
+    ]  # the step's private runs: this test's subject
     for (k, a), b in zip(emas[0].ema.state_dict().items(), emas[1].ema.state_dict().values()):
         assert torch.equal(a, b), k
 
@@ -597,7 +602,7 @@ def test_a_view_held_only_by_a_reference_cycle_is_collected_not_refused():
 def test_without_the_use_count_binding_memory_held_outside_is_not_checked(monkeypatch):
     from ema_lab import flat
 
-    monkeypatch.setattr(flat, "_USE_COUNT", None)
+    monkeypatch.setattr(flat, "USE_COUNT", None)  # the use-count binding: this test is about it
     model = models.build("tiny_cnn")
     kept = model[0].conv.weight.data
     flatten_model(model)  # as the docstring says: not checked, so not refused

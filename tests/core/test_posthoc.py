@@ -6,6 +6,7 @@ ema-pytorch's PostHocEMA is compared by benchmarks/peer_schedules.py (docs/resul
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -305,7 +306,7 @@ def test_an_update_whose_save_fails_is_undone_and_a_retry_applies_it_once(tmp_pa
 
 
 class _StandInDDP(torch.nn.parallel.DistributedDataParallel):
-    """Only what warn_unsynced reads of a DDP model (a real one refuses SyncBatchNorm off the GPU)."""
+    """Only what the unsynced warning reads of a DDP model (a real one refuses SyncBatchNorm off the GPU)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         torch.nn.Module.__init__(self)
@@ -313,12 +314,116 @@ class _StandInDDP(torch.nn.parallel.DistributedDataParallel):
 
 
 def test_sync_batchnorm_warns_for_no_ema_of_a_posthoc_ema(tmp_path: Path, monkeypatch, recwarn) -> None:
-    import ema_lab.sync
-
     # SyncBatchNorm's buffers are equal on every rank: only the first EMA's counted as such, so the second
     # EMA's (a deepcopy, other tensors) made PostHocEMA ask for a sync_buffers() that is not needed.
-    monkeypatch.setattr(ema_lab.sync, "_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # a two-rank run, as torch says
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SyncBatchNorm(4))
     ema = PostHocEMA(model, tmp_path)
-    ema_lab.sync.warn_unsynced(ema, _StandInDDP(model))
+    ema.update(_StandInDDP(model))
     assert not [w for w in recwarn if "sync_buffers" in str(w.message)]
+
+
+# --- a run's identity and checkpoints (issue #55) ----------------------------------------------------------
+
+
+def test_a_resumed_run_from_its_state_dict_equals_one_that_never_stopped_bit_for_bit(tmp_path) -> None:
+    """Checkpointed at update 10 (snapshots at 4 and 8), resumed in a new object from the snapshots of 8 and
+    the checkpoint through torch.save/torch.load(weights_only=True): every EMA, the count and the later
+    snapshots equal an uninterrupted run's."""
+    model, again = models.build("tiny_cnn"), models.build("tiny_cnn")
+    whole = PostHocEMA(model, tmp_path / "whole", snapshot_every=4)
+    first = PostHocEMA(again, tmp_path / "resumed", snapshot_every=4)
+    for step in range(1, 11):
+        for m, ema in ((model, whole), (again, first)):
+            _train_step(m, step)
+            ema.update(m)
+    torch.save({"ema": first.state_dict(), "model": again.state_dict()}, tmp_path / "checkpoint.pt")
+    del first
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    again = models.build("tiny_cnn")
+    again.load_state_dict(checkpoint["model"])
+    resumed = PostHocEMA(again, tmp_path / "resumed", snapshot_every=4, updates=8)
+    resumed.load_state_dict(checkpoint["ema"])
+    for step in range(11, 15):
+        for m, ema in ((model, whole), (again, resumed)):
+            _train_step(m, step)
+            ema.update(m)
+    assert resumed.updates == whole.updates == 14
+    for mine, other in zip(resumed.emas, whole.emas):
+        want = other.state_dict()
+        for k, v in mine.state_dict().items():
+            assert torch.equal(v, want[k]), k
+    for a, b in zip(list_snapshots(tmp_path / "whole"), list_snapshots(tmp_path / "resumed")):
+        assert (a.step, a.gamma) == (b.step, b.gamma)
+    assert all(torch.equal(v, whole.synthesize(0.075)[k]) for k, v in resumed.synthesize(0.075).items())
+
+
+def test_a_state_dict_of_other_profiles_or_another_run_is_refused_before_anything_changes(tmp_path) -> None:
+    model = models.build("tiny_cnn")
+    ema = PostHocEMA(model, tmp_path / "a", snapshot_every=2)
+    for step in range(1, 4):
+        _train_step(model, step)
+        ema.update(model)
+    other = {**PostHocEMA(model, tmp_path / "b", sigma_rels=(0.05, 0.15)).state_dict(), "run": ema.run}
+    resumed = PostHocEMA(model, tmp_path / "a", snapshot_every=2, updates=2)
+    before = [{k: v.clone() for k, v in e.state_dict().items()} for e in resumed.emas]
+    stranger = {**ema.state_dict(), "run": "another"}
+    for state, message in (
+        (other, "schedules"),
+        (stranger, "of run 'another'"),
+        ({"emas": []}, "not a PostHocEMA"),
+    ):
+        with pytest.raises(ValueError, match=message) as info:
+            resumed.load_state_dict(state)
+        assert "\n" not in str(info.value)
+    assert resumed.updates == 2
+    for e, old in zip(resumed.emas, before):
+        assert all(torch.equal(v, old[k]) for k, v in e.state_dict().items())
+    resumed.load_state_dict(ema.state_dict())  # its own run's: accepted
+    assert resumed.updates == 3 and resumed.run == ema.run
+
+
+def test_each_snapshot_names_its_run_and_a_second_run_in_the_folder_is_refused(tmp_path) -> None:
+    """Two runs started on one empty folder: the second to save finds a step it did not save, and stops with
+    one line (its update undone); synthesize refuses snapshots of two runs."""
+    model = models.build("tiny_cnn")
+    a = PostHocEMA(model, tmp_path, snapshot_every=2)
+    b = PostHocEMA(model, tmp_path, snapshot_every=3)
+    assert a.run != b.run
+    for _ in range(2):
+        a.update(model)
+    b.update(model)
+    b.update(model)
+    with pytest.raises(ValueError, match="holds update 2, after run .* last save .0.: another run") as info:
+        b.update(model)
+    assert "\n" not in str(info.value) and b.updates == 2
+    assert {s.step for s in list_snapshots(tmp_path)} == {2}
+    resumed = PostHocEMA(model, tmp_path, snapshot_every=2, updates=2)  # the caller resumes that run
+    assert resumed.run == a.run
+    save_step(tmp_path, 3, {1.0: {"w": torch.ones(2)}}, run="another")
+    save_step(tmp_path, 4, {2.0: {"w": torch.ones(2)}}, run="another")
+    with pytest.raises(ValueError, match="of run 'another'.*holds the snapshots of one run"):
+        synthesize(tmp_path, 0.1)
+
+
+def test_the_temporaries_of_killed_saves_are_removed_but_never_a_live_writers(tmp_path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    host = socket.gethostname()
+    killed = tmp_path / f".step-000000000004.{host}.{int(dead.stdout)}.0a1b2c3d.tmp"
+    live = tmp_path / f".step-000000000004.{host}.{os.getpid()}.0a1b2c3d.tmp"
+    elsewhere = tmp_path / f".step-000000000004.another-host.{int(dead.stdout)}.0a1b2c3d.tmp"
+    for folder in (killed, live, elsewhere):
+        folder.mkdir()
+        (folder / "g6.94.pt").write_bytes(b"half a file")
+    check_folder(tmp_path)  # as PostHocEMA does when a run starts or resumes
+    assert not killed.exists() and live.exists() and elsewhere.exists()
+    model = models.build("tiny_cnn")
+    PostHocEMA(model, tmp_path, snapshot_every=1).update(model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [live.name, elsewhere.name, "step-000000000001"]
+    )

@@ -156,7 +156,7 @@ def test_values_are_decays(s):
 
 
 BAD = [
-    (warmup, {"decay": 1.5}, "decay must be a number in [0, 1]"),
+    (warmup, {"decay": 1.5}, "decay must be a finite number in [0, 1]"),  # the rule of ModelEMA's decay
     (warmup, {"decay": float("nan")}, "decay must be"),
     (warmup, {"min_decay": 0.5, "decay": 0.4}, "min_decay must be in [0, decay=0.4]"),
     (warmup, {"gamma": 0}, "gamma must be a positive number"),

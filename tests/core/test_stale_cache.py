@@ -191,7 +191,7 @@ def test_swap_tensors_on_a_model_parameter_works_and_is_followed(strategy: str) 
 @pytest.mark.requires_torch("2.3", "torch.utils.swap_tensors")
 def test_swap_tensors_on_a_flattened_model_is_followed_once_the_old_tensor_is_released() -> None:
     # A flattened model's fused groups are checked by the flat storage's reference count (O(1) per group):
-    # a swap whose swapped-out tensor the caller keeps alive holds that count (ema_lab.flat_step says so).
+    # a swap whose swapped-out tensor the caller keeps alive holds that count (ema_lab.step says so).
     model = models.build("tiny_cnn")
     ema = _ema(model, "flatten_model")
     ema.update(model)
@@ -234,6 +234,7 @@ def test_direct_slot_assignment_is_followed(strategy: str, entry: str) -> None:
 
 
 # --- live reads: the 1-D tensors of a cat part are read through the module slots, unchecked ------------
+# (these tests are about the flat step's private layout: they read ema._step)
 
 
 def test_the_default_reads_every_1d_cat_tensor_live_and_checks_the_rest() -> None:
@@ -402,7 +403,7 @@ def test_an_ema_unpickled_where_no_ema_was_made_still_sees_a_replaced_module(mon
     ema = ModelEMA(model)
     ema.update(model)
     blob = pickle.dumps(ema)
-    for handle in step._hooks:  # as in a fresh process
+    for handle in step._hooks:  # as in a fresh process (the private hook list: this test is about it)
         handle.remove()
     monkeypatch.setattr(step, "_hooks", [])
     fresh = pickle.loads(blob)

@@ -243,22 +243,23 @@ def test_sync_buffers_outside_a_process_group_changes_nothing_and_silences_the_w
 def test_the_warning_leaves_out_syncbatchnorm_whose_buffers_are_equal_on_every_rank(monkeypatch) -> None:
     import warnings
 
-    from ema_lab import sync
-
     class Wrapped(nn.parallel.DistributedDataParallel):  # isinstance DDP, no process group needed
         def __init__(self, module: nn.Module) -> None:
             nn.Module.__init__(self)
             self.module = module
 
-    monkeypatch.setattr(sync, "_world_size", lambda group=None: 2)
     for norm, warns in ((nn.SyncBatchNorm(4), False), (nn.BatchNorm1d(4), True)):
         model = nn.Sequential(nn.Linear(3, 4), norm)
         ema = ModelEMA(model)
         model(torch.randn(8, 3))  # a forward moves the statistics (SyncBatchNorm's alike on every rank)
+        # Then a two-rank run, as torch says (patched after the forward: SyncBatchNorm would sync on a GPU).
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ema.update(Wrapped(model))
         assert len(caught) == warns, (norm, [str(w.message) for w in caught])
+        monkeypatch.undo()
 
 
 # --- the command line, failures, skips -------------------------------------------------------------------
@@ -459,14 +460,12 @@ def test_sync_buffers_on_one_rank_issues_no_collective(mesh: object) -> None:
     """A sharded EMA holds buffers as parameters: those, and no DTensor shard, are what sync broadcasts."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from ema_lab.sync import rank_local_tensors
-
     model = dist_demo.shard_model(build("tiny_cnn"), mesh)
     ema = ShardedModelEMA(model)
     _step(model, 0)
     ema.update(model)
     float_buffers = [b for b in build("tiny_cnn").buffers() if b.is_floating_point()]
-    assert len(rank_local_tensors(ema)) == len(float_buffers) > 0
+    assert len(ema.rank_local_tensors()) == len(float_buffers) > 0
     with CommDebugMode() as comm:
         ema.sync_buffers()
     assert comm.get_total_counts() == 0

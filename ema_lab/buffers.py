@@ -1,0 +1,88 @@
+"""One-buffer helpers: tensors as views of one contiguous buffer, what the steps and flatten_model use."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+__all__ = ["unique", "group", "empty_flat", "into_one_buffer", "whole_storage", "tiles_in_order"]
+
+_T = TypeVar("_T")
+
+
+def unique(items: Iterable[_T], tensor: Callable[[_T], Tensor] = lambda t: t) -> list[_T]:
+    """``items`` without repeats of the same tensor object (tied weights), first occurrence kept, in order."""
+    first: dict[int, _T] = {}
+    for item in items:
+        first.setdefault(id(tensor(item)), item)
+    return list(first.values())
+
+
+def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]:
+    """Positions grouped by ``key``, in first-seen order (torch's foreach grouping keys on one list only)."""
+    out: dict[object, list[int]] = {}
+    for i in items:
+        out.setdefault(key(i), []).append(i)
+    return list(out.values())
+
+
+#: The transparent huge page of x86-64 (and arm64 with 4 KiB pages): buffers from this size up get a mapping
+#: of their own, so one TLB entry covers 2 MiB of the stream an update reads (benchmarks/cat_runs.py).
+#: torch's own switch, the environment variable THP_MEM_ALLOC_ENABLE=1, is read once when torch first
+#: allocates and then applies to every CPU tensor of the process: a library cannot turn it on for its buffers.
+_HUGE_PAGE = 2 << 20
+
+
+def empty_flat(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+    """An uninitialised 1-D buffer; on Linux CPU, from 2 MiB up, in transparent huge pages where granted."""
+    device = torch.device(device)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(numel, dtype=dtype, device=device)
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # a kernel without THP: the mapping is still good memory
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=-start % _HUGE_PAGE)
+
+
+def into_one_buffer(tensors: Sequence[Tensor], like: Tensor | None = None) -> Tensor:
+    """A new 1-D buffer holding ``tensors`` back to back (one dtype and device, or ``like``'s); each becomes
+    a view of it."""
+    like = tensors[0] if like is None else like
+    buf = empty_flat(sum(t.numel() for t in tensors), like.dtype, like.device)
+    off = 0
+    with torch.no_grad():
+        for t in tensors:
+            view = buf[off : off + t.numel()].view(t.shape)
+            view.copy_(t)  # a fresh buffer: tensors that shared memory before are still read intact
+            t.data = view  # keeps the Parameter object (optimizers, hooks and module slots hold it)
+            off += t.numel()
+    return buf
+
+
+def whole_storage(t: Tensor) -> Tensor:
+    """A 1-D tensor over all of ``t``'s storage, in ``t``'s dtype."""
+    n = t.untyped_storage().nbytes() // t.element_size()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, (n,), (1,))
+
+
+def tiles_in_order(tensors: Sequence[Tensor], dense: Callable[[Tensor], bool] = Tensor.is_contiguous) -> bool:
+    """True when the tensors are ``dense`` (contiguous, by default), lie back to back in list order and cover
+    one whole storage."""
+    if not tensors:
+        return False
+    first, end = tensors[0], 0
+    ptr = first.untyped_storage().data_ptr()
+    for t in tensors:
+        if t.dtype != first.dtype or not dense(t) or t.storage_offset() != end:
+            return False
+        if t.untyped_storage().data_ptr() != ptr:
+            return False
+        end += t.numel()
+    return end * first.element_size() == first.untyped_storage().nbytes()
