@@ -202,7 +202,8 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
     or view kept by an optimizer or an earlier EMA would keep the old memory; checked where torch has
     ``_storage_Use_Count``). A group that already fills one buffer is not moved; a channels_last group is
     correct but not one ``lerp_``; pinned memory stays pinned; the buffers are normal tensors even under
-    ``torch.inference_mode()``.
+    ``torch.inference_mode()``. The tensors lie back to back, not on a fresh tensor's 64-byte boundary: a
+    kernel that rounds by alignment (some CPUs' BLAS matrix-vector product) can differ in the last bit.
     """
     return _flatten(_model_tensors(model))
 
