@@ -285,7 +285,7 @@ plt.show()
 # %% [markdown]
 # Gray: built here; blue: `ema_lab`. The flattened model's `ModelEMA` adds the counters' `copy_` and the
 # check to the floor's `lerp_`, so it cannot beat the floor (overlapping IQR lines: noise). The default
-# (foreach over the large tensors, one `cat` of the small, the check, the counters) lands near foreach.
+# (foreach over the large tensors, one `cat` of the small, the check, the counters) lands above foreach.
 #
 # The check, packaged: make the flattened model fp16 and update once with decay 0. The EMA must equal
 # the model:
