@@ -29,9 +29,9 @@ AveragedModel and ema-pytorch. timm's ModelEmaV3 is loaded from its own source f
 (``timm/utils/model_ema.py`` imports only torch), so a missing torchvision cannot skip it. Each
 candidate gets its own copy of the model, on ``--device``.
 
-Timing, all candidates in one process, interleaved (each round visits every candidate, the order rotating),
-at each ``--threads`` count in turn (intra-op threads: a flat ``lerp_`` parallelises, a foreach over tensors
-under the grain size does not):
+Timing, all candidates in one process, interleaved (each round visits every candidate: in a new order on
+CPU, rotating on CUDA), at each ``--threads`` count in turn (intra-op threads: a flat ``lerp_``
+parallelises, a foreach over tensors under the grain size does not):
 
 - ``--device cpu``: medians of ``--rounds`` measurements of :func:`ema_lab.bench.timing.time_candidates`
   (each measurement sized to about ``--target-s``).
