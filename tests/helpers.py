@@ -172,3 +172,21 @@ def kept_clean(shared: nn.Module) -> Iterator[None]:
         assert not thop_buffers(shared), f"this test leaked thop buffers onto {type(shared).__name__}"
     finally:
         clear_thop_buffers(shared)
+
+
+@contextmanager
+def one_rank_group(folder: Path) -> Iterator[None]:
+    """A one-rank gloo process group in this process, its file store in ``folder`` (DDP, FSDP2 and a
+    ShardedModelEMA need one); skipped where torch.distributed is missing or a group already exists."""
+    import pytest
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("skipped: this torch has no torch.distributed")
+    if dist.is_initialized():
+        pytest.skip("skipped: a default process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(folder / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

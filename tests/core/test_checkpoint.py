@@ -14,6 +14,8 @@ from ema_lab import ModelEMA, ShardedModelEMA
 from ema_lab.bench.models import build
 from ema_lab.schedules import power, ramp, warmup
 
+from ..helpers import one_rank_group
+
 STRATEGIES = ("auto", "flat", "gated", "foreach", "loop")
 CONFIGS = {
     "ramp": {"decay": 0.9, "tau": 2},
@@ -206,20 +208,10 @@ def test_module_is_the_ema_under_torch_and_timms_name() -> None:
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        pytest.skip("this torch build has no torch.distributed")
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
     from torch.distributed.device_mesh import init_device_mesh
 
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
+    with one_rank_group(tmp_path_factory.mktemp("pg")):
         yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _sharded(mesh: object) -> nn.Module:

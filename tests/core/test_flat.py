@@ -19,6 +19,8 @@ from ema_lab.flat import flatten_tensors
 from ema_lab.pairs import collect_pairs
 from ema_lab.step import CAT_MAX_NUMEL
 
+from ..helpers import one_rank_group
+
 
 def _tiles(tensors: list[torch.Tensor]) -> bool:
     """The tensors cover one whole storage, in any order."""
@@ -880,18 +882,8 @@ def test_pinned_memory_stays_pinned():
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory: pytest.TempPathFactory):
     """A one-rank gloo process group in this process (DDP and FSDP2 wrap models only inside one)."""
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        pytest.skip("skipped: this torch has no torch.distributed")
-    if dist.is_initialized():
-        pytest.skip("skipped: a default process group already exists in this process")
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
+    with one_rank_group(tmp_path_factory.mktemp("pg")):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("when", ["before", "after"])

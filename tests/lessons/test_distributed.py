@@ -32,6 +32,8 @@ from ema_lab.bench.models import build
 from ema_lab.lessons import distributed as dist_demo
 from ema_lab.schedules import power, warmup
 
+from ..helpers import one_rank_group
+
 ROOT = Path(__file__).resolve().parents[2]
 SKIP = dist_demo.skip_reason()
 needs_distributed = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
@@ -375,17 +377,10 @@ def test_bad_command_line_is_rejected() -> None:
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     if SKIP:
         pytest.skip(SKIP)
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    if dist.is_initialized():
-        pytest.skip("skipped: a default process group already exists in this process")
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
+    with one_rank_group(tmp_path_factory.mktemp("pg")):
         yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _step(model: nn.Module, seed: int) -> None:

@@ -48,6 +48,20 @@ def load(folder: Path, name: str) -> dict:
     return torch.load(folder / name, weights_only=True)
 
 
+def _trainer(tmp_path: Path, **options: object) -> pl.Trainer:
+    """One CPU process, quiet: no logger, checkpoint files, progress bar or model summary."""
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **options,
+    )
+
+
 @pytest.mark.parametrize("run", ["ours", "ours-unvalidated"])
 def test_every_rank_holds_the_same_ema(ddp_runs: Path, run: str) -> None:
     """BatchNorm's statistics differ between ranks; the EMA's are rank 0's on both (sync_buffers), with or
@@ -101,20 +115,14 @@ def test_once_per_optimizer_step_and_validation_leaves_the_weights(tmp_path: Pat
             self.validated = getattr(self, "validated", 0) + 1
 
     callback = EMACallback(decay=constant(DECAY))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = _trainer(
+        tmp_path,
         max_epochs=1,
         accumulate_grad_batches=2,
         val_check_interval=4,
         num_sanity_val_steps=0,
         limit_val_batches=2,
         callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
     )
     model = Checked()
     trainer.fit(model, data(64, 1), data(32, 2))
@@ -125,16 +133,10 @@ def test_once_per_optimizer_step_and_validation_leaves_the_weights(tmp_path: Pat
 
 def test_a_checkpoint_of_another_schedule_is_refused(ddp_runs: Path, tmp_path: Path) -> None:
     """fit(ckpt_path=) with an EMA of another decay: Lightning stops with ModelEMA's one-line error."""
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = _trainer(
+        tmp_path,
         max_epochs=3,
         callbacks=[EMACallback(decay=constant(0.5))],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
     )
     with pytest.raises(ValueError, match="schedule") as error:
         trainer.fit(Net(), data(64, 1), data(32, 2), ckpt_path=str(ddp_runs / "ckpt" / "epoch=0.ckpt"))
@@ -144,16 +146,10 @@ def test_a_checkpoint_of_another_schedule_is_refused(ddp_runs: Path, tmp_path: P
 def test_resumed_on_one_process(ddp_runs: Path, tmp_path: Path) -> None:
     """The 2-rank checkpoint resumes on one process: the EMA goes on from its saved count, once per step."""
     callback = EMACallback(decay=constant(DECAY))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = _trainer(
+        tmp_path,
         max_epochs=2,
         callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
     )
     trainer.fit(Net(), data(64, 1), data(32, 2), ckpt_path=str(ddp_runs / "ckpt" / "epoch=0.ckpt"))
     assert (
