@@ -1,11 +1,9 @@
 """ema_lab: an EMA of model weights updated with one batched ``torch._foreach_lerp_`` (or one flat ``lerp_``).
 
-The core needs torch alone: ``ModelEMA`` (:mod:`ema_lab.ema`) keeps one cached step (:mod:`ema_lab.step`)
-over the matched entries (:mod:`ema_lab.pairs`), rebuilt when its watch sees them move; ``PostHocEMA``
-(:mod:`ema_lab.posthoc`, with its snapshot store) keeps several EMAs in that one step. Every decay is a
-schedule (:mod:`ema_lab.schedules`); the argument checks are :mod:`ema_lab.checks`. ``ema_lab.bench`` (timing,
-counting, the ``python -m ema_lab bench`` sweep) and ``ema_lab.lessons`` (the pieces the notebooks reuse)
-are subpackages with their own extras.
+The core needs torch alone: ``ModelEMA`` (:mod:`ema_lab.ema`) keeps one cached step (:mod:`ema_lab.step`) over
+the matched entries (:mod:`ema_lab.pairs`); ``PostHocEMA`` (:mod:`ema_lab.posthoc`) keeps several EMAs in that
+step; every decay is a schedule (:mod:`ema_lab.schedules`). ``ema_lab.bench`` and ``ema_lab.lessons`` (the
+``python -m ema_lab bench`` sweep, the notebooks' pieces) are subpackages with their own extras.
 """
 
 from .ema import STRATEGIES, ModelEMA

@@ -1,7 +1,5 @@
-"""The argument checks of the core, the schedules and the post-hoc EMA: one place for each rule.
-
-Each check raises a one-line ``ValueError`` (or ``TypeError`` for a wrong kind of object) naming the argument
-and the value, before anything is changed.
+"""The argument checks of the core, the schedules and the post-hoc EMA: one place for each rule. Each raises a
+one-line ``ValueError`` (``TypeError`` for a wrong kind of object) naming the argument, before any change.
 """
 
 from __future__ import annotations

@@ -40,12 +40,10 @@ def resolve_strategy(strategy: str, tensors: Sequence[Tensor], in_place: bool = 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The plain module inside DataParallel/DistributedDataParallel and ``torch.compile`` wrappers."""
     while True:
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            model = model.module
-            continue
         # torch.compile's wrapper holds the module as "_orig_mod"; a dict lookup, as getattr of a missing
         # name goes through Module.__getattr__ and builds an AttributeError on every update.
-        inner = model._modules.get("_orig_mod")
+        wrapped = isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel))
+        inner = model.module if wrapped else model._modules.get("_orig_mod")
         if not isinstance(inner, nn.Module):
             return model
         model = inner
@@ -116,12 +114,10 @@ class BaseEMA:
         floats = [t for t in (*ema.parameters(), *ema.buffers()) if t.is_floating_point()]
         self.resolved_strategy = resolve_strategy(strategy, floats, in_place=self.sharded)
         self._step_type: type[Step] = STEPS[self.resolved_strategy]
-        if cuda_graph and not self._step_type.recordable:
-            raise ValueError(
-                f"cuda_graph=True records the 'flat' step; strategy {strategy!r} runs "
-                f"{self.resolved_strategy!r} for this model"
-            )
         if cuda_graph:
+            if not self._step_type.recordable:
+                why = f"strategy {strategy!r} runs {self.resolved_strategy!r} for this model"
+                raise ValueError(f"cuda_graph=True records the 'flat' step; {why}")
             GraphStep.check_devices([*ema.parameters(), *ema.buffers()])
             self._step_type = GraphStep
         self._options = StepOptions(self.resolved_strategy, cat_max_numel, self.sharded)
@@ -183,11 +179,10 @@ class BaseEMA:
         return step
 
     def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:
-        """Move every EMA one step towards ``model`` (wrapped models are unwrapped). ``decay`` overrides the
-        schedules for this step (with ``every=k``: the k steps'); with "flat" it may be a 0-dim tensor on the
-        model's device: no host sync, no recompiles, so no check of its value either: it is used clamped to
-        [0, 1], NaN as 1 (the EMA keeps its weights). With ``every=k`` only every k-th call updates, by the
-        product of the k decays (the others only count)."""
+        """Move every EMA one step towards ``model`` (unwrapped). With ``every=k`` only every k-th call
+        updates, by the product of the k decays (the others only count). ``decay`` overrides the schedules for
+        this step; with "flat" it may be a 0-dim tensor on the model's device, never read on the host (no
+        sync, no recompiles): used clamped to [0, 1], NaN as 1 (the EMA keeps its weights)."""
         if not self.enabled:
             return
         if not isinstance(model, nn.Module):
@@ -226,9 +221,8 @@ class BaseEMA:
 
     def sync_buffers(self, src: int = 0, group: object = None) -> None:
         """Overwrite every rank's EMA float buffers with rank ``src``'s (of ``group``, default the world): a
-        collective, on every rank before evaluating or saving (each rank's BatchNorm updates its buffers from
-        its own batch). Not in ``update()``: it would hang where the EMA lives on one rank, and cost one per
-        step. One coalesced ``broadcast`` per (dtype, device); none off torch.distributed or on one rank."""
+        collective, on every rank before evaluating or saving (each rank's BatchNorm sees its own batch); not
+        in ``update()``, where it would hang an EMA kept on one rank. A no-op on one rank."""
         if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
             raise TypeError(
                 f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
@@ -240,20 +234,15 @@ class BaseEMA:
         if world == 1:
             return
         buffers = self.rank_local_tensors()
-        # torch's own coalesced broadcast (DDP's) copies the buffers in place (the step keeps its tensors)
-        # through flat tensors made in C++. One made in Python aborted the process at exit (SIGABRT): gloo's
-        # worker thread frees the finished work after the call returned, and freeing a Python-owned tensor
-        # needs the GIL, which no thread gets while the interpreter shuts down (it exits through a noexcept
-        # destructor).
+        # DDP's coalesced broadcast copies in place (the step keeps its tensors) through flat tensors made in
+        # C++: one made in Python aborted the process at exit (gloo's worker freed it without the GIL).
         with torch.no_grad():
             size = sum(b.numel() * b.element_size() for b in buffers)  # one bucket per (dtype, device)
             dist._broadcast_coalesced(dist.group.WORLD if group is None else group, buffers, size, src)
 
     def _warn_unsynced(self, model: nn.Module) -> None:
-        """Warn, once, when the EMA averages float buffers that the ranks compute apart: in a default group of
-        more than one rank, whatever reaches ``update()`` (a DDP wrapper, ``ddp.module``, a LightningModule),
-        a rank-local buffer (not SyncBatchNorm's) that differs from the model's, i.e. that a forward changed
-        since the EMA was made (a constant buffer is alike on every rank). One comparison per buffer, once."""
+        """Warn, once, in a default group of several ranks, when a rank-local float buffer (not
+        SyncBatchNorm's) differs from the model's: a forward changed it, so the ranks' EMAs differ."""
         self.ranks_checked = True
         if _world_size() == 1:
             return
@@ -322,18 +311,15 @@ class ModelEMA(BaseEMA):
     grad), ``.updates``, ``.decay(n)``, ``.update(model)``, ``.update_attr(model)``, ``.enabled``. Unlike it,
     the pairs are collected once into a step rebuilt when a tensor is replaced (``.to()``, ``.half()``,
     ``p.data = ...``, ``swap_tensors``, a new parameter), non-float entries are copied, tied weights averaged
-    once, and a failed update changes nothing. It holds no view of a module tensor (``swap_tensors`` works).
+    once, and a failed update changes nothing.
 
     ``decay``: a number in [0, 1] (ultralytics' ramp, with ``tau``), a schedule (:mod:`ema_lab.schedules`) or
-    a list of schedules (one EMA each, ``.emas``, all moved by one step from one read of the model).
-    ``every=k``: update on every k-th call only. With "flat" (what "auto" picks for ordinary tensors) the EMA
-    module's tensors are views of one buffer per group: saving a *subset* of its state_dict stores the whole
-    buffer (clone the subset first). Under DDP call ``ema.sync_buffers()`` on every rank before evaluating or
-    saving. ``cat_max_numel``: smaller model tensors are gathered by ``torch.cat``. ``cuda_graph=True`` (one
-    CUDA device, "flat"): the update is replayed from a CUDA graph (:mod:`ema_lab.graph_step`).
-
-    Not thread-safe: call ``update()`` from one thread at a time (two threads updating one EMA lose update
-    counts and interleave the step's writes; use a lock), and read ``.ema`` between updates.
+    a list of them (one EMA each). With "flat" (what "auto" picks for ordinary tensors) the EMA's tensors are
+    views of one buffer per group: a saved *subset* of its state_dict stores the whole buffer (clone it
+    first). ``cat_max_numel``: smaller model tensors are gathered by ``torch.cat``; ``cuda_graph=True`` (one
+    CUDA device, "flat"): each update replays a CUDA graph (:mod:`ema_lab.graph_step`). Under DDP call
+    ``ema.sync_buffers()`` on every rank before evaluating or saving. Not thread-safe: one ``update()`` at a
+    time (use a lock), and read ``.ema`` between updates.
     """
 
     def _average_of(self, model: nn.Module) -> nn.Module:

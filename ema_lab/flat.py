@@ -1,12 +1,5 @@
-"""``flatten_model``: the model's tensors moved into one buffer per (device, dtype), so an EMA update is one
-``lerp_`` per buffer.
-
-Opt-in and visible: every parameter and buffer keeps its object, value, shape, strides and ``requires_grad``
-(optimizers, hooks and module slots still hold it); only its memory moves, after checks that refuse what a
-move would silently break. ``state_dict()`` then returns views of the buffers. Flatten before building the
-optimizer and the EMA; ``.to()``, ``.half()`` or a new parameter give tensors their own memory again (still
-correct, no longer fused). docs/beyond_foreach_details.md says what it costs.
-"""
+"""``flatten_model``: the model's tensors moved into one buffer per (device, dtype), so that an EMA update is
+one ``lerp_`` per buffer; opt-in and checked (docs/beyond_foreach_details.md says what it costs)."""
 
 from __future__ import annotations
 
@@ -109,9 +102,8 @@ def _assign(moves: Sequence[tuple[Tensor, Tensor]]) -> None:
     done: list[tuple[Tensor, Tensor]] = []
     try:
         for t, new in moves:
-            old = t.data
+            done.append((t, t.data))
             t.data = new
-            done.append((t, old))
     except BaseException:
         for t, old in reversed(done):
             t.data = old
@@ -125,10 +117,8 @@ def _flatten(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
         if why is not None:
             raise ValueError(f"cannot flatten {name!r}: {why} (nothing moved)")
     on_storage = _by_storage(named)
-    groups = [
-        [named[i] for i in idx]
-        for idx in group(range(len(named)), lambda i: (named[i][1].device, named[i][1].dtype))
-    ]
+    by_kind = group(range(len(named)), lambda i: (named[i][1].device, named[i][1].dtype))
+    groups = [[named[i] for i in idx] for idx in by_kind]
     # A group that tiles one storage (disjoint: checked above) is flat already: a second call moves nothing.
     flat_already = [
         tiles_in_order(sorted((t for _, t in g), key=Tensor.storage_offset), _is_dense) for g in groups
@@ -165,20 +155,14 @@ def _unflatten(named: Sequence[tuple[str, Tensor]]) -> None:
     moves = []
     with torch.inference_mode(False), torch.no_grad():  # normal tensors, as in _flatten
         for _, t in movable:
-            if (
-                len(on_storage[_storage_key(t)]) > 1
-                or t.untyped_storage().nbytes() != t.numel() * t.element_size()
-            ):
+            shared = len(on_storage[_storage_key(t)]) > 1
+            if shared or t.untyped_storage().nbytes() != t.numel() * t.element_size():
                 new = torch.empty_strided(  # dense (checked): its strides (channels_last) and pinning kept
                     t.shape, t.stride(), dtype=t.dtype, device=t.device, pin_memory=t.is_pinned()
                 )
                 new.copy_(t)
                 moves.append((t, new))
         _assign(moves)
-
-
-def _named(tensors: Sequence[Tensor]) -> list[tuple[str, Tensor]]:
-    return unique([(f"tensors[{i}]", t) for i, t in enumerate(tensors)], lambda item: item[1])
 
 
 def _model_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
@@ -188,22 +172,25 @@ def _model_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
 
 def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
     """:func:`flatten_model` for a list of tensors (named by their place in it); returns the buffers."""
-    return _flatten(_named(tensors))
+    return _flatten(unique([(f"tensors[{i}]", t) for i, t in enumerate(tensors)], lambda item: item[1]))
 
 
 def flatten_model(model: nn.Module) -> list[Tensor]:
     """Move the model's parameters and buffers into one buffer per (device, dtype); return the buffers.
 
-    Every tensor keeps its object, value, shape, strides (channels_last stays so) and ``requires_grad``;
-    tied weights move once. All is checked first, and a failure while moving (out of memory) puts every
-    tensor back. Refused, with a ``ValueError`` naming the tensor: a sparse, nested, quantized, meta, lazy or
-    wrapper-subclass (DTensor) tensor, or strides with gaps or overlaps; two tensors whose memory overlaps
-    (each would get its own copy); a tensor whose storage more tensors hold than the model's (a ``.data``
-    or view kept by an optimizer or an earlier EMA would keep the old memory; checked where torch has
-    ``_storage_Use_Count``). A group that already fills one buffer is not moved; a channels_last group is
-    correct but not one ``lerp_``; pinned memory stays pinned; the buffers are normal tensors even under
-    ``torch.inference_mode()``. The tensors lie back to back, not on a fresh tensor's 64-byte boundary: a
-    kernel that rounds by alignment (some CPUs' BLAS matrix-vector product) can differ in the last bit.
+    Every tensor keeps its object (optimizers, hooks and module slots still hold it), value, shape, strides
+    (channels_last stays so) and ``requires_grad``; tied weights move once; ``state_dict()`` then returns
+    views of the buffers. Flatten before building the optimizer and the EMA. All is checked first, and a
+    failure while moving (out of memory) puts every tensor back. Refused, with a ``ValueError`` naming the
+    tensor: a sparse, nested, quantized, meta, lazy or wrapper-subclass (DTensor) tensor, or strides with gaps
+    or overlaps; two tensors whose memory overlaps (each would get its own copy); a tensor whose storage more
+    tensors hold than the model's (a ``.data`` or view kept by an optimizer or an earlier EMA would keep the
+    old memory; checked where torch has ``_storage_Use_Count``). A group that already fills one buffer is not
+    moved; pinned memory stays pinned; the buffers are normal tensors even under inference_mode. Later,
+    ``.to()``, ``.half()`` or a new parameter give tensors their own memory again (correct, no longer one
+    ``lerp_``; nor is a channels_last group one). The tensors lie back to back, not on a fresh tensor's
+    64-byte boundary: a kernel that rounds by alignment (some CPUs' BLAS matrix-vector product) can differ in
+    the last bit.
     """
     return _flatten(_model_tensors(model))
 

@@ -72,10 +72,7 @@ class GraphStep(FlatStep):
         if self.replay is None and self.warm:
             self.replay = _record(self._update, self.weights[0].device)
         for into, w in zip(self.weights, weights):
-            if isinstance(w, Tensor):
-                into.copy_(w)
-            else:
-                into.fill_(w)
+            into.fill_(w)  # a number, or a 0-dim tensor on this device (checked): a device copy
         if self.replay is None:
             self._update()
             self.warm = True

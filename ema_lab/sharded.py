@@ -1,10 +1,8 @@
 """``ShardedModelEMA``: the EMA of an FSDP2 (``fully_shard``) model, kept as this rank's shards only.
 
-A ``fully_shard``-ed module refuses a deep copy, and a full copy per rank would cost the memory FSDP saves.
-The EMA is elementwise, so each rank averages the shard it owns, with no communication; the shards live in
-``.ema``, a container holding them as DTensor parameters (the model's mesh, placements and names), so torch's
-state-dict tools treat it like the model: ``full_state_dict()`` gathers it, :meth:`copy_to` loads it into an
-FSDP model to evaluate.
+A sharded module refuses a deep copy, and a full copy per rank would cost the memory FSDP saves. The EMA is
+elementwise, so each rank averages the shard it owns, with no communication, in ``.ema``: DTensor parameters
+with the model's mesh, placements and names, which torch's state-dict tools treat like the model.
 """
 
 from __future__ import annotations
@@ -20,17 +18,6 @@ from .ema import BaseEMA, unwrap_model
 from .pairs import Entry, Pairs, collect_pairs, local_tensor, module_entries
 
 __all__ = ["ShardedModelEMA"]
-
-
-def _dtensor_cls() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        try:  # torch before 2.5
-            from torch.distributed._tensor import DTensor
-        except ImportError:  # a build without torch.distributed
-            return None
-    return DTensor
 
 
 def _holder(entries: dict[str, Tensor]) -> nn.Module:
@@ -62,7 +49,7 @@ class ShardedModelEMA(BaseEMA):
 
     def _average_of(self, model: nn.Module) -> nn.Module:
         """A bare module holding a clone of every entry of ``model`` (each DTensor's local shard)."""
-        if _dtensor_cls() is None:
+        if not torch.distributed.is_available():
             raise RuntimeError("ShardedModelEMA needs DTensor, and this torch build has no torch.distributed")
         with torch.no_grad():
             return _holder({key: getitem(*slot) for key, slot in module_entries(model)})
@@ -79,15 +66,14 @@ class ShardedModelEMA(BaseEMA):
     def _collect(self, model: nn.Module) -> Pairs:
         """The pairs of this rank's shards, checked to be laid out like the EMA's."""
         pairs = collect_pairs(self.emas, model)
-        dtensor = _dtensor_cls()
-        for entry in pairs.floats:
+        for entry in pairs.floats:  # a DTensor answers to .placements
             e, m = entry.emas[0], entry.model
-            if isinstance(e, dtensor) != isinstance(m, dtensor):
+            if hasattr(e, "placements") != hasattr(m, "placements"):
                 raise ValueError(
                     f"entry {entry.key!r}: the EMA holds a {type(e).__name__} but the model now a "
                     f"{type(m).__name__}; call update() after optimizer.step(), when FSDP has resharded"
                 )
-            if isinstance(e, dtensor) and (e.placements != m.placements or e.shape != m.shape):
+            if hasattr(e, "placements") and (e.placements != m.placements or e.shape != m.shape):
                 raise ValueError(
                     f"entry {entry.key!r}: model {tuple(m.shape)} {m.placements} does not match "
                     f"EMA {tuple(e.shape)} {e.placements}"

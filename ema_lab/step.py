@@ -1,21 +1,9 @@
-"""The cached step an EMA updates with: the "flat" step, the watch that tells a stale step, the counters.
+"""The cached step an EMA updates with: the "flat" step, the :class:`Watch` that says it is stale, counters.
 
 A step is built once per model layout over the matched entries (:mod:`ema_lab.pairs`) and moves every EMA
-(``PostHocEMA`` keeps several) from one read of the model: :class:`FlatStep` runs "flat",
-:class:`ema_lab.updates.ListStep` the list strategies, :class:`ema_lab.graph_step.GraphStep` a CUDA graph of
-the flat step. It reads the model through detached aliases (no autograd, nothing that makes
-``swap_tensors`` refuse). :class:`Watch` compares the ``data_ptr()`` each module slot holds with the one it
-was built from and hears, through torch's global registration hooks, of a tensor or module registered on a
-watched module: ``.to()``, ``.half()``, ``p.data = ...`` and ``swap_tensors`` show up, and the EMA rebuilds.
-
-The flat step keeps each EMA in one buffer per (device, EMA dtype, model dtype) group, one ``lerp_`` or
-``_foreach_lerp_`` each: ``fused`` (the model's tensors tile one storage, as after ``flatten_model``: one
-``lerp_``), ``cast`` (another dtype: one ``_foreach_copy_`` into scratch, one ``lerp_``), ``cat``,
-``foreach``, ``cat+foreach`` (small tensors gathered by ``torch.cat``, large ones read as they are). Its watch
-reads every EMA slot and every model slot not read live (the small 1-D tensors of a ``cat``): a kept
-reference (``kept = ema.ema.state_dict()``) cannot hide a replacement, as a reference count could: one read
-per entry and update (torch has no hook for ``p.data = x`` or ``swap_tensors``). A 0-dim tensor decay is a
-tensor weight: no host sync.
+(``PostHocEMA`` keeps several) from one read of the model, through detached aliases (no autograd, nothing
+that makes ``swap_tensors`` refuse): :class:`FlatStep` runs "flat", :class:`ema_lab.updates.ListStep` the
+list strategies, :class:`ema_lab.graph_step.GraphStep` a CUDA graph of the flat step.
 """
 
 from __future__ import annotations
@@ -112,8 +100,11 @@ def install_hooks() -> None:
 
 
 class Watch:
-    """Whether ``model`` is still the one a step was built for, no entry was registered on ``modules``
-    since, and its slots hold the same memory."""
+    """Whether ``model`` is still the one a step was built for, nothing was registered on ``modules`` since
+    (torch's global registration hooks), and each slot holds the same memory: one ``data_ptr()`` per slot and
+    update, as torch has no hook for ``p.data = x`` or ``swap_tensors``, and a reference count cannot tell a
+    kept reference (``kept = ema.ema.state_dict()``) from the slot's own. The flat step's watch skips the
+    model slots its gather reads live (the small 1-D tensors of a ``cat``)."""
 
     def __init__(
         self, model: nn.Module, slots: list[Slot], modules: Iterable[nn.Module] = (), sharded: bool = False
@@ -143,11 +134,13 @@ class Watch:
 
 
 class Counters:
-    """The non-float entries, copied from the model: the EMAs' of each (device, dtype) pair of dtypes are
-    views of one buffer, filled by one ``torch.cat`` of the model's (one ``copy_`` where the model's tile
-    one storage in the same order, as after ``flatten_model``); a strided counter by ``_foreach_copy_``."""
+    """The non-float entries, copied from the model: one ``torch.cat`` per (device, dtype, dtype) group into
+    a buffer the EMAs' are views of (one ``copy_`` where the model's tile one storage, as after
+    ``flatten_model``); strided ones by ``_foreach_copy_``."""
 
-    def __init__(self, ema: list[Tensor], model: list[Tensor]) -> None:
+    def __init__(self, pairs: Pairs) -> None:
+        ema = [e.emas[k] for k in range(pairs.count) for e in pairs.counters]
+        model = [e.model for e in pairs.counters] * pairs.count
         self.copies: list[tuple[Tensor, list[Tensor]]] = []  # (EMA buffer, 1-D model aliases or the storage)
         strided = [i for i, m in enumerate(model) if not m.is_contiguous()]
         self.strided = ([ema[i] for i in strided], [model[i].detach() for i in strided])
@@ -156,14 +149,6 @@ class Counters:
             aliases = [model[i].detach().view(-1) for i in idx]
             buf = into_one_buffer([ema[i] for i in idx])
             self.copies.append((buf, [whole_storage(aliases[0])] if tiles_in_order(aliases) else aliases))
-
-    @classmethod
-    def of(cls, pairs: Pairs) -> Counters:
-        """The counters of every EMA in ``pairs`` (each EMA's copied from the same model entries)."""
-        entries = pairs.counters
-        return cls(
-            [e.emas[k] for k in range(pairs.count) for e in entries], [e.model for e in entries] * pairs.count
-        )
 
     def __call__(self) -> None:
         """Copy the model's counters into the EMAs'."""
@@ -191,9 +176,7 @@ class _OneLerpGroup:
 
     def __init__(self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], fused: bool) -> None:
         order = sorted(range(len(model)), key=lambda i: model[i].storage_offset()) if fused else None
-        self.emas = _buffers(
-            emas, order or range(len(model))
-        )  # fused: the model's layout, one lerp_ covers all
+        self.emas = _buffers(emas, order or range(len(model)))  # fused: in the model's layout
         first, self.checked_slots, self.mode = self.emas[0], slots, "fused" if fused else "cast"
         self.model = whole_storage(model[0]) if fused else model
         same = fused and model[0].dtype == first.dtype
@@ -223,9 +206,8 @@ class _SameDtypeGroup:
         small = [i for i, m in enumerate(model) if m.numel() < cat_max_numel and m.is_contiguous()]
         small.sort(key=lambda i: model[i].dim() != 1)  # the live 1-D ones first
         # The large tensors that take a dense weight (see lerp) first: one slice of the lists holds them.
-        large = sorted(
-            set(range(len(model))) - set(small), key=lambda i: (model[i].numel() > DENSE_WEIGHT_NUMEL, i)
-        )
+        large = [i for i in range(len(model)) if i not in small]
+        large.sort(key=lambda i: model[i].numel() > DENSE_WEIGHT_NUMEL)
         live = {i for i in small if model[i].dim() == 1}
         self.checked_slots = [slots[i] for i in range(len(model)) if i not in live]
         self.mode = "cat+foreach" if small and large else "cat" if small else "foreach"
@@ -305,9 +287,12 @@ def _runs(numels: list[int], limit: int) -> list[range]:
 
 
 class FlatStep:
-    """``"flat"``: one buffer per (device, EMA dtype, model dtype) group and EMA; modes in the module
-    docstring. A step's class says what it can do; ``ready(model)`` (False: rebuild) and ``apply(decays,
-    weights)`` (``weight = 1 - decay``) run under ``no_grad``."""
+    """``"flat"``: each EMA in one buffer per (device, EMA dtype, model dtype) group, one ``lerp_`` or
+    ``_foreach_lerp_`` each, in a mode: ``fused`` (the model's tensors tile one storage, as after
+    ``flatten_model``), ``cast`` (another dtype), ``cat``, ``foreach`` or ``cat+foreach`` (small tensors
+    gathered by ``torch.cat``, large ones read as they are). A step's class says what it can do;
+    ``ready(model)`` (False: rebuild) and ``apply(decays, weights)`` (``weight = 1 - decay``; a 0-dim tensor
+    weight: no host sync) run under ``no_grad``."""
 
     tensor_decay = True  # apply() takes 0-dim tensor decays (no host sync)
     in_place = False  # the EMAs' tensors move into the groups' buffers (ShardedModelEMA needs in place)
@@ -329,7 +314,7 @@ class FlatStep:
                 self.groups.append(_OneLerpGroup(es, ms, slots, fused))
             else:
                 self.groups.append(_SameDtypeGroup(es, ms, slots, options.cat_max_numel))
-        self.counters = Counters.of(pairs)
+        self.counters = Counters(pairs)
         self.modes = [g.mode for g in self.groups]
         # Every slot but the model's live ones (read per update by the gather).
         checked = [s for e in (*floats, *pairs.counters) for s in e.ema_slots]

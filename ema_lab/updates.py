@@ -1,11 +1,9 @@
 """The EMA update strategies as pure functions over lists of (EMA, model) tensor pairs, and their cached step.
 
 Each computes ``ema = decay * ema + (1 - decay) * model`` per pair, in place: :func:`loop_update` as before
-ultralytics PR #25315 (``v *= d; v += (1 - d) * m``), :func:`foreach_update` after it (one
-``torch._foreach_lerp_``), :func:`gated_update` behind its torch-version/device gate, grouped by (device,
-dtype), mixed dtypes one by one. Each validates the whole input first: a failed ``_foreach_lerp_`` is not
-atomic, so a bad pair raises ``ValueError`` with the EMA unchanged. :func:`prepare` validates once and
-returns the update; :class:`ListStep` caches it (``"flat"`` is :mod:`ema_lab.step`).
+ultralytics PR #25315, :func:`foreach_update` after it, :func:`gated_update` behind its torch-version/device
+gate. Each validates the whole input first (a failed ``_foreach_lerp_`` is not atomic): a bad pair raises
+``ValueError`` with the EMA unchanged. :class:`ListStep` caches what :func:`prepare` validated once.
 """
 
 from __future__ import annotations
@@ -39,10 +37,7 @@ def _prepare_loop(ema: list[Tensor], model: list[Tensor]) -> Update:
 
 
 def _prepare_foreach(ema: list[Tensor], model: list[Tensor]) -> Update:
-    def update(d: float, w: float) -> None:
-        lerp_pairs(ema, model, w)
-
-    return update
+    return lambda d, w: lerp_pairs(ema, model, w)
 
 
 def _prepare_gated(ema: list[Tensor], model: list[Tensor]) -> Update:
@@ -65,11 +60,11 @@ def _prepare_gated(ema: list[Tensor], model: list[Tensor]) -> Update:
     return update
 
 
-#: Each list strategy: whether its pairs must share a dtype, and the builder of its update over checked lists.
-LIST_STRATEGIES: dict[str, tuple[bool, Callable[[list[Tensor], list[Tensor]], Update]]] = {
-    "loop": (False, _prepare_loop),
-    "foreach": (True, _prepare_foreach),
-    "gated": (False, _prepare_gated),
+#: Each list strategy's builder of its update over checked lists.
+LIST_STRATEGIES: dict[str, Callable[[list[Tensor], list[Tensor]], Update]] = {
+    "loop": _prepare_loop,
+    "foreach": _prepare_foreach,
+    "gated": _prepare_gated,
 }
 
 
@@ -78,9 +73,9 @@ def prepare(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, names: 
     it under ``torch.no_grad()`` where a tensor requires grad)."""
     if strategy not in LIST_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(LIST_STRATEGIES)}")
-    same_dtype, build = LIST_STRATEGIES[strategy]
-    validate_pairs(ema_tensors, model_tensors, names, same_dtype=same_dtype)
-    return build(list(ema_tensors), list(model_tensors))
+    # One _foreach_lerp_ takes pairs of one dtype; the others promote per pair.
+    validate_pairs(ema_tensors, model_tensors, names, same_dtype=strategy == "foreach")
+    return LIST_STRATEGIES[strategy](list(ema_tensors), list(model_tensors))
 
 
 def _run(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, decay: float, names: Names) -> None:
@@ -121,7 +116,7 @@ class ListStep:
             prepare(options.strategy, [e.detach() for e in pairs.ema_floats(k)], mod, names)
             for k in range(pairs.count)
         ]
-        self.counters = Counters.of(pairs)
+        self.counters = Counters(pairs)
         self.watch = Watch(model, pairs.slots(), pairs.modules, sharded=options.sharded)
 
     def ready(self, model: nn.Module) -> bool:
