@@ -6,7 +6,8 @@ Track power-function EMAs of a few lengths in training, save their snapshots eve
 ``training/phema.py``, weights scaled to sum 1; ema-pytorch's ``PostHocEMA`` solves it unscaled).
 
 The snapshot store: ``step-<step, 12 digits or more>/g<repr(gamma)>.pt``, each file a ``torch.save`` of
-:data:`FIELDS` naming its run; :func:`save_step` publishes a step whole or not at all and never replaces one.
+:data:`FIELDS` naming its run. :func:`save_step` writes a step under a hidden name, flushes it to disk, then
+renames it in one call: a reader sees it whole or not at all, and a saved step is never replaced.
 """
 
 from __future__ import annotations
