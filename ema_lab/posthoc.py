@@ -5,11 +5,9 @@ Track power-function EMAs of a few lengths in training, save their snapshots eve
 ``t ** gamma`` best fit it in least squares (Algorithm 3, closed-form inner products; as EDM2's
 ``training/phema.py``, weights scaled to sum 1; ema-pytorch's ``PostHocEMA`` solves it unscaled).
 
-The snapshot store: one folder per saved update, ``step-<step, 12 digits or more>/``, one file per profile,
-``g<repr(gamma)>.pt`` (``torch.save`` of :data:`FIELDS`). A step is written under a hidden temporary name,
-each file flushed to disk, then renamed in one system call: a reader sees a step whole or not at all, whenever
-the writer dies, and a rename never replaces a folder holding files, so a saved step is never replaced (a
-second writer gets a ``ValueError``). Each snapshot names its run; :func:`synthesize` never blends two runs.
+The snapshot store: ``step-<step, 12 digits or more>/g<repr(gamma)>.pt``, each file a ``torch.save`` of
+:data:`FIELDS` naming its run. :func:`save_step` writes a step under a hidden name, flushes it to disk, then
+renames it in one call: a reader sees it whole or not at all, and a saved step is never replaced.
 """
 
 from __future__ import annotations
@@ -72,24 +70,17 @@ def solve_weights(
     target_gamma: float | None = None,
     target_sigma_rel: float | None = None,
 ) -> Tensor:
-    """The float64 weights of the snapshots whose sum best fits the power profile of the target.
-
-    Least squares over the profiles: Algorithm 3's Gram system solved by ``torch.linalg.lstsq``, which also
-    copes with a singular one (a snapshot saved twice); then scaled to sum 1 as EDM2 does, so that weights
-    that never move are reproduced exactly.
-    """
+    """The float64 weights of the snapshots whose sum best fits the power profile of the target: Algorithm
+    3's Gram system solved by ``torch.linalg.lstsq`` (which copes with a singular one: a step saved twice),
+    then scaled to sum 1 as EDM2 does, so that weights that never move are reproduced exactly."""
     one_of("target_gamma", target_gamma, "target_sigma_rel", target_sigma_rel)
-    if len(snapshot_gammas) != len(snapshot_steps) or not snapshot_steps:
-        raise ValueError(
-            f"need as many snapshot gammas as steps, at least one: got {len(snapshot_gammas)} and "
-            f"{len(snapshot_steps)}"
-        )
+    sizes = (len(snapshot_gammas), len(snapshot_steps))
+    require(sizes[0] == sizes[1] > 0, "the snapshot gammas and steps", sizes, "as many, at least one")
     for g, s in zip(snapshot_gammas, snapshot_steps):
         check_gamma("a snapshot gamma", g)
         check_step("a snapshot step", s)
     check_step("target_step", target_step)
-    if target_gamma is None:
-        target_gamma = sigma_rel_to_gamma(target_sigma_rel)
+    target_gamma = sigma_rel_to_gamma(target_sigma_rel) if target_gamma is None else target_gamma
     check_gamma("target_gamma", target_gamma)
     g, t = (torch.tensor(x, dtype=torch.float64)[:, None] for x in (snapshot_gammas, snapshot_steps))
     gram = power_inner_products(t, g, t.T, g.T)
@@ -112,27 +103,21 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: alive
-        pass
-    return True
-
-
 def check_folder(folder: str | os.PathLike) -> Path:
     """``folder`` as an absolute Path (a later chdir does not move it), made if missing, checked writable, and
     rid of the temporary folders of dead writers on this host (saves killed midway), never a live one's."""
     path = Path(folder).absolute()
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        tempfile.TemporaryFile(dir=path).close()
         for p in path.iterdir() if os.name == "posix" else ():  # Windows' os.kill would end the process
-            if (m := _TMP.fullmatch(p.name)) and m[1] == _HOST and not _alive(int(m[2])):
-                shutil.rmtree(p, ignore_errors=True)
+            if (m := _TMP.fullmatch(p.name)) and m[1] == _HOST:
+                try:
+                    os.kill(int(m[2]), 0)  # signal 0: only asks whether the writer exists
+                except ProcessLookupError:
+                    shutil.rmtree(p, ignore_errors=True)
+                except PermissionError:  # another user's: alive
+                    pass
     except OSError as e:
         raise ValueError(f"cannot write snapshots to {str(path)!r}: {e.strerror or _first_line(e)}") from None
     return path
@@ -168,9 +153,6 @@ def save_step(
     if not folder.is_dir():
         raise ValueError(f"no snapshot folder at {str(folder)!r} (check_folder makes one; was it deleted?)")
     final = folder / f"step-{step:012d}"
-    taken = ValueError(f"{final} exists: a saved step is never replaced")
-    if final.exists() or final.is_symlink():  # early and cheap; the rename below decides
-        raise taken
     tmp = folder / f".step-{step:012d}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         os.mkdir(tmp)
@@ -184,19 +166,15 @@ def save_step(
                 f.write(data.getbuffer())
             _fsync(path, os.O_WRONLY)
         _fsync(tmp)
-        try:
-            os.rename(tmp, final)  # fails where final is a folder with files, or not a folder
-        except OSError as e:
-            if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
-                raise taken from None
-            raise
-    except OSError as e:
+        os.rename(tmp, final)  # fails where final has files or is no folder: a saved step is never replaced
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, OSError):
+            raise
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR) and os.path.lexists(final):
+            raise ValueError(f"{final} exists: a saved step is never replaced") from None
         message = f"step {step} not saved to {final}: {e.strerror or _first_line(e)}"
         raise (OSError(e.errno, message) if e.errno else OSError(message)) from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     try:
         _fsync(folder)
     except OSError as e:  # the step is saved and visible; whether it would outlive a power cut is not known
@@ -217,8 +195,7 @@ def list_snapshots(folder: str | os.PathLike) -> list[Snapshot]:
                 raise ValueError(f"{p} was written by ema_lab 0.1.0, whose files this version does not read")
             if not (m := _STEP.fullmatch(p.name)):
                 continue
-            if not 1 <= int(m[1]) <= MAX_STEP:
-                raise ValueError(f"{p} is named like a saved step, but its step is not in [1, 2**53]")
+            check_step(f"the step of {p}", int(m[1]))
             if not p.is_dir():
                 raise ValueError(f"{p} is named like a saved step but is not a folder")
             for f in p.iterdir():
@@ -232,7 +209,6 @@ def list_snapshots(folder: str | os.PathLike) -> list[Snapshot]:
 
 
 def _read(snapshot: Snapshot) -> dict:
-    """The fields of one snapshot file, memory-mapped, checked to be what its name says."""
     path = snapshot.path
     try:  # str: torch 2.1 memory-maps a file given by name only
         data = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
@@ -240,9 +216,9 @@ def _read(snapshot: Snapshot) -> dict:
         raise ValueError(f"{path} is not a readable snapshot ({_first_line(e)})") from None
     if not (isinstance(data, dict) and data.keys() == FIELDS.keys()):
         raise ValueError(f"{path} is not an ema_lab snapshot file (no {FORMAT!r} payload)")
-    wrong = [k for k, kind in FIELDS.items() if not isinstance(data[k], kind) or isinstance(data[k], bool)]
-    if wrong:
-        raise ValueError(f"{path} holds a {type(data[wrong[0]]).__name__} as its {wrong[0]}")
+    for k, kind in FIELDS.items():
+        if not isinstance(data[k], kind) or isinstance(data[k], bool):
+            raise ValueError(f"{path} holds a {type(data[k]).__name__} as its {k}")
     if data["format"] != FORMAT:
         raise ValueError(f"{path} is in format {data['format']!r}; this version reads {FORMAT!r}")
     if (data["step"], data["gamma"]) != (snapshot.step, snapshot.gamma):
@@ -269,23 +245,15 @@ def synthesize(
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, Tensor]:
     """The EMA of length ``sigma_rel`` (or exponent ``gamma``) at ``step`` (default: the last snapshot's),
-    combined from the snapshots of one run saved up to ``step``.
-
-    Streams: one snapshot is read at a time (memory-mapped), its float tensors added with its weight into
-    sums of ``dtype``; other entries (integer counters) are the last snapshot's.
-    """
+    combined from the snapshots of one run saved up to ``step``, read one at a time (memory-mapped): float
+    tensors summed with their weights in ``dtype``, other entries (integer counters) the last snapshot's."""
     one_of("sigma_rel", sigma_rel, "gamma", gamma)
-    if dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-    snapshots = list_snapshots(folder)
-    if not snapshots:
+    require(dtype in (torch.float32, torch.float64), "dtype", dtype, "torch.float32 or torch.float64")
+    if not (snapshots := list_snapshots(folder)):
         raise ValueError(f"no snapshots in {str(folder)!r}")
     steps = sorted({s.step for s in snapshots})
     step = steps[-1] if step is None else step
-    if step not in steps:
-        raise ValueError(
-            f"step must be one of the snapshots' steps ({steps[0]} .. {steps[-1]}), got {step!r}"
-        )
+    require(step in steps, "step", step, f"one of the snapshots' steps ({steps[0]} .. {steps[-1]})")
     used = [s for s in snapshots if s.step <= step]
     weights = solve_weights(
         [s.gamma for s in used], [s.step for s in used], step, target_gamma=gamma, target_sigma_rel=sigma_rel
@@ -296,8 +264,7 @@ def synthesize(
         data = _read(snapshot)
         tensors = data["tensors"]
         kind = {
-            k: f"{tuple(v.shape)} {'float' if v.is_floating_point() else 'not float'}"
-            for k, v in tensors.items()
+            k: f"{tuple(v.shape)} {'' if v.is_floating_point() else 'not '}float" for k, v in tensors.items()
         }
         run, layout = first = first or (data["run"], kind)
         if data["run"] != run:
@@ -308,26 +275,20 @@ def synthesize(
             why = key_diff(layout, kind) if kind.keys() != layout.keys() else f"{bad[0]!r}: {kind[bad[0]]}"
             raise ValueError(f"{snapshot.path} holds another model's tensors than {used[0].path} ({why})")
         for k, v in tensors.items():
-            if not v.is_floating_point():
-                out[k] = v.clone()
-            elif k in out:
+            if k in out and v.is_floating_point():
                 out[k].add_(v, alpha=w)
             else:
-                out[k] = v.to(dtype) * w
+                out[k] = v.to(dtype) * w if v.is_floating_point() else v.clone()
         del data, tensors  # unmaps the file before the next one is read
     return out
 
 
 class PostHocEMA(ModelEMA):
-    """Power-function EMAs (Karras et al. 2024) of one model, one per length in ``sigma_rels`` (EDM2's two by
-    default), all moved by one step from one read of the model; every ``snapshot_every`` updates all are
-    saved in ``folder``, and :meth:`synthesize` then makes the EMA of any length after training.
-
-    ``.emas`` and ``.schedules`` (:func:`~ema_lab.schedules.power`) follow ``sigma_rels`` (distinct, in
-    (0, 0.2887]); ``.ema`` is the first; ``.run`` names the run in every snapshot. ``updates=N`` resumes from
-    the snapshots of update N (a folder holding later ones, another run's, is refused), then
-    :meth:`load_state_dict` continues from a checkpoint bit for bit. An update whose save fails is undone.
-    """
+    """Power-function EMAs (Karras et al. 2024) of one model, one per length in ``sigma_rels`` (distinct, in
+    (0, 0.2887]; EDM2's two by default) as ``.emas`` and ``.schedules`` (``.ema`` the first), all moved by
+    one step from one read of the model and saved in ``folder`` every ``snapshot_every`` updates, each
+    snapshot naming ``.run``. ``updates=N`` resumes from the snapshots of update N (a folder holding later
+    ones, another run's, is refused), then :meth:`load_state_dict` continues from a checkpoint bit for bit."""
 
     def __init__(
         self,
@@ -350,22 +311,17 @@ class PostHocEMA(ModelEMA):
         check_int("updates", updates, 0)
         self.folder, self.snapshot_every = check_folder(folder), snapshot_every  # a bad folder fails here
         listed = list_snapshots(self.folder)
-        later = [s.step for s in listed if s.step > updates]
-        if later:
-            raise ValueError(
-                f"{self.folder} holds snapshots up to update {max(later)}: resume with updates=<a saved "
-                "update> or give an empty folder"
-            )
+        if later := [s.step for s in listed if s.step > updates]:
+            why = "resume with updates=<a saved update> or give an empty folder"
+            raise ValueError(f"{self.folder} holds snapshots up to update {max(later)}: {why}")
         super().__init__(model, decay=schedules, updates=updates, strategy="flat")
         self.run, self.saved = secrets.token_hex(8), updates  # the last update this run saved (or resumed at)
         if updates:
             saved = {s.gamma: s for s in listed if s.step == updates}
-            for ema, schedule in zip(self.emas, self.schedules):
-                if schedule.gamma not in saved:
-                    raise ValueError(
-                        f"no snapshot of update {updates}, gamma {schedule.gamma!r} in {self.folder}"
-                    )
-                data = _read(saved[schedule.gamma])
+            for ema, s in zip(self.emas, self.schedules):
+                if s.gamma not in saved:
+                    raise ValueError(f"no snapshot of update {updates}, gamma {s.gamma!r} in {self.folder}")
+                data = _read(saved[s.gamma])
                 ema.load_state_dict(data["tensors"])
                 self.run = data["run"]
 
@@ -375,7 +331,6 @@ class PostHocEMA(ModelEMA):
         if not self.enabled or (self.updates + 1) % self.snapshot_every:
             super().update(model)
             return
-        before = self.updates
         copies = [{k: v.clone() for k, v in ema.state_dict().items()} for ema in self.emas]  # to undo it
         super().update(model)
         try:
@@ -385,14 +340,12 @@ class PostHocEMA(ModelEMA):
                 for ema, copy in zip(self.emas, copies):
                     for k, v in ema.state_dict().items():
                         v.copy_(copy[k])
-            self.updates = before
+            self.updates -= 1  # as before it
             raise
 
     def save(self) -> None:
-        """Save every EMA's snapshot of this update as one step, complete or none; refused where the folder
-        holds a later update than this run saved (another run writes there)."""
-        later = [s.step for s in list_snapshots(self.folder) if s.step > self.saved]
-        if later:
+        """Save every EMA's snapshot of this update as one step; refused after another run's later one."""
+        if later := [s.step for s in list_snapshots(self.folder) if s.step > self.saved]:
             why = f"after run {self.run}'s last save ({self.saved}): another run writes there"
             raise ValueError(f"{self.folder} holds update {max(later)}, {why}; give each run its own folder")
         states = {s.gamma: e.state_dict() for e, s in zip(self.emas, self.schedules)}
@@ -404,8 +357,7 @@ class PostHocEMA(ModelEMA):
         return {**super().state_dict(), "run": self.run}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state``: :meth:`ModelEMA.load_state_dict`, and the run, which must be the one whose
-        snapshots this object resumed from (if it resumed from any)."""
+        """Continue from ``state`` (:meth:`ModelEMA.load_state_dict`) and its run: the one resumed, if any."""
         run = state.get("run", self.run) if isinstance(state, dict) else self.run  # no run: the base refuses
         if self.saved and run != self.run:
             raise ValueError(f"the state is of run {run!r}, the snapshots in {self.folder} of {self.run!r}")
