@@ -80,9 +80,8 @@ def tiles_in_order(tensors: Sequence[Tensor], dense: Callable[[Tensor], bool] = 
     first, end = tensors[0], 0
     ptr = first.untyped_storage().data_ptr()
     for t in tensors:
-        if t.dtype != first.dtype or not dense(t) or t.storage_offset() != end:
-            return False
-        if t.untyped_storage().data_ptr() != ptr:
+        same = t.dtype == first.dtype and t.untyped_storage().data_ptr() == ptr
+        if not (same and dense(t) and t.storage_offset() == end):
             return False
         end += t.numel()
     return end * first.element_size() == first.untyped_storage().nbytes()

@@ -57,10 +57,8 @@ def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tenso
     a 0-dim floating tensor (returned as is: checking its value would sync the host with its device)."""
     if isinstance(decay, Tensor):
         if not tensor_ok:
-            raise TypeError(
-                "decay must be a Python number here (only update(model, decay=...) of an EMA whose step is "
-                f"'flat' takes a 0-dim tensor), got a {type(decay).__name__}"
-            )
+            why = "only update(model, decay=...) of an EMA whose step is 'flat' takes a 0-dim tensor"
+            raise TypeError(f"decay must be a Python number here ({why}), got a {type(decay).__name__}")
         if decay.dim() != 0 or not decay.is_floating_point():
             raise ValueError(
                 f"a tensor decay must be a 0-dim floating tensor, got {decay.shape} {decay.dtype}"
@@ -120,8 +118,6 @@ def validate_pairs(
         if e.numel():
             ptr = e.data_ptr()
             if ptr in seen:
-                raise ValueError(
-                    f"{_label(i, names)} is the same memory as {_label(seen[ptr], names)} "
-                    "(tied weights?): pass each EMA tensor once or it is decayed twice"
-                )
+                why = "(tied weights?): pass each EMA tensor once or it is decayed twice"
+                raise ValueError(f"{_label(i, names)} is the same memory as {_label(seen[ptr], names)} {why}")
             seen[ptr] = i

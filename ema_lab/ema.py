@@ -50,14 +50,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def _is_fully_sharded(model: nn.Module) -> bool:
-    try:  # FSDP2 gives each sharded module a subclass of FSDPModule: public from torch 2.6
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        try:  # torch 2.4 and 2.5
-            from torch.distributed._composable.fsdp import FSDPModule
-        except ImportError:
-            return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    # FSDP2's fully_shard makes each sharded module a subclass of FSDPModule, which torch 2.4 and 2.5 keep in
+    # torch.distributed._composable.fsdp, 2.6 on in torch.distributed.fsdp: found by name, with no import.
+    return any(c.__name__ == "FSDPModule" for m in model.modules() for c in type(m).__mro__)
 
 
 def _world_size(group: object = None) -> int:
@@ -102,10 +97,8 @@ class BaseEMA:
             raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
         if self.sharded and strategy != "auto" and not STEPS[strategy].in_place:
             use = ["auto", *(s for s, step in STEPS.items() if step.in_place)]
-            raise ValueError(
-                f"strategy {strategy!r} moves the EMA into new buffers; a sharded EMA keeps its DTensor "
-                f"shards in place: use one of {use}"
-            )
+            why = "moves the EMA into new buffers; a sharded EMA keeps its DTensor shards in place"
+            raise ValueError(f"strategy {strategy!r} {why}: use one of {use}")
         if cuda_graph and self.sharded:
             raise ValueError("cuda_graph=True records one device's update; a sharded EMA cannot use it")
         with torch.inference_mode(False):  # built under inference_mode, the EMA would be read-only outside

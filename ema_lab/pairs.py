@@ -92,18 +92,14 @@ def collect_pairs(emas: Sequence[nn.Module], model: nn.Module) -> Pairs:
         e, m = tensors[0], entry.model
         for k, other in enumerate(tensors[1:], 2):
             if other.shape != e.shape or other.is_floating_point() != e.is_floating_point():
-                raise ValueError(
-                    f"entry {key!r}: EMA {k} holds shape {tuple(other.shape)} {other.dtype}, "
-                    f"EMA 1 shape {tuple(e.shape)} {e.dtype}"
-                )
+                shapes = f"shape {tuple(other.shape)} {other.dtype}, EMA 1 shape {tuple(e.shape)} {e.dtype}"
+                raise ValueError(f"entry {key!r}: EMA {k} holds {shapes}")
         if e.is_floating_point():
             floats.append(entry)
             continue
         if e.shape != m.shape or e.device != m.device or m.is_floating_point():
-            raise ValueError(
-                f"entry {key!r}: EMA shape {tuple(e.shape)} {e.dtype} on {e.device} does not match "
-                f"model shape {tuple(m.shape)} {m.dtype} on {m.device}"
-            )
+            mine, theirs = (f"shape {tuple(t.shape)} {t.dtype} on {t.device}" for t in (e, m))
+            raise ValueError(f"entry {key!r}: EMA {mine} does not match model {theirs}")
         counters.append(entry)
     modules = unique(m for module in (model, *emas) for m in module.modules())
     return Pairs(floats, counters, modules, len(emas))

@@ -114,7 +114,7 @@ def check_folder(folder: str | os.PathLike) -> Path:
             if (m := _TMP.fullmatch(p.name)) and m[1] == _HOST:
                 try:
                     os.kill(int(m[2]), 0)  # signal 0: only asks whether the writer exists
-                except ProcessLookupError:
+                except (ProcessLookupError, OverflowError):  # OverflowError: no process has such a pid
                     shutil.rmtree(p, ignore_errors=True)
                 except PermissionError:  # another user's: alive
                     pass

@@ -1,10 +1,10 @@
 """The peers' decay schedules: callables of the update number ``n`` (1 for the first update) -> the decay.
 
-``ModelEMA(model, decay=schedule)`` calls ``schedule(n)`` once per update (ultralytics calls
-``self.decay(self.updates)`` after ``self.updates += 1``). Each matches its peer's code with the arguments its
-docstring names (``benchmarks/peer_schedules.py`` compares over 100,000 steps; docs/schedules.md). Start late
-(``after``): timm, diffusers and ema-pytorch give decay 0 (a copy) while ``s = n - after - 1 <= 0``, whatever
-``min_decay``. Frozen dataclasses: picklable, comparable, their repr the call that makes them.
+``ModelEMA(model, decay=schedule)`` calls ``schedule(n)`` once per update, as ultralytics calls
+``self.decay(self.updates)`` after ``self.updates += 1``. Each matches its peer's code with the arguments its
+docstring names (``benchmarks/peer_schedules.py``, docs/schedules.md). Started late (``after``), timm,
+diffusers and ema-pytorch give decay 0 (a copy) while ``s = n - after - 1 <= 0``, whatever ``min_decay``.
+Frozen dataclasses: picklable, comparable, their repr the call that makes them.
 """
 
 from __future__ import annotations
@@ -185,8 +185,7 @@ _TINY_SIGMA_REL = 1e-150
 def sigma_rel_to_gamma(sigma_rel: float) -> float:
     """The gamma whose profile has relative length ``sigma_rel`` (EDM2's std_to_exp, Algorithm 2): the largest
     real root of ``g**3 + 7 g**2 + (16 - t) g + 12 - t``, ``t = sigma_rel ** -2``, by Newton's method from
-    ``sqrt(t)`` (the cubic is convex and positive there: the iterates fall to the root). Under 1e-150 (where
-    ``t`` overflows) the root's expansion ``1 / sigma_rel - 3`` is exact to double precision."""
+    ``sqrt(t)`` (the cubic is convex and positive there: the iterates fall to the root)."""
     ok = is_real(sigma_rel) and 0 < sigma_rel <= MAX_SIGMA_REL
     require(ok, "sigma_rel", sigma_rel, f"in (0, {MAX_SIGMA_REL!r}] (gamma >= 0)")
     sigma_rel = float(sigma_rel)  # a numpy float32 would run Newton's method (and give gamma) in float32
@@ -205,11 +204,8 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
 
 
 def decay_over(schedule: Callable[[int], float], n: int, k: int) -> float:
-    """The decay of updates ``n - k + 1 .. n`` applied at once: the product of the schedule's k decays.
-
-    An EMA updated on every k-th step with this decay weighs the models it reads as the schedule would
-    if it read each of them k times; for :func:`power` it is ``((n - k) / n) ** (gamma + 1)``.
-    """
+    """The decay of updates ``n - k + 1 .. n`` applied at once, the product of the schedule's k decays: an EMA
+    updated every k-th step by it weighs the models it reads as the schedule would, reading each k times."""
     check_int("n", n, 1)
     require(is_int(k) and 1 <= k <= n, "k", k, f"an int in [1, n={n}]")
     return math.prod(schedule(i) for i in range(n - k + 1, n + 1))

@@ -74,10 +74,8 @@ class ShardedModelEMA(BaseEMA):
                     f"{type(m).__name__}; call update() after optimizer.step(), when FSDP has resharded"
                 )
             if hasattr(e, "placements") and (e.placements != m.placements or e.shape != m.shape):
-                raise ValueError(
-                    f"entry {entry.key!r}: model {tuple(m.shape)} {m.placements} does not match "
-                    f"EMA {tuple(e.shape)} {e.placements}"
-                )
+                theirs, mine = (f"{tuple(t.shape)} {t.placements}" for t in (m, e))
+                raise ValueError(f"entry {entry.key!r}: model {theirs} does not match EMA {mine}")
 
         def local(entry: Entry) -> Entry:
             emas = tuple(map(local_tensor, entry.emas))
