@@ -162,11 +162,10 @@ class Counters:
 
 
 def fused_foreach_devices() -> list[str]:
-    """The device types whose ``_foreach_lerp_`` has a fused kernel, as torch lists them (cuda on a torch
-    without the list). There it takes a tensor weight only as one tensor shaped like each target: with a
-    0-dim weight per target it launches one kernel per tensor."""
-    listed = getattr(_foreach_utils, "_get_foreach_kernels_supported_devices", None)
-    return ["cuda"] if listed is None else listed()
+    """The device types whose ``_foreach_lerp_`` has a fused kernel, as torch (2.1 on) lists them. There it
+    takes a tensor weight only as one tensor shaped like each target: with a 0-dim weight per target it
+    launches one kernel per tensor."""
+    return _foreach_utils._get_foreach_kernels_supported_devices()
 
 
 class _OneLerpGroup:

@@ -61,11 +61,7 @@ def _prepare_gated(ema: list[Tensor], model: list[Tensor]) -> Update:
 
 
 #: Each list strategy's builder of its update over checked lists.
-LIST_STRATEGIES: dict[str, Callable[[list[Tensor], list[Tensor]], Update]] = {
-    "loop": _prepare_loop,
-    "foreach": _prepare_foreach,
-    "gated": _prepare_gated,
-}
+LIST_STRATEGIES = {"loop": _prepare_loop, "foreach": _prepare_foreach, "gated": _prepare_gated}
 
 
 def prepare(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, names: Names = None) -> Update:
