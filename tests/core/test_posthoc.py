@@ -427,3 +427,12 @@ def test_the_temporaries_of_killed_saves_are_removed_but_never_a_live_writers(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [live.name, elsewhere.name, "step-000000000001"]
     )
+
+
+def test_a_temporary_named_with_a_pid_no_process_can_have_is_a_dead_writers(tmp_path) -> None:
+    """os.kill refuses a pid past the C int with OverflowError: no writer is alive under it."""
+    import socket
+
+    huge = tmp_path / f".step-000000000004.{socket.gethostname()}.{10**30}.0a1b2c3d.tmp"
+    huge.mkdir()
+    assert check_folder(tmp_path) == tmp_path and not huge.exists()
