@@ -1,9 +1,8 @@
 """ema_lab: an EMA of model weights updated with one batched ``torch._foreach_lerp_`` (or one flat ``lerp_``).
 
 The core needs torch alone: ``ModelEMA`` (:mod:`ema_lab.ema`) keeps one cached step (:mod:`ema_lab.step`) over
-the matched entries (:mod:`ema_lab.pairs`); ``PostHocEMA`` (:mod:`ema_lab.posthoc`) keeps several EMAs in that
-step; every decay is a schedule (:mod:`ema_lab.schedules`). ``ema_lab.bench`` and ``ema_lab.lessons`` (the
-``python -m ema_lab bench`` sweep, the notebooks' pieces) are subpackages with their own extras.
+the matched entries (:mod:`ema_lab.pairs`), ``PostHocEMA`` (:mod:`ema_lab.posthoc`) several EMAs in that step,
+each decay a schedule (:mod:`ema_lab.schedules`); the subpackages ``bench`` and ``lessons`` need extras.
 """
 
 from .ema import STRATEGIES, ModelEMA

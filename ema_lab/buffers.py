@@ -32,9 +32,8 @@ def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]
 
 
 #: The transparent huge page of x86-64 (and arm64 with 4 KiB pages): buffers from this size up get a mapping
-#: of their own, so one TLB entry covers 2 MiB of the stream an update reads (benchmarks/cat_runs.py).
-#: torch's own switch, the environment variable THP_MEM_ALLOC_ENABLE=1, is read once when torch first
-#: allocates and then applies to every CPU tensor of the process: a library cannot turn it on for its buffers.
+#: of their own, so one TLB entry covers 2 MiB of the stream an update reads (benchmarks/cat_runs.py). torch's
+#: own switch (THP_MEM_ALLOC_ENABLE=1) is process-wide: a library cannot set it for its buffers alone.
 _HUGE_PAGE = 2 << 20
 
 
@@ -80,8 +79,9 @@ def tiles_in_order(tensors: Sequence[Tensor], dense: Callable[[Tensor], bool] = 
     first, end = tensors[0], 0
     ptr = first.untyped_storage().data_ptr()
     for t in tensors:
-        same = t.dtype == first.dtype and t.untyped_storage().data_ptr() == ptr
-        if not (same and dense(t) and t.storage_offset() == end):
+        if t.dtype != first.dtype or not dense(t) or t.storage_offset() != end:
+            return False
+        if t.untyped_storage().data_ptr() != ptr:  # only now: a tensor without storage failed above
             return False
         end += t.numel()
     return end * first.element_size() == first.untyped_storage().nbytes()

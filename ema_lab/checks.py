@@ -1,5 +1,6 @@
 """The argument checks of the core, the schedules and the post-hoc EMA: one place for each rule. Each raises a
-one-line ``ValueError`` (``TypeError`` for a wrong kind of object) naming the argument, before any change.
+one-line ``ValueError`` (``TypeError`` for a wrong kind of object) naming the argument and the value, before
+any change.
 """
 
 from __future__ import annotations

@@ -172,10 +172,11 @@ class BaseEMA:
         return step
 
     def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:
-        """Move every EMA one step towards ``model`` (unwrapped). With ``every=k`` only every k-th call
-        updates, by the product of the k decays (the others only count). ``decay`` overrides the schedules for
-        this step; with "flat" it may be a 0-dim tensor on the model's device, never read on the host (no
-        sync, no recompiles): used clamped to [0, 1], NaN as 1 (the EMA keeps its weights)."""
+        """Move every EMA one step towards ``model`` (DDP, DataParallel and torch.compile wrappers unwrapped).
+        With ``every=k`` only every k-th call updates, by the product of the k decays (the others only count).
+        ``decay`` overrides the schedules for this step (with ``every=k``: for the k steps together); with
+        "flat" it may be a 0-dim tensor on the model's device, never read on the host (no sync, no
+        recompiles): used clamped to [0, 1], NaN as 1 (the EMA keeps its weights)."""
         if not self.enabled:
             return
         if not isinstance(model, nn.Module):
@@ -304,7 +305,7 @@ class ModelEMA(BaseEMA):
     grad), ``.updates``, ``.decay(n)``, ``.update(model)``, ``.update_attr(model)``, ``.enabled``. Unlike it,
     the pairs are collected once into a step rebuilt when a tensor is replaced (``.to()``, ``.half()``,
     ``p.data = ...``, ``swap_tensors``, a new parameter), non-float entries are copied, tied weights averaged
-    once, and a failed update changes nothing.
+    once, and a failed update changes nothing. It holds no view of a module tensor (``swap_tensors`` works).
 
     ``decay``: a number in [0, 1] (ultralytics' ramp, with ``tau``), a schedule (:mod:`ema_lab.schedules`) or
     a list of them (one EMA each). With "flat" (what "auto" picks for ordinary tensors) the EMA's tensors are

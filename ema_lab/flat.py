@@ -188,9 +188,9 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
     old memory; checked where torch has ``_storage_Use_Count``). A group that already fills one buffer is not
     moved; pinned memory stays pinned; the buffers are normal tensors even under inference_mode. Later,
     ``.to()``, ``.half()`` or a new parameter give tensors their own memory again (correct, no longer one
-    ``lerp_``; nor is a channels_last group one). The tensors lie back to back, not on a fresh tensor's
-    64-byte boundary: a kernel that rounds by alignment (some CPUs' BLAS matrix-vector product) can differ in
-    the last bit.
+    ``lerp_``), and a channels_last group is correct but not one ``lerp_``. The tensors lie back to back, not
+    on a fresh tensor's 64-byte boundary: a kernel that rounds by alignment (some CPUs' BLAS matrix-vector
+    product) can differ in the last bit.
     """
     return _flatten(_model_tensors(model))
 

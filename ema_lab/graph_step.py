@@ -72,7 +72,7 @@ class GraphStep(FlatStep):
         if self.replay is None and self.warm:
             self.replay = _record(self._update, self.weights[0].device)
         for into, w in zip(self.weights, weights):
-            into.fill_(w)  # a number, or a 0-dim tensor on this device (checked): a device copy
+            into.fill_(w)  # a 0-dim tensor on this device (checked) is copied: no host sync
         if self.replay is None:
             self._update()
             self.warm = True

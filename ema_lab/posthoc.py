@@ -153,6 +153,9 @@ def save_step(
     if not folder.is_dir():
         raise ValueError(f"no snapshot folder at {str(folder)!r} (check_folder makes one; was it deleted?)")
     final = folder / f"step-{step:012d}"
+    taken = ValueError(f"{final} exists: a saved step is never replaced")
+    if final.exists() or final.is_symlink():  # early and cheap; the rename below decides
+        raise taken
     tmp = folder / f".step-{step:012d}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         os.mkdir(tmp)
@@ -167,14 +170,15 @@ def save_step(
             _fsync(path, os.O_WRONLY)
         _fsync(tmp)
         os.rename(tmp, final)  # fails where final has files or is no folder: a saved step is never replaced
-    except BaseException as e:
+    except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not isinstance(e, OSError):
-            raise
         if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR) and os.path.lexists(final):
-            raise ValueError(f"{final} exists: a saved step is never replaced") from None
+            raise taken from None
         message = f"step {step} not saved to {final}: {e.strerror or _first_line(e)}"
         raise (OSError(e.errno, message) if e.errno else OSError(message)) from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         _fsync(folder)
     except OSError as e:  # the step is saved and visible; whether it would outlive a power cut is not known
@@ -344,7 +348,8 @@ class PostHocEMA(ModelEMA):
             raise
 
     def save(self) -> None:
-        """Save every EMA's snapshot of this update as one step; refused after another run's later one."""
+        """Save every EMA's snapshot of this update as one step, complete or none; refused where the folder
+        holds a later update than this run saved (another run writes there)."""
         if later := [s.step for s in list_snapshots(self.folder) if s.step > self.saved]:
             why = f"after run {self.run}'s last save ({self.saved}): another run writes there"
             raise ValueError(f"{self.folder} holds update {max(later)}, {why}; give each run its own folder")

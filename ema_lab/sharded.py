@@ -42,7 +42,8 @@ class ShardedModelEMA(BaseEMA):
 
     ``ModelEMA``'s constructor, schedules and update; call :meth:`update` after ``optimizer.step()`` (FSDP
     has resharded). Replicated tensors (buffers) are each rank's own: call ``sync_buffers()`` on every rank
-    before evaluating or saving. Only in-place strategies run ("auto" runs "gated").
+    before evaluating or saving. Only in-place strategies run ("auto" runs "gated"). To evaluate it,
+    :meth:`copy_to` loads it into an FSDP model; :meth:`full_state_dict` gathers it.
     """
 
     sharded = True
@@ -74,7 +75,7 @@ class ShardedModelEMA(BaseEMA):
                     f"{type(m).__name__}; call update() after optimizer.step(), when FSDP has resharded"
                 )
             if hasattr(e, "placements") and (e.placements != m.placements or e.shape != m.shape):
-                theirs, mine = (f"{tuple(t.shape)} {t.placements}" for t in (m, e))
+                mine, theirs = (f"{tuple(t.shape)} {t.placements}" for t in (e, m))
                 raise ValueError(f"entry {entry.key!r}: model {theirs} does not match EMA {mine}")
 
         def local(entry: Entry) -> Entry:

@@ -74,12 +74,10 @@ def _count_registrations(table: str) -> Callable[[nn.Module, str, object], None]
         watches = _listeners.get(module)
         if not watches:
             return
-        # ``self.step += 1`` on a buffer re-registers the same object (AveragedModel and ema-pytorch do it
-        # every update): not a replacement; nor is a non-persistent buffer reassigned by a forward (a rotary
-        # or mask cache): no EMA reads it.
-        if module.__dict__.get(table, {}).get(name) is value:
-            return
-        if table == "_buffers" and name in module.__dict__.get("_non_persistent_buffers_set", ()):
+        # No replacement: the same object re-registered (``self.step += 1`` on a buffer, as AveragedModel and
+        # ema-pytorch do), or a non-persistent buffer a forward reassigns (a rotary or mask cache, unread).
+        same = module.__dict__.get(table, {}).get(name) is value
+        if same or (table == "_buffers" and name in module.__dict__.get("_non_persistent_buffers_set", ())):
             return
         for watch in watches:
             watch.registered = True
@@ -134,9 +132,9 @@ class Watch:
 
 
 class Counters:
-    """The non-float entries, copied from the model: one ``torch.cat`` per (device, dtype, dtype) group into
-    a buffer the EMAs' are views of (one ``copy_`` where the model's tile one storage, as after
-    ``flatten_model``); strided ones by ``_foreach_copy_``."""
+    """The non-float entries, copied from the model: one ``torch.cat`` per (device, EMA dtype, model dtype)
+    group into a buffer the EMAs' are views of (one ``copy_`` where the model's tile one storage in the same
+    order, as after ``flatten_model``); strided ones by ``_foreach_copy_``."""
 
     def __init__(self, pairs: Pairs) -> None:
         ema = [e.emas[k] for k in range(pairs.count) for e in pairs.counters]
@@ -205,7 +203,7 @@ class _SameDtypeGroup:
         small = [i for i, m in enumerate(model) if m.numel() < cat_max_numel and m.is_contiguous()]
         small.sort(key=lambda i: model[i].dim() != 1)  # the live 1-D ones first
         # The large tensors that take a dense weight (see lerp) first: one slice of the lists holds them.
-        large = [i for i in range(len(model)) if i not in small]
+        large = sorted(set(range(len(model))) - set(small))
         large.sort(key=lambda i: model[i].numel() > DENSE_WEIGHT_NUMEL)
         live = {i for i in small if model[i].dim() == 1}
         self.checked_slots = [slots[i] for i in range(len(model)) if i not in live]

@@ -97,6 +97,13 @@ def test_group_modes_follow_the_documented_rule():
     assert not tiles_in_order(small[:2])  # a part of a storage is not a tiling
 
 
+def test_a_tensor_without_storage_is_no_tiling():
+    """A sparse tensor after a dense one: False, not the NotImplementedError of reading its storage."""
+    buf = torch.zeros(4)
+    assert not tiles_in_order([buf, torch.zeros(4).to_sparse()])
+    assert not tiles_in_order([buf[:2], torch.zeros(2).to_sparse()])
+
+
 def test_one_kernel_per_group_with_the_model_flattened():
     model = models.build("yolo")
     ema = _ema(model, "flatten_model")
