@@ -1,4 +1,4 @@
-"""The cached step an EMA updates with: the "flat" step, the :class:`Watch` that says it is stale, counters.
+"""The cached step of an EMA: the "flat" step, the :class:`Watch` that says it is stale, and the counters.
 
 A step is built once per model layout over the matched entries (:mod:`ema_lab.pairs`) and moves every EMA
 (``PostHocEMA`` keeps several) from one read of the model, through detached aliases (no autograd, nothing

@@ -167,7 +167,7 @@ flat_ms = timed({"foreach": ema_foreach, "one lerp_": ema_one_lerp})
 
 # %% [markdown]
 # Bitwise equal: the same formula on the same elements, in one call instead of 594 inside one.
-# foreach's time moves from cell to cell (notebook 04's drift): compare times within one cell.
+# Times can move from cell to cell (notebook 04's drift): compare within one cell.
 
 # %% [markdown]
 # ## 3. Views go stale
@@ -285,7 +285,8 @@ plt.show()
 # %% [markdown]
 # Gray: built here; blue: `ema_lab`. The flattened model's `ModelEMA` adds the counters' `copy_` and the
 # check to the floor's `lerp_`, so it cannot beat the floor (overlapping IQR lines: noise). The default
-# (foreach over the large tensors, one `cat` of the small, the check, the counters) lands above foreach.
+# (foreach over the large tensors, one `cat` of the small, the check, the counters) lands near or above
+# foreach.
 #
 # The check, packaged: make the flattened model fp16 and update once with decay 0. The EMA must equal
 # the model:
