@@ -220,9 +220,10 @@ def test_committed_results_print_floor_fractions_never_the_word_roofline():
 def test_cost_model_plot_shows_the_regimes_of_a_new_run_and_of_a_migrated_one(quick_run):
     _, out = quick_run
     new = _record(out)["cost_model"]["cpu"]
-    assert "dram_bandwidth_gbps" in new["fits"][
-        "floor"
-    ] and "GB/s in cache, no size beyond the last-level cache" in cost_model_line(new, 1)
+    # Whether the quick sweep reaches past the cache depends on the CPU's cache: the line says which.
+    dram, line = new["fits"]["floor"]["dram_bandwidth_gbps"], cost_model_line(new, 1)
+    expected = "GB/s in cache, no size beyond" if dram is None else f"{dram:.1f} GB/s beyond"
+    assert expected in line
     old = load(COMMITTED)["cost_model"]["cpu"]  # no cache size recorded: split at the assumed one
     for cost in (new, old):
         left, right = plot_cost_model(cost).axes[:2]
