@@ -650,10 +650,18 @@ def test_huge_and_odd_step_numbers(tmp_path):
         odd.rmdir()
 
 
-def test_a_folder_of_ema_lab_0_1_0_is_refused_by_name(tmp_path):
+def test_a_folder_in_the_layout_before_step_folders_is_refused_by_name(tmp_path):
     old = tmp_path / "ema-000000000010-g6.94.pt"
     torch.save({"step": 10, "gamma": 6.94, "tensors": {"w": torch.ones(2)}}, old)
-    one_line_value_error(lambda: list_snapshots(tmp_path), old, "ema_lab 0.1.0")
+    one_line_value_error(lambda: list_snapshots(tmp_path), old, "layout before step folders")
+
+
+def test_a_file_of_an_older_format_is_refused_by_its_format(tmp_path):
+    # An older format may hold other fields: the message names the format, not "not a snapshot file".
+    older = {"format": "ema_lab snapshot 2", "step": 5, "gamma": 1.0, "tensors": {"w": torch.ones(2)}}
+    snapshot = save_bad(tmp_path, "g1.0.pt", lambda p: torch.save({**older, "extra": 1}, p))
+    message = one_line_value_error(lambda: load_snapshot(snapshot), snapshot.path)
+    assert "'ema_lab snapshot 2'" in message and snapshots.FORMAT in message, message
 
 
 def test_save_step_bad_input_one_line(tmp_path):
