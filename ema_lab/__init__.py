@@ -3,10 +3,11 @@
 The core needs torch alone: ``ModelEMA`` (:mod:`ema_lab.ema`) keeps one cached step (:mod:`ema_lab.step`) over
 the matched entries (:mod:`ema_lab.pairs`), ``PostHocEMA`` (:mod:`ema_lab.posthoc`) several EMAs in that step,
 each decay a schedule (:mod:`ema_lab.schedules`); the subpackages ``bench`` and ``lessons`` need extras.
+Where each piece lives: docs/api.md, "The files".
 """
 
 from .ema import STRATEGIES, ModelEMA
-from .flat import flatten_model, flatten_tensors, unflatten_model
+from .flatten import flatten_model, flatten_tensors, unflatten_model
 from .gates import foreach_lerp_supported
 from .posthoc import PostHocEMA
 from .sharded import ShardedModelEMA

@@ -5,22 +5,11 @@ from __future__ import annotations
 import contextlib
 import mmap
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["unique", "group", "empty_flat", "into_one_buffer", "whole_storage", "tiles_in_order"]
-
-_T = TypeVar("_T")
-
-
-def unique(items: Iterable[_T], tensor: Callable[[_T], Tensor] = lambda t: t) -> list[_T]:
-    """``items`` without repeats of the same tensor object (tied weights), first occurrence kept, in order."""
-    first: dict[int, _T] = {}
-    for item in items:
-        first.setdefault(id(tensor(item)), item)
-    return list(first.values())
+__all__ = ["group", "empty_flat", "into_one_buffer", "whole_storage", "tiles_in_order"]
 
 
 def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]:

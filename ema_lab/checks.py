@@ -6,13 +6,13 @@ any change.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from numbers import Integral, Real
 
 from torch import Tensor
 
 __all__ = ["is_int", "is_real", "require", "check_int", "check_gamma", "check_decay", "weight_of", "one_of"]
-__all__ += ["key_diff", "validate_pairs"]
+__all__ += ["validate_pairs"]
 
 
 def is_int(x: object) -> bool:
@@ -39,12 +39,6 @@ def check_int(name: str, value: object, least: int) -> None:
 def check_gamma(name: str, gamma: object) -> None:
     """A power profile's exponent: a finite number >= 0."""
     require(is_real(gamma) and gamma >= 0, name, gamma, "a number >= 0")
-
-
-def key_diff(a: Iterable[str], b: Iterable[str]) -> str:
-    """How two sets of names differ, in one line: the first's missing in the second, the second's extra."""
-    missing, extra = sorted(set(a) - set(b)), sorted(set(b) - set(a))
-    return f"missing {missing[:5]}, extra {extra[:5]} ({len(missing)} and {len(extra)} in all)"
 
 
 def one_of(a: str, a_value: object, b: str, b_value: object) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from copy import deepcopy
 from dataclasses import is_dataclass
@@ -10,19 +9,19 @@ from functools import partial
 from itertools import zip_longest
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from .checks import check_decay, check_int, weight_of
+from .flat_step import CAT_MAX_NUMEL, FlatStep
 from .graph_step import GraphStep
 from .pairs import Pairs, collect_pairs
+from .ranks import RankDuties, is_fully_sharded
 from .schedules import Schedule, decay_over, ramp
-from .step import CAT_MAX_NUMEL, FlatStep, StepOptions
+from .step import Step, StepOptions
 from .updates import LIST_STRATEGIES, ListStep
 
 __all__ = ["ModelEMA", "BaseEMA", "STRATEGIES", "unwrap_model"]
 
-Step = ListStep | FlatStep  # a cached step: its class says what it can do (GraphStep is a FlatStep)
 #: Each strategy's step; "auto" (:func:`resolve_strategy`) picks one of them per model.
 STEPS: dict[str, type[Step]] = {**dict.fromkeys(LIST_STRATEGIES, ListStep), "flat": FlatStep}
 STRATEGIES = (*STEPS, "auto")
@@ -49,30 +48,18 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         model = inner
 
 
-def _is_fully_sharded(model: nn.Module) -> bool:
-    # FSDP2's fully_shard makes each sharded module a subclass of FSDPModule, which torch 2.4 and 2.5 keep in
-    # torch.distributed._composable.fsdp, 2.6 on in torch.distributed.fsdp: found by name, with no import.
-    return any(c.__name__ == "FSDPModule" for m in model.modules() for c in type(m).__mro__)
-
-
-def _world_size(group: object = None) -> int:
-    """The size of ``group`` (the default group when None), 1 outside torch.distributed."""
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
-
 def _name(schedule: Schedule) -> str:
     """A schedule as a checkpoint names it: the call that makes it, or a function's qualified name."""
     named = getattr(schedule, "__qualname__", repr(type(schedule)))
     return repr(schedule) if is_dataclass(schedule) else named
 
 
-class BaseEMA:
+class BaseEMA(RankDuties):
     """What ``ModelEMA``, ``ShardedModelEMA`` and ``PostHocEMA`` share: each says only how it holds an EMA
     (``_average_of(model)``) and whether it is ``sharded``. It keeps one EMA of the model per schedule
     (``.emas``, ``.schedules``; ``.ema`` and ``.schedule`` are the first), all moved by one cached step."""
 
     sharded = False  # ShardedModelEMA: the EMA stays in DTensor shards, so its step must update in place
-    ranks_checked = False  # set by the first update() or sync_buffers(): no warning about unsynced buffers
 
     def __init__(
         self,
@@ -113,7 +100,7 @@ class BaseEMA:
                 raise ValueError(f"cuda_graph=True records the 'flat' step; {why}")
             GraphStep.check_devices([*ema.parameters(), *ema.buffers()])
             self._step_type = GraphStep
-        self._options = StepOptions(self.resolved_strategy, cat_max_numel, self.sharded)
+        self._options = StepOptions(self.resolved_strategy, cat_max_numel)
         self._step: Step | None = None
         self.schedules: list[Schedule] = schedules
         self.updates, self.every, self.strategy, self.cuda_graph = updates, every, strategy, cuda_graph
@@ -207,56 +194,6 @@ class BaseEMA:
             step.apply(decays, weights)
         self.updates = n
 
-    def rank_local_tensors(self) -> list[Tensor]:
-        """The EMAs' float tensors that ranks compute apart: buffers, and in a ``ShardedModelEMA`` (it holds
-        buffers as parameters) every tensor that is not a DTensor shard."""
-        found = [t for e in self.emas for t in (*(e.parameters() if self.sharded else ()), *e.buffers())]
-        return [t for t in found if t.is_floating_point() and not hasattr(t, "placements")]
-
-    def sync_buffers(self, src: int = 0, group: object = None) -> None:
-        """Overwrite every rank's EMA float buffers with rank ``src``'s (of ``group``, default the world): a
-        collective, on every rank before evaluating or saving (each rank's BatchNorm sees its own batch); not
-        in ``update()``, where it would hang an EMA kept on one rank. A no-op on one rank."""
-        if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-            raise TypeError(
-                f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
-            )
-        world = _world_size(group)
-        if not (isinstance(src, int) and not isinstance(src, bool) and 0 <= src < world):
-            raise ValueError(f"src must be a rank of the group, 0 to {world - 1}, got {src!r}")
-        self.ranks_checked = True  # its user syncs: no warning
-        if world == 1:
-            return
-        buffers = self.rank_local_tensors()
-        # DDP's coalesced broadcast copies in place (the step keeps its tensors) through flat tensors made in
-        # C++: one made in Python aborted the process at exit (gloo's worker freed it without the GIL).
-        with torch.no_grad():
-            size = sum(b.numel() * b.element_size() for b in buffers)  # one bucket per (dtype, device)
-            dist._broadcast_coalesced(dist.group.WORLD if group is None else group, buffers, size, src)
-
-    def _warn_unsynced(self, model: nn.Module) -> None:
-        """Warn, once, in a default group of several ranks, when a rank-local float buffer (not
-        SyncBatchNorm's) differs from the model's: a forward changed it, so the ranks' EMAs differ."""
-        self.ranks_checked = True
-        if _world_size() == 1:
-            return
-        # SyncBatchNorm reduces its batch statistics over the ranks: its buffers are equal on every rank.
-        synced = {id(t) for m in self.ema.modules() if isinstance(m, nn.SyncBatchNorm) for t in m.buffers()}
-        local = {id(t) for t in self.rank_local_tensors()} - synced
-        now = model.state_dict(keep_vars=True)
-        mine = self.ema.state_dict(keep_vars=True).items()
-        moved = [
-            k for k, t in mine if id(t) in local and k in now and not torch.equal(t, now[k].detach().to(t))
-        ]
-        if moved:
-            warnings.warn(
-                f"{type(self).__name__}: each rank updates the model's float buffers ({moved[0]!r}: "
-                "BatchNorm's running statistics) from its own batch, so the EMA's buffers differ between "
-                "ranks; call ema.sync_buffers() on every rank before you evaluate or save the EMA (an EMA "
-                "kept on one rank only holds that rank's)",
-                stacklevel=3,
-            )
-
     def state_dict(self) -> dict:
         """What a resumed run needs to continue bit for bit: each EMA module's ``state_dict()`` (views, as
         torch's), the update count, and what :meth:`load_state_dict` checks (the schedules, ``every``)."""
@@ -318,7 +255,7 @@ class ModelEMA(BaseEMA):
 
     def _average_of(self, model: nn.Module) -> nn.Module:
         """A deep copy of ``model`` in eval mode, without grad."""
-        if _is_fully_sharded(model):
+        if is_fully_sharded(model):
             raise TypeError(
                 "model is sharded with FSDP2 (fully_shard): a deep copy of it is not possible; "
                 "use ema_lab.ShardedModelEMA, which keeps the EMA of the local shards"

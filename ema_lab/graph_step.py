@@ -18,8 +18,9 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
+from .flat_step import FlatStep
 from .pairs import Pairs
-from .step import FlatStep, StepOptions
+from .step import StepOptions
 
 __all__ = ["GraphStep"]
 

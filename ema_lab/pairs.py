@@ -6,24 +6,18 @@ dict and a name): what a slot holds now is what the model uses now.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import getitem
+from typing import TypeVar
 
 from torch import Tensor, nn
 
-from .buffers import unique
-from .checks import key_diff
+__all__ = ["Slot", "Entry", "Pairs", "unique", "key_diff", "module_entries", "collect_pairs"]
 
-__all__ = ["Slot", "Entry", "Pairs", "local_tensor", "module_entries", "collect_pairs"]
+_T = TypeVar("_T")
 
 Slot = tuple[dict, str]  # (the module dict that holds an entry, its name): what the entry is *now*
-
-
-def local_tensor(t: Tensor) -> Tensor:
-    """This rank's part of ``t``: the local shard of a DTensor (no copy), else ``t`` itself."""
-    # What to_local() returns without grad, minus a dispatched view: the per-step check reads it too.
-    return getattr(t, "_local_tensor", t)
 
 
 @dataclass(frozen=True)
@@ -46,6 +40,7 @@ class Pairs:
     counters: list[Entry]  # non-float entries (BatchNorm's num_batches_tracked): copied, not averaged
     modules: list[nn.Module]
     count: int  # how many EMAs
+    sharded: bool = False  # ShardedModelEMA: the entries are DTensors, each step reads its local shard
 
     def ema_floats(self, k: int = 0) -> list[Tensor]:
         """EMA ``k``'s float tensors, in entry order."""
@@ -58,6 +53,20 @@ class Pairs:
     def slots(self) -> list[Slot]:
         """Every slot of every entry, the EMAs' and the model's."""
         return [s for e in (*self.floats, *self.counters) for s in (*e.ema_slots, e.model_slot)]
+
+
+def unique(items: Iterable[_T], tensor: Callable[[_T], Tensor] = lambda t: t) -> list[_T]:
+    """``items`` without repeats of the same tensor object (tied weights), first occurrence kept, in order."""
+    first: dict[int, _T] = {}
+    for item in items:
+        first.setdefault(id(tensor(item)), item)
+    return list(first.values())
+
+
+def key_diff(a: Iterable[str], b: Iterable[str]) -> str:
+    """How two sets of names differ, in one line: the first's missing in the second, the second's extra."""
+    missing, extra = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+    return f"missing {missing[:5]}, extra {extra[:5]} ({len(missing)} and {len(extra)} in all)"
 
 
 def module_entries(module: nn.Module) -> Iterator[tuple[str, Slot]]:

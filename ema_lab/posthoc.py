@@ -17,8 +17,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from .checks import check_gamma, check_int, key_diff, one_of, require
+from .checks import check_gamma, check_int, one_of, require
 from .ema import ModelEMA
+from .pairs import key_diff
 from .schedules import power, sigma_rel_to_gamma
 from .snapshots import check_folder, check_step, list_snapshots, read_snapshot, save_step
 

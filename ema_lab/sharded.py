@@ -13,9 +13,9 @@ from operator import getitem, itemgetter
 import torch
 from torch import Tensor, nn
 
-from .buffers import unique
 from .ema import BaseEMA, unwrap_model
-from .pairs import Entry, Pairs, collect_pairs, local_tensor, module_entries
+from .pairs import Entry, Pairs, collect_pairs, module_entries, unique
+from .ranks import local_tensor
 
 __all__ = ["ShardedModelEMA"]
 
@@ -82,7 +82,8 @@ class ShardedModelEMA(BaseEMA):
             emas = tuple(map(local_tensor, entry.emas))
             return replace(entry, emas=emas, model=local_tensor(entry.model))
 
-        return replace(pairs, floats=[*map(local, pairs.floats)], counters=[*map(local, pairs.counters)])
+        floats, counters = [*map(local, pairs.floats)], [*map(local, pairs.counters)]
+        return replace(pairs, floats=floats, counters=counters, sharded=True)
 
     def sharded_state_dict(self) -> dict[str, Tensor]:
         """The EMA as DTensors (this rank's shards, no copy, no communication), for DCP save or copy_to."""

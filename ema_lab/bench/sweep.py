@@ -31,7 +31,7 @@ import torch
 
 from ..buffers import empty_flat
 from ..ema import STRATEGIES, ModelEMA
-from ..flat import flatten_model
+from ..flatten import flatten_model
 from . import models as zoo
 from .costmodel import run_cost_model
 from .counting import count_ops, kernel_launches_or_reason, without_views

@@ -63,16 +63,17 @@ def test_update_reaches_torch_in_three_frames_and_three_files(strategy: str, lay
     decay = {(file, name) for _, file, name in calls if file in ("schedules.py", "checks.py")}
     assert decay == DECAY_CALLS, calls
     assert len({"ema.py", *(file for _, file, _ in calls)} - {"schedules.py", "checks.py"}) <= 3, calls
-    if strategy == "auto":  # the default: ema.py, the decay's two files and step.py, nothing more
-        assert {file for _, file, _ in calls} <= {"ema.py", "schedules.py", "checks.py", "step.py"}, calls
+    if strategy == "auto":  # the default: ema.py, the decay's two files, the flat step and step.py
+        default = {"ema.py", "schedules.py", "checks.py", "flat_step.py", "step.py"}
+        assert {file for _, file, _ in calls} <= default, calls
 
 
 def test_a_graph_replay_reaches_torch_in_three_frames(monkeypatch) -> None:
     """On CPU, the replay stood in by a builtin (a CUDA replay runs no Python of ours; the arithmetic is
-    tests/core/test_cuda_graph.py's): three files besides the decay's, as the recording has its own."""
+    tests/core/test_cuda_graph.py's): the default's files and the recording's own."""
     monkeypatch.setattr(GraphStep, "check_devices", staticmethod(lambda tensors: torch.device("cpu")))
     monkeypatch.setattr(graph_step, "_record", lambda body, device: object)
     model = models.build("yolo")
     calls = _ours(ModelEMA(model, cuda_graph=True), model)
-    files = {"ema.py", "graph_step.py", "step.py", "schedules.py", "checks.py"}
+    files = {"ema.py", "graph_step.py", "flat_step.py", "step.py", "schedules.py", "checks.py"}
     assert {file for _, file, _ in calls} == files, calls

@@ -9,8 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from ema_lab import ModelEMA, flatten_model, graph_step
-from ema_lab import step as flat_step  # the flat step's private switches: these tests are about them
+from ema_lab import (
+    ModelEMA,
+    flat_step,  # the flat step's private switches: these tests are about them
+    flatten_model,
+    graph_step,
+)
 from ema_lab.bench import models
 from ema_lab.graph_step import GraphStep
 from ema_lab.schedules import power

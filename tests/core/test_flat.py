@@ -9,15 +9,19 @@ import pytest
 import torch
 from torch import nn
 
-from ema_lab import ModelEMA, flatten_model, unflatten_model
-from ema_lab import step as flat_step  # the flat step's private pieces: these tests are about them
+from ema_lab import (
+    ModelEMA,
+    flat_step,  # the flat step's private pieces: these tests are about them
+    flatten_model,
+    unflatten_model,
+)
 from ema_lab.bench import models
 from ema_lab.bench.counting import count_ops
 from ema_lab.buffers import tiles_in_order
 from ema_lab.ema import resolve_strategy
-from ema_lab.flat import flatten_tensors
+from ema_lab.flat_step import CAT_MAX_NUMEL
+from ema_lab.flatten import flatten_tensors
 from ema_lab.pairs import collect_pairs
-from ema_lab.step import CAT_MAX_NUMEL
 
 from ..helpers import one_rank_group
 
@@ -481,7 +485,7 @@ def test_a_tensor_weight_where_foreach_is_fused_goes_as_views_of_one_filled_buff
 # silently is refused with one line naming the tensor, the model untouched, or kept and said so.
 
 
-#: The check of memory held outside the model reads storages' use counts (flat.py says where it is skipped).
+#: The check of memory held outside the model reads storages' use counts (flatten.py says where it is skipped).
 USE_COUNT = pytest.mark.requires_torch("2.1", "torch._C._storage_Use_Count")
 
 
@@ -609,9 +613,9 @@ def test_a_view_held_only_by_a_reference_cycle_is_collected_not_refused():
 
 
 def test_without_the_use_count_binding_memory_held_outside_is_not_checked(monkeypatch):
-    from ema_lab import flat
+    from ema_lab import flatten
 
-    monkeypatch.setattr(flat, "USE_COUNT", None)  # the use-count binding: this test is about it
+    monkeypatch.setattr(flatten, "USE_COUNT", None)  # the use-count binding: this test is about it
     model = models.build("tiny_cnn")
     kept = model[0].conv.weight.data
     flatten_model(model)  # as the docstring says: not checked, so not refused
@@ -675,7 +679,7 @@ def test_a_lazy_parameter_is_refused_until_its_first_forward():
 
 
 def test_a_failure_while_moving_leaves_the_model_as_it_was(monkeypatch):
-    from ema_lab import flat
+    from ema_lab import flatten as flat
 
     model = models.build("tiny_cnn")  # two groups: float32 and int64 (BatchNorm's counters)
     before = _layout(model)
@@ -695,7 +699,7 @@ def test_a_failure_while_moving_leaves_the_model_as_it_was(monkeypatch):
 
 
 def test_a_failure_while_pointing_the_tensors_puts_back_those_already_pointed():
-    from ema_lab.flat import _assign
+    from ema_lab.flatten import _assign
 
     a, b, c = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
     ptrs = [t.data_ptr() for t in (a, b, c)]

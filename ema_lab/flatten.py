@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .buffers import empty_flat, group, tiles_in_order, unique, whole_storage
+from .buffers import empty_flat, group, tiles_in_order, whole_storage
+from .pairs import unique
 
 __all__ = ["flatten_model", "unflatten_model", "flatten_tensors"]
 

@@ -1,0 +1,223 @@
+"""The ``"flat"`` step: each EMA in one buffer per (device, EMA dtype, model dtype) group, moved by one
+``lerp_`` or ``_foreach_lerp_`` per group."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import accumulate
+from operator import getitem
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _foreach_utils
+
+from .buffers import empty_flat, group, into_one_buffer, tiles_in_order, whole_storage
+from .checks import validate_pairs
+from .gates import foreach_lerp_supported
+from .pairs import Pairs, Slot
+from .step import Counters, StepOptions, Watch, lerp_pairs
+
+__all__ = ["FlatStep", "CAT_MAX_NUMEL", "CAT_RUN_NUMEL", "DENSE_WEIGHT_NUMEL", "fused_foreach_devices"]
+
+#: Below this many elements a model tensor is gathered by one ``torch.cat`` (about a third of the
+#: per-tensor cost of a foreach, plus one more pass over its elements); benchmarks/update_costs.py sweeps it.
+CAT_MAX_NUMEL = 2048
+
+#: ATen's ``GRAIN_SIZE``: a CPU ``torch.cat`` with a bigger result at 2+ threads copies input by input, so
+#: a step built at 2+ threads gathers in runs under it (benchmarks/cat_runs.py).
+CAT_RUN_NUMEL = 32768
+
+#: Where foreach is fused (torch's own table: :func:`fused_foreach_devices`) a tensor weight goes as views
+#: of one buffer filled with it; a target above this many elements gets its own ``lerp_`` instead (one
+#: launch is small beside its bytes): the buffer stays near 4 MiB.
+DENSE_WEIGHT_NUMEL = 1 << 20
+
+
+def fused_foreach_devices() -> list[str]:
+    """The device types whose ``_foreach_lerp_`` has a fused kernel, as torch (2.1 on) lists them. There it
+    takes a tensor weight only as one tensor shaped like each target: with a 0-dim weight per target it
+    launches one kernel per tensor."""
+    return _foreach_utils._get_foreach_kernels_supported_devices()
+
+
+class _OneLerpGroup:
+    """One ``lerp_`` over each EMA's whole buffer: ``fused`` (the model's tensors tile one storage; one
+    cast-copy into scratch first if the dtypes differ) or ``cast`` (another dtype: one ``_foreach_copy_``
+    casts the model into scratch)."""
+
+    def __init__(self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], fused: bool) -> None:
+        order = sorted(range(len(model)), key=lambda i: model[i].storage_offset()) if fused else None
+        self.emas = _buffers(emas, order or range(len(model)))  # fused: in the model's layout
+        first, self.checked_slots, self.mode = self.emas[0], slots, "fused" if fused else "cast"
+        self.model = whole_storage(model[0]) if fused else model
+        same = fused and model[0].dtype == first.dtype
+        self.source = self.model if same else empty_flat(first.numel(), first.dtype, first.device)
+        off = [0, *accumulate(m.numel() for m in model)]
+        self.views = [] if fused else [self.source[a:b].view(m.shape) for a, b, m in zip(off, off[1:], model)]
+
+    def read(self) -> None:
+        if self.mode == "cast":
+            torch._foreach_copy_(self.views, self.model)
+        elif self.source is not self.model:  # a bf16/fp16 model, an fp32 EMA
+            self.source.copy_(self.model)
+
+    def lerp(self, k: int, weight: float | Tensor) -> None:
+        """``e += weight * (m - e)`` over EMA ``k``'s whole buffer: one ``lerp_``."""
+        self.emas[k].lerp_(self.source, weight)
+
+
+class _SameDtypeGroup:
+    """Same dtype: the small tensors (first in the buffer) by ``torch.cat`` runs, the large read as they are.
+    The small 1-D ones (BatchNorm's vectors, biases) are read live from their slots, unwatched: one that
+    changed size, dtype or device fails the gather, before anything is written."""
+
+    def __init__(
+        self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], cat_max_numel: int
+    ) -> None:
+        small = [i for i, m in enumerate(model) if m.numel() < cat_max_numel and m.is_contiguous()]
+        small.sort(key=lambda i: model[i].dim() != 1)  # the live 1-D ones first
+        # The large tensors that take a dense weight (see lerp) first: one slice of the lists holds them.
+        large = sorted(set(range(len(model))) - set(small))
+        large.sort(key=lambda i: model[i].numel() > DENSE_WEIGHT_NUMEL)
+        live = {i for i in small if model[i].dim() == 1}
+        self.checked_slots = [slots[i] for i in range(len(model)) if i not in live]
+        self.mode = "cat+foreach" if small and large else "cat" if small else "foreach"
+        self.emas = _buffers(emas, small + large)
+        numels = [model[i].numel() for i in small]
+        ends = [0, *accumulate(numels)]
+        # One cat at one thread (or off the CPU); at 2+ threads runs under CAT_RUN_NUMEL (see above).
+        device = self.emas[0].device
+        threaded = device.type == "cpu" and torch.get_num_threads() > 1
+        runs = _runs(numels, CAT_RUN_NUMEL) if threaded else [range(len(small))] if small else []
+        self.runs = []  # (slice of the buffer, live slots' dicts, their keys, the other 1-D aliases)
+        for r in runs:
+            members = [small[k] for k in r]
+            read = [slots[i] for i in members if i in live]
+            dicts, keys = (tuple(x) for x in zip(*read)) if read else ((), ())
+            aliases = [model[i].detach().view(-1) for i in members if i not in live]
+            self.runs.append((ends[r.start], ends[r.stop], dicts, keys, aliases))
+        # Each EMA's targets: its buffer's slice per run, then its large tensors (views of its buffer).
+        self.targets = [
+            [buffer[a:b] for a, b, *_ in self.runs] + [e[i].detach() for i in large]
+            for buffer, e in zip(self.emas, emas)
+        ]
+        self.large = [model[i] for i in large]
+        self.sources: list[Tensor] = []  # the runs' gathered values, then the large tensors: set by read()
+        self.foreach = len(self.targets[0]) > 1 and foreach_lerp_supported(None, device.type)
+        # Where foreach is fused, a tensor weight goes as views of one buffer (made on first use).
+        self.packed = len(self.runs) + sum(model[i].numel() <= DENSE_WEIGHT_NUMEL for i in large)
+        self.dense = self.foreach and self.packed > 0 and device.type in fused_foreach_devices()
+        self.dense_buffer: Tensor | None = None
+        self.dense_views: list[Tensor] = []
+
+    def read(self) -> None:
+        """Gather the small tensors; raises if a slot read live no longer fits."""
+        gathered = []
+        ema = self.emas[0]
+        for a, b, dicts, keys, aliases in self.runs:
+            src = torch.cat([*map(getitem, dicts, keys), *aliases])
+            if src.shape != (b - a,) or src.dtype != ema.dtype or src.device != ema.device:
+                raise ValueError(f"the model's tensors gather to {src.numel()} {src.dtype} on {src.device}")
+            gathered.append(src)
+        self.sources = gathered + self.large
+
+    def lerp(self, k: int, weight: float | Tensor) -> None:
+        """``e += weight * (m - e)`` over EMA ``k``'s targets: one ``_foreach_lerp_`` (off the gate, one
+        ``lerp_`` each). Where foreach is fused, a tensor weight goes as views of one buffer filled with it
+        (one kernel, no sync), and the targets above ``DENSE_WEIGHT_NUMEL`` one by one."""
+        targets, sources = self.targets[k], self.sources
+        if not self.dense or isinstance(weight, float):
+            lerp_pairs(targets, sources, weight, self.foreach)
+            return
+        n = self.packed
+        if self.dense_buffer is None:  # a cat run may exceed DENSE_WEIGHT_NUMEL: sized to the largest
+            numel = max(t.numel() for t in targets[:n])
+            self.dense_buffer = torch.empty(numel, dtype=weight.dtype, device=weight.device)
+            self.dense_views = [self.dense_buffer[: t.numel()].view(t.shape) for t in targets[:n]]
+        self.dense_buffer.fill_(weight)
+        lerp_pairs(targets[:n], sources[:n], self.dense_views)
+        lerp_pairs(targets[n:], sources[n:], weight, foreach=False)
+
+
+def _buffers(emas: list[list[Tensor]], order: Sequence[int]) -> list[Tensor]:
+    """Each EMA's tensors (``emas[k][i]``) moved, in ``order``, into a new buffer laid out like the first
+    EMA's (its dtype and device): the same offsets in every buffer."""
+    first = into_one_buffer([emas[0][i] for i in order])
+    return [first, *(into_one_buffer([e[i] for i in order], like=first) for e in emas[1:])]
+
+
+def _runs(numels: list[int], limit: int) -> list[range]:
+    """Consecutive tensors (by element count) in runs under ``limit`` elements; a bigger one runs alone."""
+    runs, start, total = [], 0, 0
+    for i, n in enumerate(numels):
+        if total + n >= limit and i > start:
+            runs.append(range(start, i))
+            start, total = i, 0
+        total += n
+    return [*runs, range(start, len(numels))] if numels else []
+
+
+class FlatStep:
+    """``"flat"``: each EMA in one buffer per (device, EMA dtype, model dtype) group, one ``lerp_`` or
+    ``_foreach_lerp_`` each, in a mode: ``fused`` (the model's tensors tile one storage, as after
+    ``flatten_model``), ``cast`` (another dtype), ``cat``, ``foreach`` or ``cat+foreach`` (small tensors
+    gathered by ``torch.cat``, large ones read as they are). A step's class says what it can do;
+    ``ready(model)`` (False: rebuild) and ``apply(decays, weights)`` (``weight = 1 - decay``; a 0-dim tensor
+    weight: no host sync) run under ``no_grad``."""
+
+    tensor_decay = True  # apply() takes 0-dim tensor decays (no host sync)
+    in_place = False  # the EMAs' tensors move into the groups' buffers (ShardedModelEMA needs in place)
+    recordable = True  # cuda_graph=True records it (graph_step.py): no live reads, fixed addresses
+    gathers = True  # ready() gathers the model (a CUDA graph's replay reads it itself)
+
+    def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None:
+        floats = pairs.floats
+        mod = [m.detach() for m in pairs.model_floats()]
+        emas = [pairs.ema_floats(k) for k in range(pairs.count)]
+        validate_pairs(emas[0], mod, [e.key for e in floats])
+        self.groups: list[_OneLerpGroup | _SameDtypeGroup] = []
+        first = emas[0]
+        for idx in group(range(len(floats)), lambda i: (first[i].device, first[i].dtype, mod[i].dtype)):
+            es, ms = [[e[i] for i in idx] for e in emas], [mod[i] for i in idx]
+            slots = [floats[i].model_slot for i in idx]
+            fused = tiles_in_order(sorted(ms, key=Tensor.storage_offset))
+            if fused or ms[0].dtype != es[0][0].dtype:
+                self.groups.append(_OneLerpGroup(es, ms, slots, fused))
+            else:
+                self.groups.append(_SameDtypeGroup(es, ms, slots, options.cat_max_numel))
+        self.counters = Counters(pairs)
+        self.modes = [g.mode for g in self.groups]
+        # Every slot but the model's live ones (read per update by the gather).
+        checked = [s for e in (*floats, *pairs.counters) for s in e.ema_slots]
+        checked += [slot for g in self.groups for slot in g.checked_slots]
+        checked += [e.model_slot for e in pairs.counters]
+        self.watch = Watch(model, checked, pairs.modules)
+
+    def ready(self, model: nn.Module) -> bool:
+        """True while every EMA slot and every model slot not read live holds the memory it was built over,
+        once every group has gathered the model (False if a live slot holds None or another size, dtype or
+        device): :meth:`apply` updates from what this gathered."""
+        if not self.watch.current(model):
+            return False
+        try:
+            for g in self.groups if self.gathers else ():
+                g.read()
+        except (KeyError, TypeError, RuntimeError, ValueError):  # KeyError: a live slot's entry deleted
+            return False
+        return True
+
+    def check_weights(self, weights: Sequence[float | Tensor]) -> None:
+        """A tensor weight must be on the device of every group it moves."""
+        for w in weights:
+            for g in self.groups if isinstance(w, Tensor) else ():
+                if w.device != g.emas[0].device:
+                    raise ValueError(f"decay is on {w.device} but the EMA is on {g.emas[0].device}")
+
+    def apply(self, decays: Sequence[float | Tensor], weights: Sequence[float | Tensor]) -> None:
+        """``e += weight * (m - e)`` in every group of each EMA, then the counters; a tensor weight is 0-dim
+        (no host sync; cast to each buffer's dtype, as torch < 2.10 wants them equal)."""
+        self.check_weights(weights)
+        for k, weight in enumerate(weights):
+            for g in self.groups:
+                g.lerp(k, weight if isinstance(weight, float) else weight.to(g.emas[0].dtype))
+        self.counters()
