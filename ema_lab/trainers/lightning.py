@@ -2,12 +2,14 @@
 
 ``Trainer(callbacks=[EMACallback(decay=constant(0.999))])``: the keyword arguments are ``ModelEMA``'s (a
 number is ultralytics' ramp, a schedule from :mod:`ema_lab.schedules` anything else). It updates once per
-optimizer step (not per micro-batch under gradient accumulation), validates the EMA weights (copied into
-the model for the validation loop, the training weights copied back after), gives every DDP rank rank 0's
-EMA buffers before validating, saving and returning from ``fit`` (a collective: Lightning runs these hooks
-on every rank), and keeps the EMA in the checkpoint's callback state, so ``Trainer.fit(ckpt_path=...)``
-resumes it bit for bit. At the end of ``fit`` the model keeps its own weights; ``callback.ema.ema`` is the
-EMA model.
+optimizer step (not per micro-batch under gradient accumulation, also when resumed from a checkpoint
+without an EMA), validates the EMA weights (copied into the model for the validation loop, the training
+weights copied back after, or when validation stops on an exception or Ctrl-C), gives every DDP rank rank
+0's EMA buffers before validating, saving and returning from ``fit`` (a collective: Lightning runs these
+hooks on every rank), and keeps the EMA in the checkpoint's callback state, so ``Trainer.fit(ckpt_path=...)``
+resumes it bit for bit. While the EMA is in the model, the model's ``state_dict()`` gives the training
+weights, so a checkpoint saved during validation holds them too. At the end of ``fit`` the model keeps its
+own weights; ``callback.ema.ema`` is the EMA model.
 Lightning's own ``EMAWeightAveraging`` differs there: it saves the EMA as the checkpoint's ``state_dict``
 and copies it into the model when training ends.
 """
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.hooks import RemovableHandle
 
 from ..ema import ModelEMA
 
@@ -32,7 +35,9 @@ class EMACallback(Callback):
         self.kwargs = kwargs
         self.ema: ModelEMA | None = None
         self._pending: dict | None = None  # a checkpoint's EMA state, loaded before the EMA is made
-        self._kept: list[torch.Tensor] | None = None  # the training weights during validation
+        self._kept: dict[str, torch.Tensor] | None = None  # the training weights during validation
+        self._hook: RemovableHandle | None = None  # gives them to the model's state_dict() meanwhile
+        self._step = 0  # the global step of the last update
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Here, not in setup(): the strategy has moved the model to its device (and precision), and a
@@ -44,21 +49,53 @@ class EMACallback(Callback):
                 self.ema.load_state_dict(self._pending)
                 self._pending = None
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Here, not in on_fit_start: Lightning restores a checkpoint's loops (its global step) in between.
+        self._step = trainer.global_step
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if trainer.global_step > self.ema.updates:  # once per optimizer step, as Lightning's own
+        # Once per optimizer step: the global step moved since the last update. (Comparing it with the
+        # update count instead let a fresh EMA, resumed from a checkpoint without one, update on every
+        # micro-batch under gradient accumulation until the count caught up.)
+        if trainer.global_step > self._step:
+            self._step = trainer.global_step
             self.ema.update(pl_module)
 
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.ema is None:  # validate() without fit(): nothing to swap in
             return
         self.ema.sync_buffers()
-        model = list(pl_module.state_dict().values())
-        self._kept = [t.clone() for t in model]
-        torch._foreach_copy_(model, list(self.ema.ema.state_dict().values()))
+        model = pl_module.state_dict()
+        kept = {k: t.clone() for k, t in model.items()}
+
+        def training_weights(module: torch.nn.Module, state: dict, prefix: str, metadata: Any) -> None:
+            state.update((prefix + k, t) for k, t in kept.items())
+
+        # While the EMA is in the model, its state_dict() gives the training weights: whatever saves then
+        # (a save in validation_step, a callback, SLURM's requeue handler) stores them. A hook here rather
+        # than on_save_checkpoint: Lightning skips that for weights-only checkpoints, and a user's own
+        # torch.save(model.state_dict()) never calls it. torch < 2.5 has the hook under a private name only.
+        register = getattr(pl_module, "register_state_dict_post_hook", pl_module._register_state_dict_hook)
+        self._kept, self._hook = kept, register(training_weights)
+        torch._foreach_copy_(list(model.values()), list(self.ema.ema.state_dict().values()))
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._put_back(pl_module)
+
+    # An exception or Ctrl-C during validation skips on_validation_epoch_end; Lightning then calls
+    # on_exception (before OnExceptionCheckpoint's, which it orders last), and teardown on the paths
+    # without on_exception (a tuner's exit): the model gets its training weights back on every path.
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._put_back(pl_module)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._put_back(pl_module)
+
+    def _put_back(self, pl_module: LightningModule) -> None:
+        """The training weights back into the model, if the EMA is in it."""
         if self._kept is not None:
-            torch._foreach_copy_(list(pl_module.state_dict().values()), self._kept)
+            self._hook.remove()  # first: state_dict() gives the model's own tensors again
+            torch._foreach_copy_(list(pl_module.state_dict().values()), list(self._kept.values()))
             self._kept = None
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

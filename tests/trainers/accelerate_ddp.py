@@ -4,13 +4,14 @@
 ``save_state`` after SAVE_AT, then, in the same processes, a run from other weights that ``load_state``\\s
 that folder and goes on to STEPS. Each rank saves both EMAs to ``<out>/<run>-rank<r>.pt``.
 
-``python accelerate_ddp.py OUT kill``: one process saves by the recipe's ``save`` after each step and is
+``python accelerate_ddp.py OUT kill``: one process saves by the docs' ``save`` after each step and is
 killed (SIGKILL) in the middle of its third ``save_state``, after the model and optimizer are written.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -54,7 +55,7 @@ def run(out: Path, seed: int, resume: Path | None = None) -> dict:
     accelerator, model, optimizer, data, ema = prepared(seed)
     if resume is not None:
         accelerator.load_state(resume)
-        data = accelerator.skip_first_batches(data, ema.updates)
+        data = accelerator.skip_first_batches(data, ema.updates)  # 1 epoch, 1 batch a step: the docs' skip
     for x, y in data:
         train_step(accelerator, model, optimizer, ema, x, y)
         if ema.updates == SAVE_AT and resume is None:
@@ -64,15 +65,20 @@ def run(out: Path, seed: int, resume: Path | None = None) -> dict:
     return ema.ema.state_dict()
 
 
-def save(accelerator: Accelerator, ema: ModelEMA, root: Path) -> None:
-    """The recipe's save: a new folder per step, then ``latest`` names it (one atomic rename), so a save
-    killed halfway leaves the last complete one named."""
-    ema.sync_buffers()
-    accelerator.save_state(root / f"step-{ema.updates}")
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (root / "latest.tmp").write_text(f"step-{ema.updates}")
-        os.replace(root / "latest.tmp", root / "latest")
+def recipe() -> list[str]:
+    """The Python blocks of docs/trainers.md's accelerate section: setup, loop, resume, save."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "trainers.md").read_text()
+    section = text.split("\n## accelerate\n")[1].split("\n## ")[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    assert len(blocks) == 4, f"expected 4 Python blocks in the accelerate section, found {len(blocks)}"
+    return blocks
+
+
+# The docs' save: a new folder per step, then ``latest`` names it (one atomic rename), so a save killed
+# halfway leaves the last complete one named.
+_names: dict = {}
+exec(recipe()[3], _names)
+save = _names["save"]
 
 
 def killed_save(root: Path) -> None:

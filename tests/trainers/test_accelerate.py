@@ -4,7 +4,9 @@ another model or schedule refused; a process killed inside ``save_state``."""
 
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +18,15 @@ pytest.importorskip(
 )
 
 import torch
+import torch.nn.functional as F
+from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.state import AcceleratorState
+from torch.utils.data import DataLoader, TensorDataset
 
 from ema_lab import ModelEMA
 
 from ..processes import leftovers, marked_env
-from .accelerate_ddp import prepared
+from .accelerate_ddp import prepared, recipe
 from .ddp_run import SAVE_AT, net
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,3 +126,45 @@ def test_gradient_accumulation_updates_once_per_optimizer_step(one_process: None
         if accelerator.sync_gradients:
             ema.update(model)
     assert calls == 16 and ema.updates == 8
+
+
+def docs_run(root: Path, seed: int, batches: int, resume: bool = False) -> dict:
+    """docs/trainers.md's accelerate blocks as a reader runs them: gradient accumulation 2, 3 epochs of
+    ``batches`` shuffled batches, a save after every optimizer step; ``resume``: the resume line first."""
+    setup, loop, resume_line, save = recipe()
+    g = torch.Generator().manual_seed(1)
+    n = 4 * batches
+    data = TensorDataset(torch.randn(n, 3, 12, 12, generator=g), torch.randint(0, 4, (n,), generator=g))
+    config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=5)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, dataloader_config=config)
+    model = net(seed)
+    names = {
+        "accelerator": accelerator,
+        "model": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        "loader": DataLoader(data, batch_size=4, shuffle=True),
+        "loss_fn": F.cross_entropy,
+        "epochs": 3,
+        "root": root,
+        "save_every": 1,
+    }
+    for block in (setup, save, resume_line, loop) if resume else (setup, save, loop):
+        exec(block, names)
+    ema, model = names["ema"], accelerator.unwrap_model(names["model"])
+    state = {"updates": torch.tensor(ema.updates)}
+    return {**state, **{f"ema.{k}": v for k, v in ema.ema.state_dict().items()}, **model.state_dict()}
+
+
+@pytest.mark.parametrize("batches", [8, 7])  # 7: the epoch's last optimizer step takes one batch
+def test_the_docs_loop_resumes_bitwise_across_epochs(tmp_path: Path, one_process: None, batches: int) -> None:
+    """The docs' loop cut after each of several saves (mid-epoch, at an epoch's end, in the next epoch) and
+    resumed by the docs' resume line: the same updates and bitwise the same EMA and model as the uncut run."""
+    uncut = docs_run(tmp_path / "uncut", 0, batches)
+    assert uncut["updates"] == 3 * math.ceil(batches / 2)  # 3 epochs
+    for cut in (2, 4, 5, 7):
+        root = tmp_path / f"cut-{cut}"
+        shutil.copytree(tmp_path / "uncut" / f"step-{cut}", root / f"step-{cut}")
+        (root / "latest").write_text(f"step-{cut}")
+        AcceleratorState._reset_state(True)
+        resumed = docs_run(root, 3, batches, resume=True)  # other weights: load_state replaces them
+        assert different(resumed, uncut) == [], f"cut at {cut}"  # the update count included

@@ -4,8 +4,10 @@ Lightning's own EMAWeightAveraging, checkpointed and resumed; one process for gr
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,8 @@ pytest.importorskip(
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from ema_lab.schedules import constant
 from ema_lab.trainers.lightning import EMACallback
@@ -50,15 +54,13 @@ def load(folder: Path, name: str) -> dict:
 
 def _trainer(tmp_path: Path, **options: object) -> pl.Trainer:
     """One CPU process, quiet: no logger, checkpoint files, progress bar or model summary."""
+    quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
     return pl.Trainer(
         accelerator="cpu",
         devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
-        **options,
+        **{**quiet, **options},
     )
 
 
@@ -155,3 +157,144 @@ def test_resumed_on_one_process(ddp_runs: Path, tmp_path: Path) -> None:
     assert (
         trainer.global_step == 4 + 8 and callback.ema.updates == trainer.global_step
     )  # 4 steps a rank, 8 alone
+
+
+def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the tensors the module computes with, read from them, not from state_dict() (which gives
+    the training weights while the callback has the EMA in the model)."""
+    return {k: v.clone() for k, v in [*module.named_parameters(), *module.named_buffers()]}
+
+
+def same(a: dict, b: dict) -> bool:
+    """Equal keys and bitwise equal tensors."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class InValidation(Net):
+    """At its first validation_step after training began (the EMA in the model), runs ``act(trainer)``: a
+    save, a signal or an exception; keeps the training weights and the EMA of that moment."""
+
+    def __init__(self, act: Callable[[pl.Trainer], None] = lambda trainer: None) -> None:
+        super().__init__()
+        self.act = act
+        self.acted = False
+
+    def on_validation_start(self) -> None:  # before the callback's swap (on_validation_epoch_start)
+        if not self.acted:
+            self.training_weights = weights(self)
+
+    def on_train_start(self) -> None:  # after a checkpoint is loaded: what training goes on from
+        self.start_weights = weights(self)
+
+    def validation_step(self, batch: list, batch_idx: int) -> None:
+        if not self.acted and not self.trainer.sanity_checking:
+            self.acted = True
+            self.ema_weights = weights(self)
+            self.act(self.trainer)
+        super().validation_step(batch, batch_idx)
+
+
+def _fit(tmp_path: Path, model: Net, ckpt_path: Path | None = None, **options: object) -> EMACallback:
+    """Two epochs, validated after each (2 batches), with the callback: returns it."""
+    callback = EMACallback(decay=constant(DECAY))
+    options = {"callbacks": [callback], "num_sanity_val_steps": 2, "limit_val_batches": 2, **options}
+    trainer = _trainer(tmp_path, max_epochs=2, **options)
+    trainer.fit(model, data(64, 1), data(32, 2), ckpt_path=ckpt_path)
+    return callback
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_a_checkpoint_saved_during_validation_holds_the_training_weights(
+    tmp_path: Path, weights_only: bool
+) -> None:
+    """trainer.save_checkpoint in validation_step, the EMA in the model: the checkpoint's state_dict is the
+    training weights, the EMA is in the callback's entry, and fit(ckpt_path=) from it ends bitwise where
+    the run that saved it does."""
+    path = tmp_path / "in-validation.ckpt"
+    model = InValidation(lambda trainer: trainer.save_checkpoint(path, weights_only=weights_only))
+    callback = _fit(tmp_path, model)
+    assert not same(model.training_weights, model.ema_weights)  # the EMA was in the model
+    saved = torch.load(path, weights_only=True)
+    assert same(saved["state_dict"], model.training_weights)
+    if weights_only:
+        return
+    assert same(saved["callbacks"]["EMACallback"]["emas"][0], model.ema_weights)
+    resumed = InValidation()
+    again = _fit(tmp_path, resumed, ckpt_path=path)
+    assert same(resumed.start_weights, model.training_weights)
+    assert same(weights(resumed), weights(model))
+    assert same(again.ema.ema.state_dict(), callback.ema.ema.state_dict())
+
+
+SLURM = {"SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+
+
+def test_a_slurm_requeue_during_validation_resumes_from_the_training_weights(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """SIGUSR1 during validation on SLURM: Lightning's handler saves hpc_ckpt_1.ckpt (its scontrol call
+    fails here); the requeued job's fit resumes from it, from the training weights, and ends bitwise where
+    the run that got the signal does."""
+    for name, value in {**SLURM, "SLURM_JOB_ID": "1", "SLURM_JOB_NAME": "train"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol: the requeue fails, the run goes on
+    plugins = [SLURMEnvironment(auto_requeue=True)]
+    model = InValidation(lambda trainer: os.kill(os.getpid(), signal.SIGUSR1))
+    callback = _fit(tmp_path, model, plugins=plugins)
+    saved = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=True)
+    assert same(saved["state_dict"], model.training_weights)
+    assert same(saved["callbacks"]["EMACallback"]["emas"][0], model.ema_weights)
+    requeued = InValidation()
+    again = _fit(tmp_path, requeued, plugins=plugins)  # no ckpt_path: Lightning takes the hpc checkpoint
+    assert same(requeued.start_weights, model.training_weights)
+    assert same(weights(requeued), weights(model))
+    assert same(again.ema.ema.state_dict(), callback.ema.ema.state_dict())
+
+
+@pytest.fixture
+def sigint() -> None:
+    """Lightning ignores SIGINT after a KeyboardInterrupt (for its shutdown): Python's handler back after."""
+    yield
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _raise(error: BaseException) -> Callable[[pl.Trainer], None]:
+    def act(trainer: pl.Trainer) -> None:
+        raise error
+
+    return act
+
+
+@pytest.mark.parametrize(
+    "error, stops", [(RuntimeError("in validation_step"), RuntimeError), (KeyboardInterrupt(), SystemExit)]
+)
+def test_an_exception_during_validation_leaves_the_training_weights(
+    tmp_path: Path, sigint: None, error: BaseException, stops: type
+) -> None:
+    """An error or Ctrl-C in validation_step, the EMA in the model: the model after fit and
+    OnExceptionCheckpoint's checkpoint hold the training weights, the checkpoint's callback entry the EMA."""
+    model = InValidation(_raise(error))
+    saver = OnExceptionCheckpoint(dirpath=tmp_path)
+    with pytest.raises(stops):
+        _fit(
+            tmp_path, model, callbacks=[EMACallback(decay=constant(DECAY)), saver], enable_checkpointing=True
+        )
+    assert not same(model.training_weights, model.ema_weights)
+    assert same(weights(model), model.training_weights)
+    saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
+    assert same(saved["state_dict"], model.training_weights)
+    assert same(saved["callbacks"]["EMACallback"]["emas"][0], model.ema_weights)
+
+
+def test_resumed_without_ema_state_counts_optimizer_steps(tmp_path: Path) -> None:
+    """From a checkpoint written without the callback (global_step 8, no EMA), with gradient accumulation:
+    one update per optimizer step of the resumed run, not one per micro-batch until the count catches up."""
+    first = _trainer(tmp_path, max_epochs=1, limit_val_batches=0)
+    first.fit(Net(), data(64, 1))
+    first.save_checkpoint(tmp_path / "plain.ckpt")
+    callback = EMACallback(decay=constant(DECAY))
+    trainer = _trainer(
+        tmp_path, max_epochs=2, accumulate_grad_batches=2, limit_val_batches=0, callbacks=[callback]
+    )
+    trainer.fit(Net(), data(64, 1), ckpt_path=tmp_path / "plain.ckpt")
+    assert trainer.global_step == 8 + 4 and callback.ema.updates == 4
