@@ -1,0 +1,302 @@
+"""Every number a sentence states is printed by a cell or stands in a results file the text links (issue 63).
+
+What is checked: the markdown of every notebook (the committed ``.ipynb``'s markdown cells), README.md and
+docs/*.md. A number there must be found
+
+- for a notebook: in a text output of one of its code cells (stdout, or a result's ``text/plain``), or in a
+  committed results file that its cell links;
+- for README.md and docs/*.md: in a results file linked or named in the same section (the text from one
+  heading to the next), or in a code block of that section that shows a program's output.
+
+Then a change to the library, followed by a re-execution of the notebooks, shows every sentence it made
+false, and a sentence cannot quote a figure that nothing committed backs.
+
+What counts as a stated number (chosen to catch measurements, not ordinary prose):
+
+- a decimal (``0.296``, ``1.5x``, ``4.4e-02``), a number with a thousands separator (``1,416``), a number
+  of two or more digits (``64 tensors``), and any number with a unit of time, size, rate or a ratio
+  (``5 ms``, ``8 GB``, ``7x``, ``3 %``). A one-digit count without a unit (``3 lines``, ``two ranks``)
+  is prose, not a measurement: too common to check, too rarely stale.
+- not checked: code (fenced blocks, indented blocks, inline code spans), link targets and paths, math
+  (``$...$``, ``2^18``), version numbers (``torch 2.13.0``, ``2.1.2+cu121``), dates, times of day and years,
+  issue and PR numbers (``#25315``, ``issue 29``), and the numbers of notebooks, cells, sections,
+  exercises, algorithms and steps of a list; and the definitions in ``DEFINITIONS`` below.
+
+How numbers are compared: separators are dropped (``1,799`` is ``1799``), signs ignored, and a stated
+number matches a found one that rounds to it at the stated precision (``0.30`` matches ``0.3``,
+``0.296`` matches ``0.29612``, ``4.2`` matches ``4.23``, ``1,416`` matches only ``1416``). Every
+number found in a backing text counts (a JSON file's every value): a results file backs what it holds,
+whichever field. Nothing here reads a tool's version or wording: only the committed files.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RESULTS = (ROOT / "results", ROOT / "docs" / "results")  # where committed results files live
+
+# Definitions: numbers that are chosen, not measured, so no output need print them. Each with why.
+DEFINITIONS = {
+    "0.9999",  # ultralytics' (and ModelEMA's) default decay
+    "2000",  # ModelEMA's default tau, and the zoo's tiny_tensors model (2,000 tensors)
+    "0.999",  # a constant decay the lessons and docs use as an example
+}
+
+# A unit after a number makes it a measurement, whatever its size.
+UNITS = (
+    r"(?:ns|us|µs|ms|s|min|h|[KMGT]i?B(?:/s)?|[KMGT]B/s|MHz|GHz|%|x|×|"
+    r"bits?|bytes?|kernels?|launch(?:es)?|ops)"
+)
+NUMBER = re.compile(
+    r"(?<![\w.,^/*+=#-])(?<!\w-)"  # not inside a word, path, version, exponent or #123
+    r"(?P<num>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
+    r"(?![\w.]*\d)(?P<unit>\s?" + UNITS + r"(?![\w/]))?"
+    r"(?![\w(])"  # not followed by a letter (yolo26n, 3rd) or a call
+)
+# Contexts whose numbers are names or definitions (each group: the words before the number).
+NAMING = re.compile(
+    r"(?:@|\b(?:notebooks?|cells?|sections?|exercises?|Exercises?|issues?|Issue|PRs?|pytorch|Algorithm|"
+    r"[Ss]tep|[Pp]art|[Ll]esson|Table|[Ff]igure|rows?|column|v|version|versions|torch|Python|CUDA|cu|"
+    r"timm|ultralytics|ultralytics-thop|thop|Lightning|accelerate|jupytext|safetensors|ema-pytorch|"
+    r"diffusers|numpy|torchvision|nbval|nbmake|pytest|JupyterLab|playwright|chromium|ema_lab|NeMo|"
+    r"driver|Debian))\s?$|(?:>=|<=|==|<|>)\s?$",
+    re.IGNORECASE,
+)
+DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:?\d{2}(?::?\d{2})?Z?)?\b|\b\d{1,2}:\d{2}(?::\d{2})?\b")
+VERSION = re.compile(r"\b\d+\.\d+\.\d+[\w.+-]*|\b\d+\.\d+\+\w+")  # 2.13.0, 0.1.1.post22, 2.11+cu130
+YEAR = re.compile(r"^20[1-3]\d$")
+
+
+def normal(text: str) -> Decimal | None:
+    """``1,799`` -> 1799, ``0.30`` -> 0.30 (precision kept), ``4.4e-02`` -> 0.044; None if no number."""
+    try:
+        return abs(Decimal(text.replace(",", "")))
+    except InvalidOperation:
+        return None
+
+
+def matches(stated: Decimal, found: Decimal) -> bool:
+    """Whether ``found`` is ``stated``: equal for a whole number, else rounded to ``stated``'s precision."""
+    if found == stated:
+        return True
+    exponent = stated.as_tuple().exponent
+    if exponent >= 0:
+        return False  # 4x is not 3.8 printed somewhere: a whole number is matched exactly
+    try:
+        return found.quantize(Decimal(1).scaleb(exponent)) == stated
+    except InvalidOperation:
+        return False
+
+
+FOUND = re.compile(r"\d+(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def found_numbers(text: str) -> set[Decimal]:
+    """Every number in a backing text: with separators read both ways (1,799 and 1 and 799)."""
+    found = {normal(m) for m in FOUND.findall(text)}
+    found |= {normal(m) for m in re.findall(r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?", text)}
+    return {n for n in found if n is not None}
+
+
+FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.MULTILINE | re.DOTALL)
+INDENTED = re.compile(r"(?:(?<=\n\n)|^)(?:(?: {4}|\t)[^\n]*\n?)+")
+CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.DOTALL)
+LINK_TARGET = re.compile(r"\]\(([^)\s]*)[^)]*\)")
+URL = re.compile(r"https?://\S+")
+MATH = re.compile(r"\$\$.*?\$\$|\$[^$\n]+\$", re.DOTALL)
+HTML = re.compile(r"<!--.*?-->|<[^>\n]+>", re.DOTALL)
+PATHLIKE = re.compile(
+    r"(?<!\S)(?![KMGT]i?B/s\b)\S*[/\\]\S*|\S+\.(?:py|md|json|png|svg|log|txt|ipynb|pt|toml|yml|cfg)\b"
+)
+ENUMERATOR = re.compile(r"^(\s*)(?:#+\s*)?\d+[.)]\s", re.MULTILINE)
+POWER = re.compile(r"\d+(?:\.\d+)?\s?(?:\^|\*\*)\s?[-+]?\d+(?:\.\d+)?|\d+\s?/\s?\d+")
+
+
+def prose(markdown: str) -> str:
+    """The sentences of a markdown text: code, links' targets, URLs, math, HTML tags and paths removed."""
+    text = FENCE.sub(" ", markdown)
+    text = INDENTED.sub(" ", text)
+    text = CODE_SPAN.sub(" ", text)
+    text = LINK_TARGET.sub("]", text)
+    text = URL.sub(" ", text)
+    text = MATH.sub(" ", text)
+    text = HTML.sub(" ", text)
+    text = ENUMERATOR.sub(r"\1", text)
+    text = DATE.sub(" ", text)
+    text = VERSION.sub(" ", text)
+    text = PATHLIKE.sub(" ", text)
+    text = POWER.sub(" ", text)
+    return text
+
+
+def stated_numbers(markdown: str) -> list[tuple[str, str]]:
+    """(number as written, its sentence's surroundings) for every number the text states."""
+    text = prose(markdown)
+    stated = []
+    for m in NUMBER.finditer(text):
+        num, unit = m["num"], m["unit"]
+        digits = num.replace(",", "")
+        before = text[max(0, m.start() - 30) : m.start()]
+        if NAMING.search(before) and not unit:
+            continue
+        if YEAR.match(digits) and not unit:
+            continue
+        simple = "." not in num and "," not in num and "e" not in num.lower()
+        if simple and len(digits) < 2 and not unit:
+            continue  # a one-digit count in prose
+        if normal(num) in {Decimal(d) for d in DEFINITIONS}:
+            continue
+        context = " ".join(text[max(0, m.start() - 50) : m.end() + 30].split())
+        stated.append((num, context))
+    return stated
+
+
+# --- where the backing numbers come from ------------------------------------------------------------------
+
+REF = re.compile(r"(?:\.\./)*(?:docs/)?results/[\w.+{},/-]*|(?:\.\.\.)?[\w.+-]+\.(?:json|md|log|txt|ipynb)\b")
+
+
+def _expand(ref: str) -> list[str]:
+    """``a-{x,y}.md`` -> ``a-x.md``, ``a-y.md``."""
+    m = re.search(r"\{([^}]*)\}", ref)
+    if not m:
+        return [ref]
+    return [x for part in m[1].split(",") for x in _expand(ref[: m.start()] + part + ref[m.end() :])]
+
+
+def _all_results_files() -> list[Path]:
+    return [p for top in RESULTS for p in top.rglob("*") if p.is_file()]
+
+
+def linked_files(markdown: str, where: Path) -> set[Path]:
+    """The committed results files a text links or names: by path, by a run's folder, or by file name."""
+    files: set[Path] = set()
+    everything = _all_results_files()
+    candidates = [t for t in LINK_TARGET.findall(markdown)] + REF.findall(markdown)
+    for ref in candidates:
+        for one in _expand(ref.split("#")[0]):
+            if not one:
+                continue
+            for base in (where, ROOT):
+                path = (base / one).resolve()
+                if path.is_file() and any(top in path.parents for top in RESULTS):
+                    files.add(path)
+                elif path.is_dir() and any(top in path.parents for top in RESULTS):  # a run's folder
+                    files |= {p for p in path.iterdir() if p.is_file()}
+            name = one.rsplit("/", 1)[-1]
+            if name.startswith("..."):
+                files |= {p for p in everything if p.name.endswith(name[3:])}
+            elif "." in name:
+                files |= {p for p in everything if p.name == name}
+    return {p for p in files if p.suffix != ".png"}
+
+
+MENTION = re.compile(r"\bnotebooks?((?:[\s,]+(?:and\s+)?\d{2}\b)+)", re.IGNORECASE)
+
+
+def linked_notebooks(markdown: str) -> set[Path]:
+    """The notebooks a text links (``05_name.ipynb``) or names (``notebook 05``, ``notebooks 01 and 04``)."""
+    numbers = set(re.findall(r"\b(\d{2})_\w+\.ipynb", markdown))
+    numbers |= {n for m in MENTION.finditer(markdown) for n in re.findall(r"\d{2}", m[1])}
+    return {p for p in NOTEBOOKS if p.name[:2] in numbers}
+
+
+@functools.cache
+def file_numbers(path: Path) -> frozenset[Decimal]:
+    """The numbers a committed file backs: a notebook's outputs, any other file's whole text."""
+    text = path.read_text(errors="replace")
+    return frozenset(found_numbers(output_text(json.loads(text)) if path.suffix == ".ipynb" else text))
+
+
+def backing(markdown: str, where: Path) -> set[Decimal]:
+    """Every number in the results files and notebooks' outputs that a text links or names."""
+    files = linked_files(markdown, where) | linked_notebooks(markdown)
+    return {n for f in files for n in file_numbers(f)}
+
+
+# --- notebooks -----------------------------------------------------------------------------------------
+
+
+def _source(cell: dict) -> str:
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+def output_text(nb: dict) -> str:
+    """The text of every code cell's outputs: streams and results' text/plain (images are not read)."""
+    parts = []
+    for cell in nb["cells"]:
+        for out in cell.get("outputs", []) if cell["cell_type"] == "code" else []:
+            text = out.get("text") or out.get("data", {}).get("text/plain") or ""
+            parts.append("".join(text) if isinstance(text, list) else text)
+    return "\n".join(parts)
+
+
+def code_text(nb: dict) -> str:
+    """The notebook's code, comments left out: the numbers it sets (sizes, rounds, steps) are definitions."""
+    lines = [line for c in nb["cells"] if c["cell_type"] == "code" for line in _source(c).splitlines()]
+    return "\n".join(line.split("#")[0] for line in lines)
+
+
+def unbacked_in_notebook(path: Path) -> list[str]:
+    """'cell N: number (context)' for each number a markdown cell states that nothing backs."""
+    nb = json.loads(path.read_text())
+    own = file_numbers(path) | found_numbers(code_text(nb))
+    missing = []
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "markdown":
+            continue
+        source = _source(cell)
+        pool = own | backing(source, path.parent)
+        for num, context in stated_numbers(source):
+            if not any(matches(normal(num), n) for n in pool):
+                missing.append(f"cell {i}: {num} ({context})")
+    return missing
+
+
+# --- README.md and docs/*.md -----------------------------------------------------------------------------
+
+HEADING = re.compile(r"^#{1,6} ", re.MULTILINE)
+
+
+def sections(markdown: str) -> list[str]:
+    """The text from each heading to the next (the first: before any heading), code blocks kept whole."""
+    fences = [(m.start(), m.end()) for m in FENCE.finditer(markdown)]
+    starts = [0] + [
+        m.start() for m in HEADING.finditer(markdown) if not any(a < m.start() < b for a, b in fences)
+    ]
+    return [markdown[a:b] for a, b in zip(starts, [*starts[1:], len(markdown)])]
+
+
+def unbacked_in_doc(path: Path) -> list[str]:
+    missing = []
+    for section in sections(path.read_text()):
+        pool = backing(section, path.parent)
+        pool |= {n for m in FENCE.finditer(section) for n in found_numbers(m[0])}
+        title = section.splitlines()[0] if section.startswith("#") else "(top)"
+        for num, context in stated_numbers(section):
+            if not any(matches(normal(num), n) for n in pool):
+                missing.append(f"{title}: {num} ({context})")
+    return missing
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_number_in_a_notebook_is_printed_or_linked(path: Path) -> None:
+    missing = unbacked_in_notebook(path)
+    assert not missing, f"{path.name}: numbers no output or linked results file holds:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_number_in_the_docs_stands_in_a_linked_results_file(path: Path) -> None:
+    missing = unbacked_in_doc(path)
+    assert not missing, f"{path.relative_to(ROOT)}: numbers no linked results file holds:\n" + "\n".join(
+        missing
+    )
