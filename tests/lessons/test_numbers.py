@@ -85,12 +85,12 @@ def normal(text: str) -> Decimal | None:
 
 
 def matches(stated: Decimal, found: Decimal) -> bool:
-    """Whether ``found`` is ``stated``: equal for a whole number, else rounded to ``stated``'s precision."""
+    """Whether ``found`` rounds to ``stated`` at its last digit; a one-digit number only if equal."""
     if found == stated:
         return True
-    exponent = stated.as_tuple().exponent
-    if exponent >= 0:
-        return False  # 4x is not 3.8 printed somewhere: a whole number is matched exactly
+    sign, digits, exponent = stated.as_tuple()
+    if len(digits) < 2:
+        return False  # "4x" is not any 3.5-4.49 printed somewhere: too wide a window
     try:
         return found.quantize(Decimal(1).scaleb(exponent)) == stated
     except InvalidOperation:
