@@ -44,11 +44,23 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RESULTS = (ROOT / "results", ROOT / "docs" / "results")  # where committed results files live
 
-# Definitions: numbers that are chosen, not measured, so no output need print them. Each with why.
+# Definitions: numbers chosen or fixed elsewhere, not measured here, so no output need print them. A key is
+# the number with its unit as written, separators dropped ("4.8 TB/s"); one without a unit matches only a
+# number written without one.
 DEFINITIONS = {
-    "0.9999",  # ultralytics' (and ModelEMA's) default decay
-    "2000",  # ModelEMA's default tau, and the zoo's tiny_tensors model (2,000 tensors)
-    "0.999",  # a constant decay the lessons and docs use as an example
+    "0.9999",  # ModelEMA's (and ultralytics') default decay
+    "2000",  # ModelEMA's default tau; the zoo's tiny_tensors model holds 2,000 tensors
+    "2048",  # ModelEMA's default cat_max_numel: a tensor under it is gathered by torch.cat
+    "32768",  # ATen's grain size: an element-wise CPU op splits over threads only above it
+    "0.289",  # 1/sqrt(12): the longest power-function EMA (gamma 0, the running mean), MAX_SIGMA_REL
+    # The models' sizes, as their code builds them: float tensors of the zoo's yolo and ultralytics'
+    # yolo26n (594; yolo's state_dict has 708 entries), yolo-like (495), resnet50 (267), gpt2 (144).
+    "594",
+    "708",
+    "495",
+    "267",
+    "144",
+    "4.8 TB/s",  # the H200's memory bandwidth, NVIDIA's figure
 }
 
 # A unit after a number makes it a measurement, whatever its size.
@@ -153,7 +165,7 @@ def stated_numbers(markdown: str) -> list[tuple[str, str]]:
         simple = "." not in num and "," not in num and "e" not in num.lower()
         if simple and len(digits) < 2 and not unit:
             continue  # a one-digit count in prose
-        if normal(num) in {Decimal(d) for d in DEFINITIONS}:
+        if (f"{digits} {unit.strip()}" if unit else digits) in DEFINITIONS:
             continue
         context = " ".join(text[max(0, m.start() - 50) : m.end() + 30].split())
         stated.append((num, context))
