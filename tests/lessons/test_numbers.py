@@ -61,6 +61,10 @@ DEFINITIONS = {
     "267",
     "144",
     "4.8 TB/s",  # the H200's memory bandwidth, NVIDIA's figure
+    "10000",  # the window 1 / (1 - d) of the default decay 0.9999, in steps
+    # The floating-point formats: significand bits stored (and with the implicit leading 1) by
+    # bfloat16, float16, float32; float32's ulp at 1 (2^-23)
+    *("7 bits", "8 bits", "10 bits", "11 bits", "23 bits", "24 bits", "1.2e-7"),
 }
 
 # A unit after a number makes it a measurement, whatever its size.
