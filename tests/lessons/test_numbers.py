@@ -28,9 +28,12 @@ Matching: separators and signs are dropped (``1,799`` is ``1799``), and a found 
 one that it rounds to at the stated number's last digit (``0.296`` is backed by ``0.29612``, ``0.30`` by
 ``0.3``, ``78x`` by ``78.39``). A number written with one significant digit (``4x``, ``0.3``) must be
 found as written: a window of 3.5 to 4.5 would find something in any output. Every number in a backing
-text counts, so a small number is backed more easily than a precise one; and a ratio of two printed
-numbers is not computed, so it must be printed itself. Nothing here depends on a tool's version or
-wording: the test reads only the committed files.
+text counts, whichever field or line holds it. So a changed figure is caught when its new value is
+nowhere in what backs it: a figure of two significant digits in a section that links a large JSON file
+(hundreds of values) is often found there by chance, which is why a text should link the smallest file
+that holds its figure (a study's ``.md``, a run's ``.log``) and quote it at the precision printed there.
+A ratio of two printed numbers is not computed: it must be printed itself. Nothing here depends on a
+tool's version or wording: the test reads only the committed files.
 """
 
 from __future__ import annotations
