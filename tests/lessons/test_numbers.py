@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import subprocess
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
@@ -198,6 +199,11 @@ def _expand(ref: str) -> list[str]:
 
 @functools.cache
 def _all_results_files() -> tuple[Path, ...]:
+    """The results files git tracks (a reader's own runs back nothing); every file where git cannot say."""
+    tops = [str(top.relative_to(ROOT)) for top in RESULTS]
+    listed = subprocess.run(["git", "ls-files", "-z", *tops], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode == 0 and listed.stdout:
+        return tuple(ROOT / name for name in listed.stdout.split("\0") if name)
     return tuple(p for top in RESULTS for p in top.rglob("*") if p.is_file())
 
 
@@ -212,10 +218,10 @@ def linked_files(markdown: str, where: Path) -> set[Path]:
                 continue
             for base in (where, ROOT):
                 path = (base / one).resolve()
-                if path.is_file() and any(top in path.parents for top in RESULTS):
+                if path in everything:
                     files.add(path)
                 elif path.is_dir() and any(top in path.parents for top in RESULTS):  # a run's folder
-                    files |= {p for p in path.iterdir() if p.is_file()}
+                    files |= {p for p in everything if p.parent == path}
             name = one.rsplit("/", 1)[-1]
             if name.startswith("..."):
                 files |= {p for p in everything if p.name.endswith(name[3:])}
