@@ -67,38 +67,48 @@ class _OneLerpGroup:
 
 
 class _SameDtypeGroup:
-    """Same dtype: the small tensors (first in the buffer) by ``torch.cat`` runs, the large read as they are.
-    The small 1-D ones (BatchNorm's vectors, biases) are read live from their slots, unwatched: one that
-    changed size, dtype or device fails the gather, before anything is written."""
+    """Same dtype: the small tensors (first in the buffer) gathered by ``torch.cat`` runs, the large read as
+    they are. The small ones are read live from their slots, unwatched (one ``cat`` per trailing shape along
+    dim 0, one ``stack`` of the 0-dim ones): a slot that holds another size, dtype or device fails the
+    gather, before anything is written; only the large ones' slots are watched."""
 
     def __init__(
         self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], cat_max_numel: int
     ) -> None:
-        small = [i for i, m in enumerate(model) if m.numel() < cat_max_numel and m.is_contiguous()]
-        small.sort(key=lambda i: model[i].dim() != 1)  # the live 1-D ones first
+        # Contiguous and in the EMA's shape (a strided or re-viewed one goes with the large, through an alias
+        # shaped like the EMA's): the gather's values then lie as the EMA's do.
+        small = [
+            i
+            for i, m in enumerate(model)
+            if m.numel() < cat_max_numel and m.is_contiguous() and getitem(*slots[i]).shape == m.shape
+        ]
         # The large tensors that take a dense weight (see lerp) first: one slice of the lists holds them.
         large = sorted(set(range(len(model))) - set(small))
         large.sort(key=lambda i: model[i].numel() > DENSE_WEIGHT_NUMEL)
-        live = {i for i in small if model[i].dim() == 1}
-        self.checked_slots = [slots[i] for i in range(len(model)) if i not in live]
+        self.checked_slots = [slots[i] for i in large]
         self.mode = "cat+foreach" if small and large else "cat" if small else "foreach"
-        self.emas = _buffers(emas, small + large)
-        numels = [model[i].numel() for i in small]
-        ends = [0, *accumulate(numels)]
-        # One cat at one thread (or off the CPU); at 2+ threads runs under CAT_RUN_NUMEL (see above).
-        device = self.emas[0].device
+        device = model[0].device
+        # One gather per trailing shape at one thread (or off the CPU); at 2+ threads in runs under
+        # CAT_RUN_NUMEL (see above).
         threaded = device.type == "cpu" and torch.get_num_threads() > 1
-        runs = _runs(numels, CAT_RUN_NUMEL) if threaded else [range(len(small))] if small else []
-        self.runs = []  # (slice of the buffer, live slots' dicts, their keys, the other 1-D aliases)
-        for r in runs:
-            members = [small[k] for k in r]
-            read = [slots[i] for i in members if i in live]
-            dicts, keys = (tuple(x) for x in zip(*read)) if read else ((), ())
-            aliases = [model[i].detach().view(-1) for i in members if i not in live]
-            self.runs.append((ends[r.start], ends[r.stop], dicts, keys, aliases))
+        runs = []
+        for same in group(small, lambda i: model[i].shape[1:] if model[i].dim() else None):
+            numels = [model[i].numel() for i in same]
+            runs += [
+                [same[k] for k in r]
+                for r in (_runs(numels, CAT_RUN_NUMEL) if threaded else [range(len(same))])
+            ]
+        self.emas = _buffers(emas, [i for run in runs for i in run] + large)
+        ends = [0, *accumulate(sum(model[i].numel() for i in run) for run in runs)]
+        self.runs = []  # (its slots' dicts, keys, the gather (cat or stack), the shape it gathers to)
+        for run in runs:
+            dicts, keys = (tuple(x) for x in zip(*(slots[i] for i in run)))
+            first = model[run[0]]
+            shape = (sum(model[i].shape[0] for i in run), *first.shape[1:]) if first.dim() else (len(run),)
+            self.runs.append((dicts, keys, torch.cat if first.dim() else torch.stack, torch.Size(shape)))
         # Each EMA's targets: its buffer's slice per run, then its large tensors (views of its buffer).
         self.targets = [
-            [buffer[a:b] for a, b, *_ in self.runs] + [e[i].detach() for i in large]
+            [buffer[a:b] for a, b in zip(ends, ends[1:])] + [e[i].detach() for i in large]
             for buffer, e in zip(self.emas, emas)
         ]
         self.large = [model[i] for i in large]
@@ -111,14 +121,15 @@ class _SameDtypeGroup:
         self.dense_views: list[Tensor] = []
 
     def read(self) -> None:
-        """Gather the small tensors; raises if a slot read live no longer fits."""
+        """Gather the small tensors from their slots; raises if one no longer fits."""
         gathered = []
         ema = self.emas[0]
-        for a, b, dicts, keys, aliases in self.runs:
-            src = torch.cat([*map(getitem, dicts, keys), *aliases])
-            if src.shape != (b - a,) or src.dtype != ema.dtype or src.device != ema.device:
-                raise ValueError(f"the model's tensors gather to {src.numel()} {src.dtype} on {src.device}")
-            gathered.append(src)
+        for dicts, keys, gather, shape in self.runs:
+            src = gather(list(map(getitem, dicts, keys)))
+            if src.shape != shape or src.dtype != ema.dtype or src.device != ema.device:
+                why = f"{tuple(src.shape)} {src.dtype} on {src.device}, not {tuple(shape)} {ema.dtype}"
+                raise ValueError(f"the model's tensors gather to {why}")
+            gathered.append(src.view(-1))
         self.sources = gathered + self.large
 
     def lerp(self, k: int, weight: float | Tensor) -> None:
@@ -172,8 +183,15 @@ class FlatStep:
 
     def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None:
         floats = pairs.floats
-        mod = [m.detach() for m in pairs.model_floats()]
         emas = [pairs.ema_floats(k) for k in range(pairs.count)]
+        # A model tensor re-viewed in place (``p.data = p.view(shape)``) is averaged as its memory, in the
+        # EMA's shape, as the list steps' aliases do.
+        mod = [
+            m.detach().view(e.shape)
+            if m.shape != e.shape and m.numel() == e.numel() and m.is_contiguous()
+            else m.detach()
+            for m, e in zip(pairs.model_floats(), emas[0])
+        ]
         validate_pairs(emas[0], mod, [e.key for e in floats])
         self.groups: list[_OneLerpGroup | _SameDtypeGroup] = []
         first = emas[0]

@@ -383,7 +383,8 @@ def test_cat_runs_stay_under_the_grain_and_cover_every_tensor_in_order() -> None
 
 
 def test_the_cat_part_gives_the_same_bits_built_at_one_and_two_threads() -> None:
-    # tiny_tensors: 2000 small tensors, 272K elements, gathered in 9 runs when built at 2 threads, 1 at 1
+    # tiny_tensors: 2000 small tensors, 272K elements, gathered in 9 runs when built at 2 threads, at 1 in
+    # 2 (one cat per trailing shape: the biases, then the 16x16 weights)
     model = models.build("tiny_tensors")
     emas = [ModelEMA(model) for _ in range(2)]
     before = torch.get_num_threads()
@@ -399,7 +400,7 @@ def test_the_cat_part_gives_the_same_bits_built_at_one_and_two_threads() -> None
     finally:
         torch.set_num_threads(before)
     assert [len(e._step.groups[0].runs) for e in emas] == [
-        1,
+        2,
         9,
     ]  # the step's private runs: this test's subject
     for (k, a), b in zip(emas[0].ema.state_dict().items(), emas[1].ema.state_dict().values()):
@@ -485,7 +486,7 @@ def test_a_tensor_weight_where_foreach_is_fused_goes_as_views_of_one_filled_buff
 # silently is refused with one line naming the tensor, the model untouched, or kept and said so.
 
 
-#: The check of memory held outside the model reads storages' use counts (flatten.py says where it is skipped).
+#: The check of memory held outside the model reads storages' use counts (flatten.py says where not).
 USE_COUNT = pytest.mark.requires_torch("2.1", "torch._C._storage_Use_Count")
 
 
