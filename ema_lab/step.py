@@ -108,7 +108,7 @@ class Watch:
     (torch's global registration hooks), and each slot holds the same memory: one ``data_ptr()`` per slot and
     update, as torch has no hook for ``p.data = x`` or ``swap_tensors``, and a reference count cannot tell a
     kept reference (``kept = ema.ema.state_dict()``) from the slot's own. The flat step's watch skips the
-    model slots its gather reads live (the small 1-D tensors of a ``cat``)."""
+    model slots its gather reads live (its small contiguous tensors)."""
 
     def __init__(
         self, model: nn.Module, slots: list[Slot], modules: Iterable[nn.Module] = (), sharded: bool = False
