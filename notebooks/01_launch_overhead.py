@@ -228,7 +228,7 @@ flat_ms = np.median(sweep["one flat lerp_"])  # the same op at every n: its medi
 print(f"one flat lerp_ on the 2^18 numbers, measured: {flat_ms:.3f} ms (median over the sweep)")
 at, line_ms = TENSORS.index(1024), price_ms * 1024 + work_ms
 print(f"loop over 1024: the line says {line_ms:.3f} ms, the sweep measured {loop_ms[at]:.3f} ms", end=" ")
-print(f"({line_ms / loop_ms[at] - 1:+.0%})")
+print(f"({line_ms / loop_ms[at] - 1:+.1%})")
 
 # %% [markdown]
 # The slope is one op's price on your machine; the work should be near one flat `lerp_`'s time. The last
