@@ -370,6 +370,7 @@ ax.minorticks_off()
 ax.set_title("The PR's speed-up on a yolo-sized model")
 ax.grid(alpha=0.3, axis="x")
 plt.show()
+print("the PR's own figures: 12.8 -> 5.8 ms per update")
 for label, (mid, lo, hi) in rows.items():
     print(f"{label:<34} {mid:.1f}x" + (f"  (quartiles allow {lo:.1f}x to {hi:.1f}x)" if lo else ""))
 

@@ -398,7 +398,7 @@ plt.show()
 # %% [markdown]
 # **Evaluating and saving.** Before an evaluation or a checkpoint, every rank calls `ema.sync_buffers()`;
 # then rank 0 alone may evaluate or save. `update()` warns once where the buffers will differ. The sync
-# stays out of `update()`: a collective there would cost a message every step (1 to 6 ms on a CPU in a
+# stays out of `update()`: a collective there would cost a message every step (1.1 to 6.3 ms on a CPU in a
 # [reference run](../docs/results/sync-costs-2026-12-05.md)) for what is read once an evaluation, and
 # would hang a run that keeps its EMA on rank 0 only.
 
