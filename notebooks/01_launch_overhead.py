@@ -79,8 +79,8 @@ torch.testing.assert_close(torch.cat(by_foreach), by_flat)
 print(f"{len(ema_t)} tensors of {ema_t[0].numel()} numbers, or one of {by_flat.numel()}: the same result")
 
 # %% [markdown]
-# Same result. Now the cost: time the loop over 1024 tensors against the one flat `lerp_` with
-# `torch.utils.benchmark.Timer`, PyTorch's stopwatch (it repeats the statement and reports the median):
+# Same result. Now the cost: time the loop over 1024 tensors against the flat `lerp_` with
+# `torch.utils.benchmark.Timer`, PyTorch's stopwatch (it repeats a statement, reports the median):
 
 # %% tags=["nbval-ignore-output"]
 first = {}
@@ -380,8 +380,10 @@ for label, (mid, lo, hi) in rows.items():
 #
 # <details><summary>The saved runs</summary>
 #
-# `python3 dev.py bench` runs in `results/` (torch 2.13 on the CPU; 2.11, CUDA 13.0 on the H200): they
-# time the PR's code as written above.
+# `python3 dev.py bench` runs in `results/` (torch 2.13 on the CPU; 2.11, CUDA 13.0 on the H200, logs:
+# [full](../results/gpu-linux-intel-xeon-16c-nvidia-h200/bench-full.log),
+# [short](../results/gpu-linux-intel-xeon-16c-nvidia-h200/bench-quick.log)). They time the PR's code as
+# written above.
 # </details>
 #
 # **On a GPU** the kernel step is a launch: the CPU queues work for the device. A loop launches one kernel
