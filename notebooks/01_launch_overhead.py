@@ -19,6 +19,11 @@
 # - A loop over many small tensors pays it per op; `torch._foreach_lerp_` pays most of it once per list.
 # - One `lerp_` over one flat buffer pays it once in all: the floor.
 
+# %% [markdown]
+# ![Course map](figures/course_map_01.svg)
+#
+# You start here: an op counter, a timer, a cost line, and the change the course is about.
+
 # %% tags=["nbval-ignore-output"]
 # %matplotlib inline
 import matplotlib.pyplot as plt
@@ -74,8 +79,8 @@ torch.testing.assert_close(torch.cat(by_foreach), by_flat)
 print(f"{len(ema_t)} tensors of {ema_t[0].numel()} numbers, or one of {by_flat.numel()}: the same result")
 
 # %% [markdown]
-# Same result. Now the cost: time the loop over 1024 tensors against the one flat `lerp_` with
-# `torch.utils.benchmark.Timer`, PyTorch's stopwatch (it repeats the statement and reports the median):
+# Same result. Now the cost: time the loop over 1024 tensors against the flat `lerp_` with
+# `torch.utils.benchmark.Timer`, PyTorch's stopwatch (it repeats a statement, reports the median):
 
 # %% tags=["nbval-ignore-output"]
 first = {}
@@ -157,16 +162,15 @@ plt.show()
 # %% [markdown]
 # The flat `lerp_` stays level: the work is the same at every `n`. The loop climbs: past a few dozen
 # tensors its time is mostly the fixed price of each op, called [launch
-# overhead](../docs/glossary.md#kernel-launch) (on a CPU, per-op overhead). `_foreach_lerp_` climbs too,
-# below the loop.
+# overhead](../docs/glossary.md#kernel-launch). `_foreach_lerp_` climbs too, below the loop.
 #
 # ## 2. What an op goes through
 #
 # ![A loop pays Python, dispatcher and kernel per tensor; _foreach_lerp_ pays Python once per list](figures/op_path.svg)
 #
 # Python reads the arguments; the [dispatcher](../docs/glossary.md#dispatcher) (PyTorch's C++ layer) runs
-# the autograd layer (it records the op for `backward()` when a tensor requires a gradient; here it only
-# checks that none does) and picks a kernel for the device and dtype; the kernel does the arithmetic.
+# the autograd layer (it records ops for `backward()`; here it only checks that no tensor needs that)
+# and picks a kernel for the device and dtype; the kernel does the arithmetic.
 # The first two cost the same for one number or a million.
 
 # %% [markdown]
@@ -222,14 +226,14 @@ print(f"loop:    {price_ms * 1e3:.2f} us per op, plus {work_ms:.3f} ms of work o
 print(f"foreach: {per_tensor_ms * 1e3:.2f} us per tensor inside the one call")
 flat_ms = np.median(sweep["one flat lerp_"])  # the same op at every n: its median over the sweep
 print(f"one flat lerp_ on the 2^18 numbers, measured: {flat_ms:.3f} ms (median over the sweep)")
-at = TENSORS.index(1024)
-print(
-    f"loop over 1024: the line says {price_ms * 1024 + work_ms:.3f} ms, the sweep measured {loop_ms[at]:.3f} ms"
-)
+at, line_ms = TENSORS.index(1024), price_ms * 1024 + work_ms
+print(f"loop over 1024: the line says {line_ms:.3f} ms, the sweep measured {loop_ms[at]:.3f} ms", end=" ")
+print(f"({line_ms / loop_ms[at] - 1:+.1%})")
 
 # %% [markdown]
-# The slope is one op's price on your machine; the work should be near one flat `lerp_`'s time, and the
-# line near the sweep. Inside `_foreach_lerp_` a tensor costs less: Python and autograd are paid once.
+# The slope is one op's price on your machine; the work should be near one flat `lerp_`'s time. The last
+# line tests the line on one point: a gap of more than a few percent means a noisy sweep (run it again).
+# Inside `_foreach_lerp_` a tensor costs less: Python and autograd are paid once.
 #
 # ## 4. The real change: ultralytics PR #25315, on a CPU and a GPU
 #
@@ -286,8 +290,8 @@ for fn in (ema_before, ema_after):
 # The before-code dispatches 3 ops per float tensor (`mul_`, `mul`, `add_`); the after-code one
 # `_foreach_lerp_`. Both also dispatch a `detach` for every entry of the two `state_dict()` walks
 # (2 x 708 = 1416), and the before-code one per tensor. Time both, the walks alone, the after-code's
-# `_foreach_lerp_` alone (lists collected once), `ModelEMA(model, strategy="foreach")` (notebook 02's EMA:
-# it keeps its lists and checks them) and one flat `lerp_` (the floor):
+# `_foreach_lerp_` alone (lists collected once), `ModelEMA(model, strategy="foreach")` (ema_lab's EMA,
+# which keeps its lists) and one flat `lerp_` (the floor):
 
 # %% tags=["nbval-ignore-output"]
 from ema_lab import ModelEMA
@@ -334,8 +338,8 @@ from ema_lab.bench.results import results_dir
 RUNS = {  # file in results/ -> label
     "linux-amd-epyc-2c_2026-12-02.json": "2-core AMD EPYC VM, Dec 2",
     "linux-amd-epyc-2c_2026-12-03T093048Z_full_t1_cpu.json": "2-core AMD EPYC VM, Dec 3",
-    "gpu-linux-intel-xeon-16c-nvidia-h200/linux-intel-xeon-16c-nvidia-h200_2026-12-04T154528Z_full_t1_cuda.json": "NVIDIA H200",
-    "gpu-linux-intel-xeon-16c-nvidia-h200/linux-intel-xeon-16c-nvidia-h200_2026-12-04T154430Z_quick_t1_cuda.json": "NVIDIA H200, short run",
+    "gpu-linux-intel-xeon-16c-nvidia-h200/linux-intel-xeon-16c-nvidia-h200_2026-12-04T154528Z_full_t1_cuda.json": "NVIDIA H200, Dec 4",
+    "gpu-linux-intel-xeon-16c-nvidia-h200/linux-intel-xeon-16c-nvidia-h200_2026-12-04T154430Z_quick_t1_cuda.json": "NVIDIA H200, Dec 4, short run",
 }
 ref = {label: json.loads((results_dir() / f).read_text()) for f, label in RUNS.items()}
 
@@ -366,10 +370,21 @@ ax.minorticks_off()
 ax.set_title("The PR's speed-up on a yolo-sized model")
 ax.grid(alpha=0.3, axis="x")
 plt.show()
+print("the PR's own figures: 12.8 -> 5.8 ms per update")
+for label, (mid, lo, hi) in rows.items():
+    print(f"{label:<34} {mid:.1f}x" + (f"  (quartiles allow {lo:.1f}x to {hi:.1f}x)" if lo else ""))
 
 # %% [markdown]
 # On the 2-core CPU the speed-up was 1.4x one day and 1.8x the next; on the H200, 4.2x in a short run
 # and 5.8x in a full one.
+#
+# <details><summary>The saved runs</summary>
+#
+# `python3 dev.py bench` runs in `results/` (torch 2.13 on the CPU; 2.11, CUDA 13.0 on the H200, logs:
+# [full](../results/gpu-linux-intel-xeon-16c-nvidia-h200/bench-full.log),
+# [short](../results/gpu-linux-intel-xeon-16c-nvidia-h200/bench-quick.log)). They time the PR's code as
+# written above.
+# </details>
 #
 # **On a GPU** the kernel step is a launch: the CPU queues work for the device. A loop launches one kernel
 # per op; on CUDA, `_foreach_lerp_` packs many tensors into each launch. With a CUDA device, the
@@ -389,26 +404,46 @@ for name, fn in [("loop over 600", loop), ("foreach over 600", foreach)]:
 # yolo-sized model and on 2,000 tiny tensors:
 
 # %%
-h200 = ref["NVIDIA H200"]
+h200 = ref["NVIDIA H200, Dec 4"]
 gpu = h200["devices"]["cuda"]["environment"]
 print(f"{gpu['device_name']}, torch {gpu['torch']}, CUDA {gpu['cuda']}: kernel launches per update")
 for m in ("yolo", "tiny_tensors"):
-    launches = {r["candidate"]: r["kernel_launches"] for r in h200["results"] if r["model"] == m}
+    rows = {r["candidate"]: r for r in h200["results"] if r["model"] == m}
+    launches = {c: r["kernel_launches"] for c, r in rows.items()}
+    per_launch = rows["seed_after"]["stats"]["float_tensors"] / launches["seed_after"]
     print(
-        f"  {m:<13} before-code {launches['seed_before']:>5}, after-code {launches['seed_after']:>3},"
-        f" one flat lerp_ {launches['floor']}"
+        f"  {m:<13} before-code {launches['seed_before']:>5}, after-code {launches['seed_after']:>3}"
+        f" ({per_launch:.1f} tensors each), one flat lerp_ {launches['floor']}"
     )
 
 # %% [markdown]
 # The before-code launches one kernel per `mul_`, `mul` and `add_` (3 x 594); `detach` launches none.
-# The after-code's `_foreach_lerp_` took 10 launches for 594 tensors and 32 for 2,000: in that build
-# one launch carries at most 64 tensors. One flat `lerp_` is one launch.
+# The after-code's `_foreach_lerp_` took 10 launches for 594 tensors and 32 for 2,000: about 60 tensors
+# a launch in that torch build (other builds pack more; count yours above). One flat `lerp_` is one
+# launch.
 #
-# Why does the GPU gain more? Not cheaper arithmetic: the prices differ. The bench fits section 3's
-# line on each machine, over the before-code's four ops per tensor (yours: over `lerp_`):
+# Why does the GPU gain more? The prices differ. Fit one op of the before-code's loop (four per tensor,
+# `detach` included) with section 3's line, beside the prices the bench fitted on the saved machines:
+
 
 # %% tags=["nbval-ignore-output"]
-cpu_run, h200 = ref["2-core AMD EPYC VM, Dec 3"], ref["NVIDIA H200"]
+def before_loop(ema, model, d):  # the before-code's arithmetic over two lists: 4 ops per tensor
+    for e, m in zip(ema, model):
+        e *= d
+        e += (1 - d) * m.detach()
+
+
+COUNTS = [16, 64, 256, 1024]
+before_ms = []
+for n in COUNTS:
+    ema_t, model_t = make(n)
+    r = time_candidates(
+        {"loop": partial(before_loop, ema_t, model_t, 0.9999)}, rounds=3 if quick_mode() else 7
+    )
+    before_ms.append(r["loop"].median_s * 1e3)
+op_ms, _ = np.polyfit([4 * n for n in COUNTS], before_ms, 1, w=1 / np.array(before_ms))
+
+cpu_run, h200 = ref["2-core AMD EPYC VM, Dec 3"], ref["NVIDIA H200, Dec 4"]
 runs = [(cpu_run, "cpu"), (h200, "cuda")]
 
 
@@ -416,36 +451,35 @@ def fit(name):  # a price the bench fitted in a saved run: us per op (loop) or p
     return [run["cost_model"][device]["fits"][name]["overhead_per_op_us"] for run, device in runs]
 
 
-def yolo_ms(yours, candidate):  # your time above, then the saved runs'; the bench calls ModelEMA's "foreach"
+def yolo_ms(yours, candidate):  # your time above, then the saved runs' (the same code in each)
     return [pr[yours].median_s * 1e3] + [yolo_row(run, candidate).median_s * 1e3 for run, _ in runs]
 
 
-loop_us, tensor_us = [price_ms * 1e3] + fit("loop"), [per_tensor_ms * 1e3] + fit("foreach")
+op_us, tensor_us = [op_ms * 1e3] + fit("loop"), [per_tensor_ms * 1e3] + fit("foreach")
+price_ratio = [a / b for a, b in zip(op_us, tensor_us)]
 before, after = yolo_ms("before", "seed_before"), yolo_ms("after", "seed_after")
 table = {
-    "one op in a Python loop (us)": loop_us,
+    "one op of the before-code's loop (us)": op_us,
     "one tensor inside _foreach_lerp_ (us)": tensor_us,
+    "price ratio (row 1 / row 2)": price_ratio,
+    "speed-up the prices predict (4 x row 3)": [4 * r for r in price_ratio],
     f"one flat lerp_ of {numbers / 1e6:.1f}M numbers (ms)": yolo_ms("one flat lerp_", "floor"),
-    "after-code (ms)": after,
-    '  ModelEMA "foreach", lists kept (ms)': yolo_ms('ModelEMA "foreach"', "foreach"),
-    "speed-up the two prices predict (4 x row 1 / row 2)": [4 * a / b for a, b in zip(loop_us, tensor_us)],
+    "before-code on yolo (ms)": before,
+    "after-code on yolo (ms)": after,
     "speed-up measured (before / after)": [b / a for b, a in zip(before, after)],
 }
-print(f"your CPU: {env['cpu']}; the reference run's: {cpu_run['environment']['cpu']}, 2 cores\n")
-print(f"{'':<52}{'your CPU':>10}{'2-core CPU':>12}{'H200':>8}")
+print(f"your CPU: {env['cpu']}; the saved CPU run's: {cpu_run['environment']['cpu']}, 2 cores\n")
+print(f"{'':<45}{'your CPU':>10}{'2-core CPU':>12}{'H200':>8}")
 for label, values in table.items():
-    print(f"{label:<52}" + "".join(f"{v:>{w}.{3 if v < 1 else 2}f}" for v, w in zip(values, (10, 12, 8))))
+    print(f"{label:<45}" + "".join(f"{v:>{w}.{3 if v < 1 else 2}f}" for v, w in zip(values, (10, 12, 8))))
 
 # %% [markdown]
-# Each column is another machine; even one VM kind differs from run to run.
-#
-# A loop's op costs about 3 times a tensor inside `_foreach_lerp_` on the reference CPU, about 20 times
-# on the H200, where its arithmetic ops launch kernels. The before-code pays the first price four times
-# per tensor (`detach` included), the after-code the second once: the prices predict about 86x on the
-# H200; measured: 5.8x. Most of the
-# after-code's time is the two `state_dict()` walks, which the before-code pays too (compare
-# `ModelEMA`'s update, which keeps its lists). They dilute every gain of the update itself; only code
-# that keeps its lists (notebooks 02 and 05) escapes them.
+# A loop's op costs a few times a tensor inside `_foreach_lerp_` on a CPU, about 20 times on the H200,
+# where its ops launch kernels. The before-code pays the first price four times per tensor, the
+# after-code the second once: on the H200 the prices predict 86x; measured: 5.8x. Both versions also pay
+# the two `state_dict()` walks (timed in section 4), which dilute every gain; only code that keeps its
+# lists (notebooks 02 and 05) escapes them.
+
 
 # %% [markdown]
 # ## Summary
@@ -453,9 +487,8 @@ for label, values in table.items():
 # - Each op called from Python pays a fixed price (Python, then the dispatcher) before any arithmetic.
 # - At a fixed total size, a loop's time grows with the number of tensors; one flat `lerp_` does not.
 # - `_foreach_lerp_` is one call from Python; on a CPU its kernel still dispatches one `lerp_` per tensor.
-# - The PR's speed-up is larger on a GPU, where a loop's op costs far more than a tensor inside
-#   `_foreach_lerp_`, and far below what those prices predict: two `state_dict()` walks per update,
-#   paid by both versions, dilute it.
+# - The PR's speed-up is larger on a GPU, where a loop's op costs far more; two `state_dict()` walks per
+#   update, paid by both versions, keep it far below what the prices predict.
 
 # %% [markdown]
 # ## Exercises
@@ -506,8 +539,7 @@ for label, values in table.items():
 # ```
 #
 # `aten::_foreach_lerp_ runs inside it: {'aten::lerp_': 600}`: one call from Python, and inside it one
-# `lerp_` per tensor, each seen by the profiler because it went through the dispatcher. (Your torch's
-# profiler may also log a line or two to stderr: not part of the answer.)
+# `lerp_` per tensor, each seen by the profiler because it went through the dispatcher.
 #
 # </details>
 
@@ -528,7 +560,6 @@ for label, values in table.items():
 # print(f"predicted {predicted:.2f} ms, measured {t.median * 1e3:.2f} ms")
 # ```
 #
-# Two times of the same order of magnitude, not equal: 2,000 ops at the fitted price plus the work
-# scaled to 272,000 numbers, from a line fitted on other sizes.
+# The same order of magnitude, not equal: a line fitted on other sizes, and a noisy price.
 #
 # </details>

@@ -15,14 +15,16 @@
 # %% [markdown]
 # # 02 · EMA strategies: the step, its ramp, and a cache that goes stale
 #
-# - An EMA averages a window of past weights; a warm-up ramp widens that window from nothing.
-# - In a training loop it is three lines: copy the model, step the copy, evaluate the copy.
-# - Loop, foreach and gated steps give the same EMA; tensor lists kept between steps can go stale.
+# - An EMA averages recent weights; a ramp widens its window from nothing.
+# - In training: copy the model, step the copy, evaluate the copy.
+# - Loop and foreach steps agree; tensor lists kept between steps can go stale.
 
 # %% [markdown]
-# An [EMA](../docs/glossary.md#ema) (exponential moving average) of a model's weights is a second copy
-# of them that moves a fraction `w = 1 - d` of the way towards the model after every optimizer step.
-# `d` is the [decay](../docs/glossary.md#decay-and-weight). One weight:
+# ![Course map](figures/course_map_02.svg)
+#
+# Here you build the EMA: a copy of the weights that moves a fraction `w = 1 - d` towards the model after
+# every optimizer step ([EMA](../docs/glossary.md#ema): exponential moving average; `d`: the
+# [decay](../docs/glossary.md#decay-and-weight)). One weight:
 
 # %%
 # %matplotlib inline
@@ -61,7 +63,7 @@ for n in [1, 100, 2000, 10_000, 50_000]:
 
 # %% [markdown]
 # At step 1 the EMA is almost a copy of the model; the window reaches 10,000 steps only after tens of
-# thousands of updates. `tau` sets how fast it grows. Three values, over 30,000 steps:
+# thousands of updates. Three values of `tau`, over 30,000 steps:
 
 # %%
 import matplotlib.pyplot as plt
@@ -239,9 +241,9 @@ for f in (loop_update, foreach_update, gated_update):
 # `m.detach()`: no arithmetic, yet it passes the dispatcher). The other two call one `_foreach_lerp_`
 # per list, so they pay an op's fixed price (notebook 01) once.
 #
-# **The gate.** `_foreach_lerp_` does not exist before torch 2.0, and on Apple GPUs (MPS) it raised
-# `NotImplementedError` up to torch 2.2; it works from 2.4 (2.3 was never tested). The PR checks both
-# before calling it, and otherwise runs the loop. `ema_lab.foreach_lerp_supported` is that check:
+# **The gate.** `_foreach_lerp_` does not exist before torch 2.0, and the PR calls it on Apple GPUs
+# (MPS) only from torch 2.4 (its comment: "`_foreach_lerp_` needs torch>=2.0 and, on MPS, torch>=2.4").
+# Otherwise it runs the loop. `ema_lab.foreach_lerp_supported` is that check:
 
 # %%
 from ema_lab import foreach_lerp_supported

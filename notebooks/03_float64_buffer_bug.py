@@ -16,8 +16,13 @@
 # # 03 · The float64 buffer bug
 #
 # - Profiling a model with `thop` 0.1.1 leaves float64 tensors in it, and a shared activation spreads them.
-# - Cast the EMA copy (convert its tensors to float32) and `torch._foreach_lerp_` fails halfway, after updating some.
+# - A validator casts the EMA copy; then `torch._foreach_lerp_` fails halfway, after updating some.
 # - Fix the cause (profile a deep copy) and the update (check every pair before touching any).
+
+# %% [markdown]
+# ![Course map](figures/course_map_03.svg)
+#
+# Notebook 02 built the EMA step; here a profiler breaks it, and you fix both the cause and the update.
 
 # %% tags=["nbval-ignore-output"]
 import math
@@ -38,10 +43,8 @@ torch.set_num_threads(1)  # one thread: the values printed below are the same on
 print(f"torch {torch.__version__}, thop {version('thop')}, Python {platform.python_version()}")
 
 # %% [markdown]
-# ultralytics keeps an EMA (exponential moving average) of the model's weights. PR #25315 replaced its
-# per-tensor update loop with one `torch._foreach_lerp_`, and had to change how layers are profiled
-# with `thop`, a library that counts a model's operations. A puzzle: profiling should only *read* a
-# model.
+# PR #25315 also changed how ultralytics profiles layers with `thop`, a library that counts a model's
+# operations. A puzzle: profiling should only *read* a model.
 
 # %%
 net = nn.Sequential(nn.Conv2d(3, 16, 3), nn.SiLU())
@@ -109,9 +112,8 @@ for label, root in (("block", block), ("net", net)):
 print("leaked keys:", leaked_keys(block))
 
 # %% [markdown]
-# Modules with a rule were cleaned: `Conv2d`, `BatchNorm2d` and `nn.Sequential` (its rule counts
-# nothing; thop adds up its children). The block and `SiLU` have no rule in thop 0.1.1 and kept theirs,
-# as does `nn.ModuleList`. The count follows thop's rules: 16 × 32 × 32 outputs × 27 MACs each for the
+# Modules with a rule were cleaned: `Conv2d`, `BatchNorm2d` and `nn.Sequential`. The block and `SiLU`
+# have no rule in thop 0.1.1 and kept theirs. The count follows thop's rules: 16 × 32 × 32 outputs × 27 MACs each for the
 # convolution, plus the 4 per output element thop charges BatchNorm, make 507,904 (SiLU adds nothing).
 #
 # thop has no `try/finally` either. When the profiled forward raises (a 1-channel input into a
@@ -188,10 +190,12 @@ plt.show()
 #
 # ## 3. A cast EMA copy makes `_foreach_lerp_` fail halfway
 #
-# The EMA starts as `deepcopy(model)`. ultralytics' [validator](../docs/glossary.md#validator) (the code
-# that scores the model during training) then [casts](../docs/glossary.md#cast) it with
-# `.float()`: every floating tensor becomes float32, thop's buffers included. The training model keeps
-# them in float64. One training step moves the model away from its EMA:
+# The EMA starts as `deepcopy(model)`, float64 buffers and all. ultralytics' [validator](../docs/glossary.md#validator)
+# (`BaseValidator`, the code that scores the model during training) [casts](../docs/glossary.md#cast) it
+# at the start of every validation: `.half()` on a GPU with mixed precision, `.float()` otherwise, and
+# `.float()` again when it returns. thop's buffers in the EMA become float32 (or float16); the training
+# model keeps them in float64. So the first update after the first validation meets pairs that disagree.
+# The CPU's cast, then one training step:
 
 
 # %%
@@ -206,7 +210,7 @@ torch.manual_seed(0)
 model = nn.Sequential(
     Conv(3, 8, 3), Conv(8, 16, 3, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)
 )
-ema = deepcopy(model).eval().float()  # what the validator does to the EMA
+ema = deepcopy(model).eval().float()  # what a validation does to the EMA on a CPU
 train_step(model)
 
 esd, msd = ema.state_dict(), model.state_dict()
@@ -325,8 +329,8 @@ print("EMA unchanged:", all(torch.equal(esd[k], start[k]) for k in esd))
 
 # %% [markdown]
 # `ema_lab.ModelEMA`'s default strategy accepts mixed pairs: it groups tensors by dtype and casts the
-# model's float64 values first. Check it against the PR's before-code loop over ten training steps,
-# both with notebook 02's ramp (decay 0.9, tau 3: every step counts):
+# model's float64 values first (notebook 05 builds such groups). Check it against the PR's before-code
+# loop over ten training steps, both with notebook 02's ramp (decay 0.9, tau 3: every step counts):
 
 # %% tags=["nbval-ignore-output"]
 from ema_lab import ModelEMA
@@ -352,17 +356,14 @@ def gap(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in floats)
 
 
-print("modes:", auto.modes)
 print(f"ModelEMA vs the loop:   {gap(got, want):.1e}")
 print(f"ModelEMA vs the model:  {gap(got, msd):.1e}")
 print(f"ModelEMA vs its start:  {gap(got, start):.1e}")
 torch.testing.assert_close({k: got[k] for k in floats}, {k: want[k] for k in floats}, rtol=1e-5, atol=1e-6)
 
 # %% [markdown]
-# `modes` lists how each group of tensors is updated: `cat` concatenates the small float32 tensors into
-# one buffer, then one `lerp_`; `cast` converts thop's float64 ones ([all modes](../docs/glossary.md#strategies-and-modes)). The EMA agrees with the
-# loop to float32 rounding, yet is far from the model and from its start: an EMA that skipped steps, or
-# copied the model, would show a near-zero gap.
+# The EMA agrees with the loop to float32 rounding, yet is far from the model and from its start: an
+# EMA that skipped steps, or copied the model, would show a near-zero gap.
 
 # %% [markdown]
 # **The fix in the PR: profile a deep copy.** `deepcopy(block)` gets its own `SiLU` (deepcopy copies
@@ -408,7 +409,8 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 #
 # <details><summary>Why a leaked model cannot move to an Apple GPU</summary>
 #
-# MPS has no float64, and `model.to("mps")` converts tensor by tensor: it fails half-moved.
+# torch's MPS backend refuses float64 with a `TypeError`, and `model.to("mps")` converts one tensor at a
+# time (`nn.Module._apply`): it stops halfway, the tensors before the first float64 one moved.
 # </details>
 
 # %% [markdown]
@@ -447,9 +449,8 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 # print(f"yolo profiled in place (section 2): {sizes['profiled in place'][1]}")
 # ```
 #
-# Fewer: 34 against 572, kept by `Flatten` and the custom `ResNetBottleneck` only: ResNet-50's
-# `Conv2d`, `BatchNorm2d` and `ReLU` have thop rules. The YOLO-sized net has more custom blocks, and
-# under each `Conv` the shared `SiLU`, which has no rule.
+# Fewer: 34 against 572, kept by `Flatten` and the custom `ResNetBottleneck` only; ResNet-50's `Conv2d`,
+# `BatchNorm2d` and `ReLU` have thop rules, and it has no shared `SiLU`.
 #
 # </details>
 
@@ -469,8 +470,7 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 # print(f"averaging window: {1 / (1 - d):,.0f} steps -> {1 / (1 - d * d):,.0f} steps")
 # ```
 #
-# The weight goes from 0.000100 to 0.000200 and the window from 10,000 to 5,000 steps: the tensor is
-# moved twice, so it keeps `d²` of the old EMA, a weight `1 − d²`, about twice `1 − d`.
+# Twice the weight, half the window: moved twice, the tensor keeps `d²` of the old EMA.
 #
 # </details>
 

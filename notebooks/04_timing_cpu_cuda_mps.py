@@ -19,6 +19,11 @@
 # - Times spread and drift: alternate the versions you compare; report medians.
 # - Compare machines by the speed-ups each measured within one run.
 
+# %% [markdown]
+# ![Course map](figures/course_map_04.svg)
+#
+# Notebooks 01 to 03 quoted times; here you learn to take them, on a CPU and on a GPU.
+
 # %% tags=["nbval-ignore-output"]
 import statistics
 import time
@@ -27,17 +32,23 @@ from functools import partial
 
 import torch
 
-from ema_lab import ModelEMA
-from ema_lab.bench import models, seed  # seed: the PR's code as first written (seed_before, seed_after)
+from ema_lab.bench import models
 
 torch.set_num_threads(1)  # one intra-op thread below, unless a cell says otherwise
 print(f"torch {torch.__version__}, {torch.get_num_threads()} thread")
 
-model = models.build("yolo")  # shaped like yolo26n: 594 float tensors
+
+def ema_after(ema, model, d):  # the PR's after-code (notebook 01): one _foreach_lerp_
+    msd = model.state_dict()
+    pairs = [(v, msd[k]) for k, v in ema.state_dict().items() if v.dtype.is_floating_point]
+    torch._foreach_lerp_([e for e, _ in pairs], [m for _, m in pairs], 1 - d)
+
+
+model = models.build("yolo")  # the zoo's yolo, shaped like yolo26n: 594 float tensors
 ema = deepcopy(model).eval()
-for call in range(1, 6):  # the PR's after-code (notebook 01), timed by hand
+for call in range(1, 6):  # timed by hand
     t0 = time.perf_counter()
-    seed.seed_after(ema, model, 0.9999)
+    ema_after(ema, model, 0.9999)
     print(f"call {call}: {1e3 * (time.perf_counter() - t0):6.2f} ms")
 
 # %% [markdown]
@@ -79,6 +90,8 @@ def clock_ms(fn, device: str, synced: bool) -> float:
 # the two, on every device you have:
 
 # %% tags=["nbval-ignore-output"]
+from ema_lab import ModelEMA
+
 present = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
 for device in [d for d, ok in present.items() if ok]:
     a, b = torch.rand(2**25, device=device), torch.rand(2**25, device=device)  # 128 MiB each
@@ -105,21 +118,22 @@ import json
 from pathlib import Path
 
 h200_costs = json.loads(
-    (Path(seed.__file__).parents[2] / "docs" / "results" / "h200-update-costs-2026-12-04.json").read_text()
+    (Path(models.__file__).parents[2] / "docs" / "results" / "h200-update-costs-2026-12-04.json").read_text()
 )
 print(h200_costs["machine"]["gpu"], "| torch", h200_costs["machine"]["torch"])
 for work, ms in h200_costs["sync"]["ms"].items():
     print(f"cuda, {work}: without sync {ms['without_sync']:.3f} ms, with sync {ms['with_sync']:.3f} ms")
-lerp_ms = h200_costs["sync"]["ms"]["one lerp_ of 128 MiB"]["with_sync"]
-print(
-    f"the lerp_ reads a and b and writes a: 3 x 128 MiB in {lerp_ms} ms = {3 * 2**27 / lerp_ms / 1e9:.1f} TB/s"
-)
+lerp = h200_costs["sync"]["ms"]["one lerp_ of 128 MiB"]
+tbs, peak_tbs = 3 * 2**27 / lerp["with_sync"] / 1e9, 4.8  # peak: NVIDIA's H200 data sheet
+print(f"the lerp_ with sync / without: {lerp['with_sync'] / lerp['without_sync']:.0f}x")
+print(f"it reads a and b and writes a: 3 x 128 MiB in {lerp['with_sync']} ms = {tbs:.1f} TB/s", end=", ")
+print(f"{tbs / peak_tbs:.0%} of the memory's {peak_tbs} TB/s peak")
 
 # %% [markdown]
 # With sync the `lerp_` takes 13x longer: the host queues one kernel in 0.008 ms, and the GPU moves
-# 384 MiB at 3.8 TB/s, near the 4.8 TB/s peak of an H200's memory. For the update, sync hardly matters: the host
-# works on it for about 0.29 ms and the GPU's small part is nearly done when the call returns. The
-# update is **host-bound**: the CPU sets its time.
+# 3 x 128 MiB at 3.8 TB/s, near its memory's peak. For the update, sync hardly matters: the host works on
+# it for 0.286 ms and the GPU's small part is nearly done when the call returns. The update is
+# **host-bound**: the CPU sets its time.
 
 # %% [markdown]
 # Any line that needs a value on the host waits for the GPU: `x.item()`, `print(x)`, `x.cpu()`,
@@ -129,13 +143,12 @@ print(
 # ![x.item() waits until the queued kernels are done](figures/04_sync_points.svg)
 #
 # `torch.utils.benchmark.Timer` is this clock, packaged by PyTorch: `timeit(n)` first runs a short
-# warm-up (n/100 calls, at least 2), then n calls. It synchronises CUDA, and MPS only since pytorch PR
-# #157131 (July 2025); section 3's timer, `time_candidates`, synchronises both on every torch.
+# warm-up (n/100 calls, at least 2), then n calls, and synchronises the GPU around them (MPS only since
+# mid-2025, [compat](../docs/compat.md)).
 
 # %% [markdown]
-# Host-bound means that fewer kernels need not be faster. The H200 also timed ultralytics' own EMA
-# (8.4.190: one `_foreach_lerp_` over lists it keeps and never checks) beside ema_lab's default, on the
-# five models of the results file, and counted kernels on three:
+# Host-bound means that fewer kernels need not be faster. The H200 also timed ultralytics' EMA (8.4.190:
+# one `_foreach_lerp_` over lists it never checks) beside ema_lab's default, on five models:
 
 # %%
 for name, row in h200_costs["ms_per_update"].items():
@@ -145,11 +158,20 @@ for name, row in h200_costs["ms_per_update"].items():
     print(f"    ms per update: ultralytics {row['ultralytics']:.3f} vs ema_lab {row['default']:.3f}{counts}")
 
 # %% [markdown]
-# ultralytics' class was faster on all five, with more kernels wherever they were counted. The
-# default's extra time is host work: it checks that the model's tensors have not moved, gathers the
-# small ones, copies the counters. Without that check, ultralytics' lists go stale (notebook 02, section
-# 4). `yolo26n` is the real detector, built by ultralytics; the yolo-like model is a simpler stand-in (99
-# Conv+BN+SiLU blocks, 495 tensors), and neither is the zoo's `yolo` timed above.
+# ultralytics' class was faster on all five, with more kernels where they were counted. The default (as
+# of these figures' date) spends host time checking that the model's tensors have not moved, gathering
+# the small ones, copying the counters; without that check, ultralytics' lists go stale (notebook 02).
+#
+# Three YOLO-shaped models appear in this course; only the zoo's `yolo` is timed on your machine:
+
+# %%
+print(f"{'name':<10}{'float tensors':>14}  what it is, where it is timed")
+print(
+    f"{'yolo':<10}{models.describe(model).float_tensors:>14}  ema_lab's zoo, built above: notebooks 01 to 05"
+)
+for key in ("yolo26n", "yolo_like"):
+    row = h200_costs["ms_per_update"][key]
+    print(f"{key:<10}{row['float_tensors']:>14}  {row['model']}: the H200 results file only")
 
 # %% [markdown]
 # ## 2. How much do times spread?
@@ -182,7 +204,7 @@ ax.set(
 plt.show()
 
 # %% [markdown]
-# See how the black points scatter: other programs share the cores, and caches and clock speeds change.
+# The black points scatter: other programs share the cores; caches and clock speeds change.
 # The **median** (blue line) and the **IQR** (interquartile range: the middle half, shaded) describe
 # them without being pulled by outliers. Where the orange running median (of the last 8) rises or falls
 # over a stretch, the times **drift**, and a version timed in that stretch looks slower or faster than
@@ -196,11 +218,20 @@ plt.show()
 #
 # ![A disturbance hits one version in blocks, both when interleaved](figures/04_interleaved.svg)
 
+
 # %% tags=["nbval-ignore-output"]
+def ema_before(ema, model, d):  # the PR's before-code (notebook 01): 3 ops per float tensor
+    msd = model.state_dict()
+    for k, v in ema.state_dict().items():
+        if v.dtype.is_floating_point:
+            v *= d
+            v += (1 - d) * msd[k].detach()
+
+
 args = {"e": deepcopy(model).eval(), "m": model, "d": 0.9999}
 timers = {
     name: Timer("f(e, m, d)", globals={"f": fn, **args}, num_threads=1)
-    for name, fn in (("PR before", seed.seed_before), ("PR after", seed.seed_after))
+    for name, fn in (("PR before", ema_before), ("PR after", ema_after))
 }
 rounds = {name: [] for name in timers}
 for _ in range(9):
@@ -225,8 +256,8 @@ cached = ModelEMA(model, strategy="foreach")
 cached.update(model)  # its first call builds the tensor lists it then keeps
 packaged = time_candidates(
     {
-        "PR before": lambda: seed.seed_before(e, m, d),
-        "PR after": lambda: seed.seed_after(e, m, d),
+        "PR before": lambda: ema_before(e, m, d),
+        "PR after": lambda: ema_after(e, m, d),
         'ModelEMA "foreach"': lambda: cached.update(model),
     },
     rounds=9,
@@ -246,35 +277,41 @@ from torch.utils.benchmark import Compare
 checks = [
     Timer(
         stmt,
-        globals={"seed": seed, "cached": cached, **args},
+        globals={"ema_before": ema_before, "ema_after": ema_after, "cached": cached, **args},
         label="EMA update, yolo",
         sub_label=name,
         description="1 thread",
     ).blocked_autorange(min_run_time=1)
     for name, stmt in [
-        ("PR before", "seed.seed_before(e, m, d)"),
-        ("PR after", "seed.seed_after(e, m, d)"),
+        ("PR before", "ema_before(e, m, d)"),
+        ("PR after", "ema_after(e, m, d)"),
         ('ModelEMA "foreach"', "cached.update(m)"),
     ]
 ]
 Compare(checks).print()
 for (name, r), c in zip(packaged.items(), checks):
+    apart, iqr = 1e3 * abs(r.median_s - c.median), 1e3 * r.iqr_s
     print(
-        f"{name:<19} time_candidates {1e3 * r.median_s:6.2f} ms, blocked_autorange {1e3 * c.median:6.2f} ms"
+        f"{name:<19} time_candidates {1e3 * r.median_s:6.2f} ms, blocked_autorange {1e3 * c.median:6.2f} ms:",
+        end=" ",
     )
+    print(f"{apart:.2f} ms apart, {'within' if apart <= iqr else 'beyond'} its IQR ({iqr:.2f})")
 
 # %% [markdown]
-# Two instruments, two sets of calls: the medians should agree within the IQRs above. If they do not, the
-# machine changed between the two cells, and only ratios measured in one run can be trusted.
+# Two instruments, two sets of calls. Where two medians lie further apart than the IQR, your computer
+# changed between the cells, or the instruments see different things: `blocked_autorange` repeats one
+# version, its data warm in the cache; `time_candidates` alternates them. Compare ratios from one
+# instrument and one run.
 #
-# The same rule answers another question: does a second thread help? `torch.set_num_threads(n)` lets
-# one op split its elements over n threads, but ATen (PyTorch's C++ tensor library) splits an
-# element-wise op only above 32,768 elements. Time 2,000 tiny tensors and one of 2.6M at 1 and 2
-# threads, and 1 thread twice: the noise.
+# Does a second thread help? `torch.set_num_threads(n)` lets an op split its elements over n threads,
+# but ATen (PyTorch's C++ tensor library) splits an element-wise op only above 32,768 elements. Time
+# 2,000 tiny tensors and one of 2.6M at 1 and 2 threads, and 1 thread twice (the noise):
 
 # %% tags=["nbval-ignore-output"]
 import random
 
+GRAIN_SIZE = 32_768  # ATen's at::internal::GRAIN_SIZE (ATen/Parallel.h)
+print(f"ATen splits an element-wise op over threads only above {GRAIN_SIZE:,} elements")
 small = {"e": [torch.rand(136) for _ in range(2000)], "m": [torch.rand(136) for _ in range(2000)]}
 big = {"e": torch.rand(2_600_144), "m": torch.rand(2_600_144)}
 stmts = {
@@ -327,7 +364,7 @@ for _, rec in committed + yours:
 
 # %% [markdown]
 # Plot each run's speed-ups on `tiny_tensors` (2,000 tensors) over the before-code; a line spans the
-# least to the most favourable ratio of the two candidates' quartiles:
+# ratios the quartiles allow:
 
 
 # %% tags=["nbval-ignore-output"]
@@ -356,8 +393,9 @@ committed_rows = rows_of(committed, (1,))
 your_rows = rows_of(yours)
 shown = committed_rows + your_rows[:8]
 
+CANDIDATES = [("seed_after", "PR after-code"), ("foreach", 'ModelEMA "foreach"')]  # the bench's names
 fig, axes = plt.subplots(1, 2, figsize=(9.5, 0.8 + 0.42 * len(shown)), sharey=True, layout="constrained")
-for ax, (cand, title) in zip(axes, [("seed_after", "PR after-code"), ("foreach", 'ModelEMA "foreach"')]):
+for ax, (cand, title) in zip(axes, CANDIDATES):
     for y, (_, rec, device, n) in enumerate(shown):
         if s := speedup(rec, cand, device, n):
             color = "tab:green" if device == "cuda" else "tab:orange" if rec is reference else "tab:blue"
@@ -381,11 +419,21 @@ plt.show()
 if len(your_rows) > 8:
     print(f"{len(your_rows) - 8} older rows of your runs are not drawn")
 
+for label, rec, device, n in shown:  # the dots above, as numbers
+    ratios = {title: speedup(rec, cand, device, n) for cand, title in CANDIDATES}
+    print(f"{label:<44}", ", ".join(f"{t} {s[1]:.1f}x" for t, s in ratios.items() if s))
+
 # %% [markdown]
 # See the green rows far to the right of the others, and the CPU rows apart from each other.
 # The three plotted `linux-amd-epyc-2c` runs (the fourth timed 2 threads only) are the same kind of
-# 2-core VM, yet `foreach` gained 11.8x, 8.3x and 7.0x. Any run of yours comes below them in purple. Put the two full
-# runs of that VM side by side:
+# 2-core VM, yet `foreach` gained 11.8x, 8.3x and 7.0x. Any run of yours comes below them in purple. Put
+# the two full runs of that VM side by side:
+#
+# <details><summary>Which code</summary>
+#
+# Left: the PR's after-code, the same in every run. Right: ema_lab's `foreach` as it was on each run's
+# date (2026-12-02 to 12-04).
+# </details>
 
 # %%
 earlier = next(rec for f, rec in committed if f.name == "linux-amd-epyc-2c_2026-12-02.json")
@@ -417,9 +465,10 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 
 # %% [markdown]
 # On the H200 an op of the loop costs *more* than on the CPU: most are kernel launches through the CUDA
-# driver. A tensor inside `_foreach_lerp_` costs *less*: 64 share one launch, where a CPU runs one
-# `lerp_` per tensor. The loop dispatches four ops per tensor (`mul_`, `mul`, `add_`, `detach`): four
-# times the ratio of the prices gives the speed-up's order of magnitude, not its value.
+# driver. A tensor inside `_foreach_lerp_` costs *less*: many share one launch (up to 64 in that torch
+# build, [results](../docs/results/h200-update-costs-2026-12-04.md); other builds pack more), where a CPU
+# runs one `lerp_` per tensor. The loop dispatches four ops per tensor: four times the ratio of the
+# prices gives the speed-up's order of magnitude, not its value.
 
 # %% [markdown]
 # ## Summary

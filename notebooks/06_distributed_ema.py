@@ -19,6 +19,12 @@
 # - With DDP, `ModelEMA` works unchanged; with FSDP2, `ShardedModelEMA` keeps only each process's shard.
 # - BatchNorm's statistics differ by process: every process calls `ema.sync_buffers()` before evaluating.
 
+# %% [markdown]
+# ![Course map](figures/course_map_06.svg)
+#
+# Training on several GPUs runs one process per GPU, called a *rank*; each holds the weights or, when the
+# model is sharded, a slice of them. Can each rank keep an EMA of what it holds, without asking the others?
+
 # %% tags=["nbval-ignore-output"]
 import json
 import platform
@@ -35,11 +41,6 @@ print(
     f"torch {torch.__version__}, Python {platform.python_version()}, {platform.system()} {platform.machine()}"
 )
 print(skip_reason() or "torch.distributed: everything the runs below need is here")
-
-# %% [markdown]
-# Training on several GPUs runs one process per GPU, called a *rank*. Each rank holds a full copy of
-# the weights or, when the model is sharded, a slice of them. Can each rank keep an EMA of what it
-# holds, without asking the others?
 
 # %% [markdown]
 # ## 1. An EMA is elementwise, so it shards
@@ -64,36 +65,33 @@ print("shards of the update == update of the whole:", torch.equal(torch.cat(shar
 # rank's shards and gathering them when someone wants the full EMA.
 
 # %% [markdown]
-# ## 2. DDP and FSDP2
-#
 # A *collective* is an operation every rank must call together, such as an all-reduce (every rank ends
-# with the sum of everyone's tensors).
+# with the sum of everyone's tensors). Two ways to train on many ranks:
 #
 # - **DDP** (`DistributedDataParallel`) keeps the full model on every rank and all-reduces the
 #   gradients in backward: every rank takes the same step, so the EMA of the *parameters* is the same
 #   everywhere, with no collective.
 # - **FSDP2** (`fully_shard`) keeps a row-slice (*shard*) of every parameter on each rank, as a DTensor
-#   (a tensor that knows it is one shard of a larger one). Full weights exist only inside forward and
-#   backward. `ModelEMA` cannot deep-copy such a model and says so.
-
-# %% [markdown]
+#   (a tensor that knows it is one shard of a larger one).
+#
 # ![FSDP2 splits 5 rows over 4 ranks as 2/2/1/0](figures/06_fsdp_rows.svg)
 #
-# `ema_lab.ShardedModelEMA` is section 1's update, packaged: it copies each rank's local shards and
+# `ema_lab.ShardedModelEMA` is the update above, packaged: it copies each rank's local shards and
 # updates them with one `_foreach_lerp_`, with no message to the other ranks.
 
 # %% [markdown]
-# Buffers are another matter. BatchNorm's `running_mean` and `running_var` move in every training
-# forward, from the batch each rank sees: its own part. DDP (by default) copies rank 0's buffers to the
-# others at the start of each forward, then each rank's BatchNorm moves them again; FSDP2 never copies
-# them. So the EMA's buffers differ by rank.
+# ## 2. Buffers differ by rank
+#
+# BatchNorm's `running_mean` and `running_var` move in every training forward, from the batch each rank
+# sees: its own part. DDP (by default) copies rank 0's buffers to the others at the start of each
+# forward, then each rank's BatchNorm moves them again; FSDP2 never copies them. So the EMA's buffers
+# differ by rank.
 
 # %% [markdown]
 # A *broadcast*, a collective that copies one rank's tensor into the same tensor on every other rank,
 # fixes that. By hand: give each of two ranks' BatchNorm its own batch, update an EMA, then broadcast each
 # EMA buffer from rank 0. `%%writefile` saves the cell as a script in the first cell's temporary folder;
-# `torchrun(2, script)` runs it on two ranks (`python -m torch.distributed.run --standalone
-# --nproc-per-node=2`) and returns what the ranks printed:
+# `torchrun(2, script)` runs it on two ranks and returns what they printed:
 
 # %% tags=["nbval-ignore-output"]
 # %%writefile {workdir}/sync_by_hand.py
@@ -149,38 +147,27 @@ print(skip_reason() or torchrun(2, workdir / "sync_by_hand.py"))
 
 # %% [markdown]
 # Before: each rank's own statistics. After: rank 0's everywhere. `ema.sync_buffers()` packages this loop
-# for the float buffers (the integer counter is the same on every rank), sending each dtype's buffers as
-# one flat tensor: one broadcast, not one per buffer.
+# for the float buffers, sending each dtype's buffers as
+# one flat tensor: one broadcast per EMA, not one per buffer. In a group of one rank there is no one to
+# send to, and it sends nothing.
 
 # %% [markdown]
-# ## 3. The training script
+# ## 3. One training script, DDP then FSDP2
 #
-# One script trains a small MLP with a BatchNorm with DDP and `ModelEMA`, then with FSDP2 and
-# `ShardedModelEMA`, counting the collectives inside `ema.update()` with torch's counter, `CommDebugMode`.
-# Rank 0 then trains the same model alone in float64, each rank's part of the batch through BatchNorm on
-# its own, and checks the EMA of the parameters against it. The ranks talk over *gloo*, PyTorch's CPU backend (GPUs
-# use `nccl`).
+# A real run: a small MLP with a BatchNorm, trained on two ranks with DDP and `ModelEMA`, then with FSDP2
+# and `ShardedModelEMA`; the ranks talk over *gloo*, PyTorch's CPU backend. Four files, one idea each.
+# First what both runs share: the model, and a training loop that counts the collectives of
+# `ema.update()` with torch's `CommDebugMode`:
 
 # %% tags=["nbval-ignore-output"]
-# %%writefile {workdir}/train_ema.py
-"""DDP + ModelEMA, then FSDP2 + ShardedModelEMA, of an MLP with a BatchNorm; rank 0 checks both."""
-
-import json
-import os
-import sys
+# %%writefile {workdir}/shared.py
+"""The model and the training loop of both runs."""
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.nn.parallel import DistributedDataParallel
-
-from ema_lab import ModelEMA, ShardedModelEMA
 
 STEPS, BATCH_PER_RANK, LR, DECAY, TAU = 6, 4, 0.1, 0.9, 2  # a short ramp: the EMA moves visibly
-BUFFERS = ("1.running_mean", "1.running_var", "1.num_batches_tracked")  # the BatchNorm's
 
 
 def make_model(dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -209,27 +196,53 @@ def train(model: nn.Module, ema, parts: list[slice], world: int, dtype=torch.flo
     return collectives
 
 
-def synced(ema, state) -> tuple[dict, int]:
-    """The EMA's state before ema.sync_buffers(), its state after, and the collectives of that call."""
+def synced(ema, state) -> dict:
+    """The EMA's state before ema.sync_buffers() and after, and the collectives of that call."""
     before = {k: v.clone() for k, v in state().items()}
     with CommDebugMode() as comm:
         ema.sync_buffers()  # every rank calls it: rank 0's buffers everywhere
-    return before, state(), comm.get_total_counts()
+    return {"before": before, "after": state(), "sync": comm.get_total_counts()}
 
 
-def main() -> None:
-    dist.init_process_group("gloo")  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
-    part = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+# %% [markdown]
+# DDP wraps the model; `ModelEMA` unwraps it (`.module`) and keeps a full copy on each rank:
 
-    # DDP: every rank holds the whole model; ModelEMA unwraps .module and keeps a full copy.
+# %% tags=["nbval-ignore-output"]
+# %%writefile {workdir}/with_ddp.py
+"""DDP: every rank holds the whole model, and its EMA."""
+
+from shared import DECAY, TAU, make_model, synced, train
+from torch.nn.parallel import DistributedDataParallel
+
+from ema_lab import ModelEMA
+
+
+def run_ddp(part: slice, world: int) -> dict:
     ddp = DistributedDataParallel(make_model())
-    ddp_ema = ModelEMA(ddp, decay=DECAY, tau=TAU)
-    ddp_comms = train(ddp, ddp_ema, [part], world)
-    ddp_before, ddp_after, ddp_sync = synced(ddp_ema, ddp_ema.ema.state_dict)
+    ema = ModelEMA(ddp, decay=DECAY, tau=TAU)
+    result = {"update": train(ddp, ema, [part], world), **synced(ema, ema.ema.state_dict)}
+    result["bytes"] = sum(t.numel() * t.element_size() for t in ema.ema.state_dict().values())
+    return result
 
-    # FSDP2: each rank holds a dim-0 shard of every parameter (a DTensor); the EMA keeps only those.
+
+# %% [markdown]
+# FSDP2 shards over a *device mesh* (the ranks, in a row): `fully_shard` on each `Linear`, then on the
+# whole model, makes every parameter a DTensor. `ModelEMA` refuses it; `ShardedModelEMA` keeps the local
+# shards, and `full_state_dict()` gathers them (a collective) for the check:
+
+# %% tags=["nbval-ignore-output"]
+# %%writefile {workdir}/with_fsdp2.py
+"""FSDP2: each rank holds a dim-0 shard of every parameter; its EMA keeps only those."""
+
+from shared import DECAY, TAU, make_model, synced, train
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from ema_lab import ModelEMA, ShardedModelEMA
+
+
+def run_fsdp2(part: slice, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     model = make_model()
     for layer in model:
@@ -240,70 +253,83 @@ def main() -> None:
         ModelEMA(model)  # deep-copies the model: refused for FSDP2
     except TypeError as e:
         refused = f"{type(e).__name__}: {str(e).split(':')[0]}"
-    fsdp_ema = ShardedModelEMA(model, decay=DECAY, tau=TAU)
-    fsdp_comms = train(model, fsdp_ema, [part], world)
-    # full_state_dict gathers the shards, a collective; cpu_offload=False: every rank gets the whole EMA.
-    fsdp_before, fsdp_after, fsdp_sync = synced(fsdp_ema, lambda: fsdp_ema.full_state_dict(cpu_offload=False))
-
-    mine = {
-        "shard shapes": {k: list(t.shape) for k, t in fsdp_ema.local_tensors().items()},
-        "FSDP2 EMA bytes": fsdp_ema.local_bytes(),
-        "DDP EMA bytes": sum(t.numel() * t.element_size() for t in ddp_ema.ema.state_dict().values()),
-        "collectives in update()": ddp_comms + fsdp_comms,
-        "collectives in the two sync_buffers()": ddp_sync + fsdp_sync,
-        "EMAs": {"DDP": (ddp_before, ddp_after), "FSDP2": (fsdp_before, fsdp_after)},
-    }
-    ranks = [None] * world
-    dist.all_gather_object(ranks, mine)  # gather what each rank holds, to print it on rank 0
-    if rank == 0:
-        ref_model = make_model(torch.float64)  # one process, every rank's part, float64
-        ref = ModelEMA(ref_model, decay=DECAY, tau=TAU)
-        parts = [slice(r * BATCH_PER_RANK, (r + 1) * BATCH_PER_RANK) for r in range(world)]
-        train(ref_model, ref, parts, world, torch.float64)
-        params = {k: v.float() for k, v in ref.ema.state_dict().items() if k not in BUFFERS}
-        print(f"world size {world}: EMA of the parameters equals the float64 one-process EMA (assert_close)")
-        print("BatchNorm buffers of the EMA, largest difference between rank 0 and another rank:")
-        for kind in ("DDP", "FSDP2"):
-            before, after = zip(*(r["EMAs"][kind] for r in ranks))
-            for state in after:
-                torch.testing.assert_close({k: state[k] for k in params}, params)
-            apart = max((s[k] - before[0][k]).abs().max().item() for s in before for k in BUFFERS)
-            equal = all(torch.equal(s[k], after[0][k]) for s in after for k in after[0])
-            print(
-                f"  {kind:<5} after update(): {apart:.1e}   after sync_buffers(): every entry equal: {equal}"
-            )
-        print(f"ModelEMA(fully_shard model) -> {refused}")
-        print("FSDP2 shard rows per rank:")
-        for k, shape in ranks[0]["shard shapes"].items():
-            if shape:  # not the BatchNorm's counter, a single number
-                print(f"  {k:<19} {'/'.join(str(r['shard shapes'][k][0]) for r in ranks)}")
-        for key in (
-            "DDP EMA bytes",
-            "FSDP2 EMA bytes",
-            "collectives in update()",
-            "collectives in the two sync_buffers()",
-        ):
-            print(f"{key + ' per rank:':<48} {[r[key] for r in ranks]}")
-        summary = {k: [r[k] for r in ranks] for k in ("DDP EMA bytes", "FSDP2 EMA bytes")}
-        if len(sys.argv) > 1:  # for the notebook's chart
-            with open(sys.argv[1], "w") as f:
-                json.dump(summary, f)
-    dist.barrier()  # no rank tears its connections down while rank 0 still checks
-    dist.destroy_process_group()
-    # End the process here: torch's communication threads can outlive the group and crash a finished
-    # process during Python's normal shutdown.
-    sys.stdout.flush()
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()
+    ema = ShardedModelEMA(model, decay=DECAY, tau=TAU)
+    result = {"update": train(model, ema, [part], world), "refused": refused, "bytes": ema.local_bytes()}
+    result["shard shapes"] = {k: list(t.shape) for k, t in ema.local_tensors().items()}
+    # cpu_offload=False: every rank gets the whole EMA, to compare the ranks
+    return result | synced(ema, lambda: ema.full_state_dict(cpu_offload=False))
 
 
 # %% [markdown]
-# `--standalone` picks a free local port where the ranks find each other; torchrun passes it, with each
-# rank's number (`RANK`) and the number of ranks (`WORLD_SIZE`), to `init_process_group`. A run takes
-# several seconds:
+# The script torchrun starts: each rank runs both; rank 0 gathers what every rank holds and checks the
+# EMAs against the same model trained alone, in float64:
+
+# %% tags=["nbval-ignore-output"]
+# %%writefile {workdir}/train_ema.py
+"""DDP + ModelEMA, then FSDP2 + ShardedModelEMA, of an MLP with a BatchNorm; rank 0 checks both."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from shared import BATCH_PER_RANK, DECAY, TAU, make_model, train
+from with_ddp import run_ddp
+from with_fsdp2 import run_fsdp2
+
+from ema_lab import ModelEMA
+
+BUFFERS = ("1.running_mean", "1.running_var", "1.num_batches_tracked")  # the BatchNorm's
+
+dist.init_process_group("gloo")  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.set_num_threads(1)
+part = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)  # this rank's part of each batch
+mine = {"DDP": run_ddp(part, world), "FSDP2": run_fsdp2(part, world)}
+ranks = [None] * world
+dist.all_gather_object(ranks, mine)  # what each rank holds, gathered to print it on rank 0
+if rank == 0:
+    ref_model = make_model(torch.float64)  # one process, every rank's part, float64
+    ref = ModelEMA(ref_model, decay=DECAY, tau=TAU)
+    all_parts = [slice(r * BATCH_PER_RANK, (r + 1) * BATCH_PER_RANK) for r in range(world)]
+    train(ref_model, ref, all_parts, world, torch.float64)
+    params = {k: v.float() for k, v in ref.ema.state_dict().items() if k not in BUFFERS}
+    print(f"world size {world}: EMA of the parameters equals the float64 one-process EMA (assert_close)")
+    print("BatchNorm buffers of the EMA, largest difference between rank 0 and another rank:")
+    for kind in ("DDP", "FSDP2"):
+        before, after = [r[kind]["before"] for r in ranks], [r[kind]["after"] for r in ranks]
+        for state in after:
+            torch.testing.assert_close({k: state[k] for k in params}, params)
+        apart = max((s[k] - before[0][k]).abs().max().item() for s in before for k in BUFFERS)
+        equal = all(torch.equal(s[k], after[0][k]) for s in after for k in after[0])
+        print(f"  {kind:<5} after update(): {apart:.1e}   after sync_buffers(): every entry equal: {equal}")
+    print(f"ModelEMA(fully_shard model) -> {ranks[0]['FSDP2']['refused']}")
+    print("FSDP2 shard rows per rank:")
+    for k, shape in ranks[0]["FSDP2"]["shard shapes"].items():
+        if shape:  # not the BatchNorm's counter, a single number
+            print(f"  {k:<19} {'/'.join(str(r['FSDP2']['shard shapes'][k][0]) for r in ranks)}")
+    table = {
+        "DDP EMA bytes": [r["DDP"]["bytes"] for r in ranks],
+        "FSDP2 EMA bytes": [r["FSDP2"]["bytes"] for r in ranks],
+        "collectives in update()": [r["DDP"]["update"] + r["FSDP2"]["update"] for r in ranks],
+        "collectives in the two sync_buffers()": [r["DDP"]["sync"] + r["FSDP2"]["sync"] for r in ranks],
+    }
+    for key, values in table.items():
+        print(f"{key + ' per rank:':<48} {values}")
+    if len(sys.argv) > 1:  # for the notebook's chart
+        with open(sys.argv[1], "w") as f:
+            json.dump({k: table[k] for k in ("DDP EMA bytes", "FSDP2 EMA bytes")}, f)
+dist.barrier()  # no rank tears its connections down while rank 0 still checks
+dist.destroy_process_group()
+# End the process here: torch's communication threads can outlive the group and crash a finished
+# process during Python's normal shutdown.
+sys.stdout.flush()
+os._exit(0)
+
+# %% [markdown]
+# torchrun gives each rank its number (`RANK`), the number of ranks (`WORLD_SIZE`) and a free local port
+# where they meet (`--standalone`). A run takes several seconds:
 
 # %% tags=["nbval-ignore-output"]
 print(skip_reason() or torchrun(2, workdir / "train_ema.py", "memory_2.json"))
@@ -311,13 +337,11 @@ print(skip_reason() or torchrun(2, workdir / "train_ema.py", "memory_2.json"))
 # %% [markdown]
 # The EMA of the parameters matches the one-process float64 EMA on every rank, with zero collectives in
 # `update()`. The BatchNorm buffers differ, more under FSDP2, which never copies buffers, until
-# `sync_buffers()` (one collective per EMA) gives every rank rank 0's. `ModelEMA` refuses the sharded model.
+# `sync_buffers()` (one collective per EMA) gives every rank rank 0's.
 
 # %% [markdown]
-# ## 4. Uneven shards
-#
-# The 64 rows split 32/32 above, the 5 rows 3/2, the 3 rows 2/1. FSDP2 gives each rank
-# `ceil(rows / world size)` rows until the rows run out, as in the picture of section 2. On four ranks:
+# The 64 rows split 32/32, the 5 rows 3/2, the 3 rows 2/1. FSDP2 gives each rank `ceil(rows / world
+# size)` rows until the rows run out, as in the picture of section 1. On four ranks:
 
 # %% tags=["nbval-ignore-output"]
 print(skip_reason() or torchrun(4, workdir / "train_ema.py", "memory_4.json"))
@@ -336,7 +360,7 @@ for rows, world in [(64, 3), (5, 4), (3, 4)]:
 # So 64 rows over 3 ranks are 22/22/20, not 22/21/21.
 
 # %% [markdown]
-# ## 5. Memory per rank
+# ## 4. Memory, evaluating and saving
 #
 # The point of sharding is memory. The bytes of EMA each rank held in the two runs:
 
@@ -372,13 +396,11 @@ plt.show()
 # buffers, which are not sharded; the ranks with smaller or empty shards hold less.
 
 # %% [markdown]
-# ## 6. Evaluating and saving
-#
-# Before an evaluation or a checkpoint, every rank calls `ema.sync_buffers()`; then rank 0 alone may
-# evaluate or save. `update()` warns once where the buffers will differ. The sync stays out of `update()`:
-# a collective there would cost a message every step (1 to 6 ms on a CPU over gloo in the
-# [reference run](../docs/results/sync-costs-2026-12-05.md), a 2-core Xeon) for what is read once an
-# evaluation, and would hang a run that keeps its EMA on rank 0 only.
+# **Evaluating and saving.** Before an evaluation or a checkpoint, every rank calls `ema.sync_buffers()`;
+# then rank 0 alone may evaluate or save. `update()` warns once where the buffers will differ. The sync
+# stays out of `update()`: a collective there would cost a message every step (1.1 to 6.3 ms on a CPU in a
+# [reference run](../docs/results/sync-costs-2026-12-05.md)) for what is read once an evaluation, and
+# would hang a run that keeps its EMA on rank 0 only.
 
 # %% [markdown]
 # `torch.distributed.checkpoint` (DCP) saves and loads sharded state, each rank writing its own part:
@@ -410,8 +432,7 @@ plt.show()
 #
 # **Exercise 1.** Without running the script, work out the EMA bytes each of 3 ranks holds under
 # FSDP2: split the first dimension of each entry of the script's `make_model()` like `torch.chunk`,
-# keep the BatchNorm's buffers whole on every rank, and count 4 bytes a float (8 for the integer
-# counter). *Predict* which rank holds the most.
+# keep the BatchNorm's buffers whole on every rank. *Predict* which rank holds the most.
 
 # %%
 # Exercise 1: your code here
@@ -423,17 +444,12 @@ plt.show()
 # from torch import nn
 #
 # layers = [nn.Linear(16, 64), nn.BatchNorm1d(64), nn.SiLU(), nn.Linear(64, 5), nn.SiLU(), nn.Linear(5, 3)]
-# model3 = nn.Sequential(*layers)
-# buffers = dict(model3.named_buffers())
-# per_rank = [0, 0, 0]
+# model3 = nn.Sequential(*layers)  # the script's make_model()
+# buffers, per_rank = dict(model3.named_buffers()), [0, 0, 0]
 # for name, t in model3.state_dict().items():
-#     size = t.numel() * t.element_size()
-#     if name in buffers:  # not sharded: whole on every rank
-#         shares = [size] * 3
-#     else:  # rows split like torch.chunk, padded with empty shards
-#         rows = [c.shape[0] for c in torch.empty(t.shape[0]).chunk(3)]
-#         shares = [size // t.shape[0] * r for r in rows] + [0] * (3 - len(rows))
-#     per_rank = [b + s for b, s in zip(per_rank, shares)]
+#     pieces = [t] * 3 if name in buffers else t.chunk(3)  # buffers whole on every rank; rows like chunk
+#     for rank, piece in enumerate(pieces):
+#         per_rank[rank] += piece.nbytes
 # print(per_rank)
 # ```
 #
@@ -503,8 +519,7 @@ plt.show()
 #     dist.destroy_process_group()
 # ```
 #
-# 0, 0 and 1. The update reads only this rank's tensors. `sync_buffers()` skips its broadcast in a group
-# of one (with more ranks it is one collective, as the script showed). An all-reduce is a collective even
-# alone.
+# 0, 0 and 1: the update reads only this rank's tensors, `sync_buffers()` has no one to send to, and an
+# all-reduce is a collective even alone.
 #
 # </details>

@@ -15,13 +15,15 @@
 # %% [markdown]
 # # 07 · Choosing the decay: what the EMA buys
 #
-# - With noisy SGD steps, an EMA of suitable length scores better on new data than the weights do.
-# - Its window is about `1 / (1 - d)` steps; a warm-up keeps it from remembering the initial weights.
-# - [Post-hoc EMA](../docs/glossary.md#post-hoc-ema): train once, keep snapshots, choose the length afterwards on validation data.
+# - With noisy SGD steps, an EMA of the right length scores better on new data than the weights.
+# - Its window is about `1 / (1 - d)` steps; a warm-up lets go of the initial weights.
+# - [Post-hoc EMA](../docs/glossary.md#post-hoc-ema): keep snapshots, choose the length after training.
 
 # %% [markdown]
-# A small network learns a curve from noisy samples, with plain SGD at a large step size. The curve and
-# some of its samples:
+# ![Course map](figures/course_map_07.svg)
+#
+# What is the EMA for, and how long should it be? A small network learns a curve from noisy samples,
+# with plain SGD at a large step size:
 
 # %%
 # %matplotlib inline
@@ -60,10 +62,9 @@ print(f"{STEPS} SGD steps of {BATCH} samples; {len(x_val)} validation samples; {
 # %% [markdown]
 # ## 1. What the EMA buys
 #
-# An [EMA](../docs/glossary.md#ema) of the weights: after each SGD step, each averaged tensor moves a
-# fraction `1 - d` of the way to the model's (one `lerp_`); the decay `d` may change with the update
-# number `n`. The loop updates any number of EMAs after every step and scores the model and each `.ema`
-# every 50 steps; `anneal=True` lowers the learning rate linearly to zero:
+# An [EMA](../docs/glossary.md#ema) moves each averaged tensor a fraction `1 - d` of the way to the
+# model's after each SGD step (one `lerp_`); the decay `d` may change with the update number `n`. The
+# loop updates any number of EMAs and scores the model and each `.ema` every 50 steps:
 
 # %%
 from copy import deepcopy
@@ -111,8 +112,8 @@ def train(*make_emas, steps=STEPS, lr=LR, seed=0, every=50, anneal=False):
 
 # %% [markdown]
 # One run, with ultralytics' decay `d(n) = decay * (1 - exp(-n / tau))` rising to 0.995 within about
-# 1000 steps (`tau = 100`; section 2 says why it rises): a [window](../docs/glossary.md#window) of
-# `1 / (1 - 0.995)` = 200 steps, a fifteenth of the run (section 4 shows why that length).
+# 1000 steps (`tau = 100`): a [window](../docs/glossary.md#window) of
+# `1 / (1 - 0.995)` = 200 steps, a fifteenth of the run.
 
 
 # %% tags=["nbval-ignore-output"]
@@ -149,15 +150,18 @@ for seed in seeds:
 print(f"the EMA ends below the raw weights' best checkpoint in {wins} of {len(seeds)} seeds")
 
 # %% [markdown]
-# The EMA wins in every seed. The first run again, with the learning rate annealed to zero:
+# The EMA wins in every seed. The first run again, its learning rate lowered linearly to zero
+# (`anneal=True`):
 
 # %% tags=["nbval-ignore-output"]
 _, _, annealed = train(lambda m: HandEMA(m, lambda n: ramp(n, 0.995, tau=100)), anneal=True)
 print(f"learning rate annealed to zero: final raw {annealed['raw'][-1]:.4f}, final EMA {annealed[0][-1]:.4f}")
+print(f"the first run, not annealed:    final raw {losses['raw'][-1]:.4f}, final EMA {losses[0][-1]:.4f}")
 
 # %% [markdown]
-# Annealed to zero, the last steps are tiny: the raw weights settle where their EMA ends. And too short or
-# too long an EMA loses to the raw weights' best (section 4, exercises 1 and 2).
+# Annealed to zero, the last steps are tiny: the raw weights settle where their EMA ends. But smaller
+# steps also made less progress, and both end above the first run's EMA: here, averaging buys more than
+# annealing.
 #
 # ## 2. The window, and what an EMA remembers of the start
 #
@@ -168,10 +172,10 @@ print(f"learning rate annealed to zero: final raw {annealed['raw'][-1]:.4f}, fin
 
 # %% [markdown]
 # With `d = 0.999` the initial weights keep `0.999^n`: 99 % after 10 steps, 5 % after 3000. A warm-up
-# starts with a small decay and raises it (timm, diffusers: `use_warmup=True`, `use_ema_warmup=True`).
-# Karras et al.'s [power function](../docs/glossary.md#power-function) has an exponent `gamma` that sets
-# its length: with `gamma = 6.94` its shares' standard deviation is a tenth of the run so far
-# (`sigma_rel = 0.10`). Ten steps, constant decay against warm-up, both capped at 0.999:
+# starts with a small decay and raises it (timm and diffusers, when asked).
+# So does Karras et al.'s [power function](../docs/glossary.md#power-function), `d(n) = (1 - 1/n)^(gamma
+# + 1)`, whose window never stops growing (section 4 picks its `gamma`). Ten steps, constant decay
+# against warm-up, both capped at 0.999:
 
 
 # %% tags=["nbval-ignore-output"]
@@ -179,10 +183,11 @@ def warmup(n, decay=0.9999, gamma=1.0, power=2 / 3):  # timm, diffusers: opt-in;
     return min(decay, 1 - (1 + (n - 1) / gamma) ** -power)
 
 
-def power_ema(n, gamma=6.94):  # Karras et al.'s power function; gamma 6.94 is sigma_rel 0.10
+def power_ema(n, gamma=6.94):  # Karras et al.'s power function (section 4 says why gamma = 6.94)
     return (1 - 1 / n) ** (gamma + 1)
 
 
+print(f"the constant d = 0.999 keeps {0.999**10:.0%} of the initial weights after 10 steps")
 torch.manual_seed(0)
 print(f"initial weights:            test loss {test_loss(make_model()):.3f}")
 model, (const, warm), _ = train(
@@ -245,8 +250,10 @@ def shares(schedule, n):
 fig, ax = plt.subplots(figsize=(6.5, 3.6))
 for name, schedule in by_hand.items():
     w = shares(schedule, STEPS)
-    ax.plot(range(1, STEPS + 1), w[1:], color=colors[name], label=name)
+    style = {"ls": "--", "lw": 2.5, "zorder": 3} if name == "constant" else {}  # on top of the ramp's curve
+    ax.plot(range(1, STEPS + 1), w[1:], color=colors[name], label=name, **style)
     print(f"{name:<17} the initial weights' share after {STEPS} updates: {w[0]:.3f}")
+print(f"the ramp's decay at step 1000: {ramp(1000, 0.999, tau=100):.5f} (the constant's: 0.999)")
 ax.set(yscale="log", ylim=(1e-5, 2e-2), xlabel=f"step k (of {STEPS})", ylabel="share of step k in the EMA")
 ax.legend(loc="upper left")
 ax.grid(alpha=0.3)
@@ -254,13 +261,13 @@ plt.show()
 
 # %% [markdown]
 # The constant keeps 5 % on the initial weights. The ramp gives it to the steps it took while ramping (the
-# bump near step 500). The power function spreads its shares over the later half of the run.
+# bump near step 500); from about step 1000 its decay equals the constant's, and so do the shares
+# (dashed, on the ramp's). The power function spreads its shares over the later half of the run.
 #
 # ## 3. The schedules in ema_lab
 #
-# `ema_lab.schedules` packages these, and `constant` and `harmonic` (diffusers' default
-# `(1 + s) / (10 + s)`, `s = n - 1`: the weight `1 - d` falls like `1 / n`). Each matches the peer
-# library's code ([docs/schedules.md](../docs/schedules.md)). `ModelEMA` takes one as its decay (a number
+# `ema_lab.schedules` packages these, and `constant` and `harmonic` (diffusers' default). Each matches
+# the peer library's code ([docs/schedules.md](../docs/schedules.md)). `ModelEMA` takes one as its decay (a number
 # means the ramp), here beside our class:
 
 # %%
@@ -271,7 +278,6 @@ pairs["power(gamma=6.94)"] = (schedules.power(gamma=6.94), power_ema)
 for name, (packaged, ours) in pairs.items():
     diff = max(abs(packaged(n) - ours(n)) for n in range(1, 100_001))
     print(f"{name:<22} largest difference from ours over 100,000 updates: {diff:.1e}")
-print("gamma of sigma_rel = 0.10:", round(schedules.sigma_rel_to_gamma(0.10), 2))
 ramped = ModelEMA(make_model(), decay=0.999, tau=100)
 print("a number is the ramp:", all(ramped.decay(n) == ramp(n, 0.999, 100) for n in range(1, 100_001)))
 _, _, both = train(
@@ -285,8 +291,8 @@ print("ModelEMA(decay=schedules.warmup(0.999)) and ours, same test losses to 1e-
 #
 # Which length is best? Karras et al. ([EDM2](https://arxiv.org/abs/2312.02696), 2024) measure it with
 # [`sigma_rel`](../docs/glossary.md#sigma_rel): the standard deviation of a power EMA's shares, as a
-# fraction of the run so far. After `t` updates it gives step `x` a share proportional to `x^gamma` on
-# `[0, t]`: its [profile](../docs/glossary.md#profile).
+# fraction of the run so far (0.10: a tenth of the run). After `t` updates it gives step `x` a share
+# proportional to `x^gamma` on `[0, t]`: its [profile](../docs/glossary.md#profile).
 #
 # Averaging is linear: a [snapshot](../docs/glossary.md#snapshot) (a saved EMA) sums the past weights with
 # its profile's shares, so a weighted sum of snapshots is an EMA with the weighted sum of their profiles.
@@ -306,6 +312,9 @@ def profile(x, t, g):  # the share of step x in a power-function EMA (exponent g
     return np.where(x <= t, (g + 1) * x**g / t ** (g + 1), 0.0)  # a snapshot knows no step after it
 
 
+print(
+    f"gamma of sigma_rel 0.10: ours {sigma_rel_to_gamma(0.10):.2f}, ema_lab's {schedules.sigma_rel_to_gamma(0.10):.2f}"
+)
 g = sigma_rel_to_gamma(0.05)
 c = (2700 / STEPS) ** (g + 1)  # before step 2700, the later profile is c times the earlier one
 x = np.linspace(2000, STEPS, 501)
@@ -322,13 +331,18 @@ ax.grid(alpha=0.3)
 plt.show()
 
 # %% [markdown]
-# Only the steps after 2700 remain: a shorter EMA than either snapshot. For a wanted profile `p`, the
-# weights `w` that bring `sum_i w_i p_i` closest to `p` in least squares solve `G w = b`, where `G_ij` is
-# the integral of `p_i p_j` (the Gram matrix) and `b_i` that of `p_i p`, in closed form (their
-# Algorithm 3).
-#
-# `G` is nearly singular: snapshots 100 steps apart have almost the same profile, so its rows almost
-# repeat, and a small relative change in `b` can move `w` up to the *condition number* of `G` times as much.
+# Only the steps after 2700 remain: a shorter EMA than either snapshot. Any wanted profile `p` can be
+# approached so: find the weights `w` that bring `sum_i w_i p_i` closest to `p` (least squares).
+
+# %% [markdown]
+# The fit needs how much each pair of snapshot profiles overlaps, `G_ij`, the integral of `p_i p_j` (a
+# table called the *Gram matrix*), and how much each overlaps the wanted one, `b_i`, the integral of
+# `p_i p`. The best weights solve `G w = b`; for power profiles both integrals have a closed form
+# (Karras et al.'s Algorithm 3).
+
+# %% [markdown]
+# Snapshots 100 steps apart have almost the same profile, so rows of `G` almost repeat. Its *condition
+# number* says how much a small relative change in `b` can move `w`, relatively: the cell prints it.
 # `np.linalg.lstsq` solves it all the same. Two EMAs saved every 100 steps, fitted to lengths neither
 # tracked:
 
@@ -361,13 +375,16 @@ print(
     f"sigma_rel 0.03 from {len(weights)} snapshots: weights from {weights.min():.2f} to {weights.max():.2f}"
 )
 for s in [0.01, 0.02, 0.03, 0.07, 0.15, 0.2, 0.25, 0.28]:  # the error: |sum - wanted| / |wanted|
-    print(f"sigma_rel {s:<4}  profile error {fit(s)[1]:5.1%}")
+    print(f"sigma_rel {s:<4} (shares spread over ~{s * STEPS:.0f} steps)  profile error {fit(s)[1]:5.1%}")
+print(
+    f"the longest power EMA, gamma = 0 (the running mean): sigma_rel 1 / sqrt(12) = {1 / math.sqrt(12):.3f}"
+)
 
 # %% [markdown]
 # Large weights of both signs, as the condition number warns. The fit is close near the tracked lengths
-# and fails at 0.01, whose profile spreads over about 30 steps, less than the 100 between snapshots. No
-# power EMA with `gamma >= 0` (shares that do not fall towards the newest step) is longer than 0.289
-# (`gamma = 0`: the running mean). For 0.03:
+# and fails at 0.01, whose shares spread over about 30 steps, fewer than the 100 between snapshots.
+# Nothing is longer than 0.289: at `gamma = 0` every step gets the same share, spread evenly over the
+# run, and an even spread's standard deviation is `1 / sqrt(12)` of its width. For 0.03:
 
 # %%
 x = np.linspace(0.7, 1, 301)  # the last 30 % of the run, as a fraction of it
@@ -397,7 +414,7 @@ from ema_lab.snapshots import list_snapshots
 
 folder = scratch_dir("ema_lab_07_")  # a temporary folder, removed when the kernel stops
 tracked = [0.03, 0.15]
-model, (posthoc, *direct), losses = train(
+model, (posthoc, *direct), _ = train(
     lambda m: PostHocEMA(m, sigma_rels=(0.05, 0.10), snapshot_every=100, folder=folder),
     *[lambda m, s=s: ModelEMA(m, decay=schedules.power(sigma_rel=s)) for s in tracked],
 )
@@ -415,24 +432,32 @@ for s, ema in zip(tracked, direct):
 files = [snapshot.path for snapshot in list_snapshots(folder)]  # one file per profile and saved step
 print(f"{len(files)} snapshots of {sum(p.numel() for p in model.parameters()):,} float32 weights each:",
       f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB on disk")  # fmt: skip
+print(
+    f"a 100M-parameter model, two EMAs saved every 1000 of 100,000 steps: {100 * 2 * 100e6 * 4 / 1e9:.0f} GB"
+)
 
 # %% [markdown]
-# Synthesized and tracked agree. The price is disk: two EMAs per save, 8 bytes per parameter in float32;
-# saving a 100-million-parameter model every 1000 of 100,000 steps fills 80 GB.
+# Synthesized and tracked agree. The price is disk: two EMAs per save, so a large model saved often fills
+# tens of gigabytes.
 #
 # Now any length the snapshots can build (profile error under 5 %), chosen on the validation split:
 
 
 # %% tags=["nbval-ignore-output"]
 @torch.no_grad()
-def val_loss(model):  # noisy labels: about 0.25 of it (the noise's variance) is the same for every model
-    return nn.functional.mse_loss(model(x_val), y_val).item()
+def val_errors(model):  # each validation sample's squared error; noisy labels add about 0.25 to every one
+    return (model(x_val) - y_val).square().flatten()
+
+
+def val_loss(model):
+    return val_errors(model).mean().item()
 
 
 candidates = [0.01, 0.015, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.25]
 sigma_rels = [s for s in candidates if fit(s)[1] < 0.05]
 print("left out, the fit fails:", [s for s in candidates if s not in sigma_rels])
-validation = [val_loss(synthesized(s)) for s in sigma_rels]
+errors = {s: val_errors(synthesized(s)) for s in sigma_rels}
+validation = [errors[s].mean().item() for s in sigma_rels]
 fig, ax = plt.subplots(figsize=(6.5, 3.6))
 ax.plot(sigma_rels, validation, "o-", color="C2")
 ax.set(xscale="log", xlabel="sigma_rel (length of the EMA)", ylabel="validation loss (noisy labels)")
@@ -441,25 +466,34 @@ ax.minorticks_off()
 ax.grid(alpha=0.3)
 plt.show()
 chosen = sigma_rels[validation.index(min(validation))]
-print(f"chosen on validation: sigma_rel {chosen}")
+print(f"chosen on validation: sigma_rel {chosen}, loss {min(validation):.5f}")
+ties = []
+for s in (s for s in sigma_rels if s != chosen):  # the same 2000 samples score both: a paired difference
+    diff = errors[s] - errors[chosen]
+    two_se = 2 * diff.std().item() / len(diff) ** 0.5  # two standard errors of the mean difference
+    ties += [s] if abs(diff.mean().item()) < two_se else []
+    print(f"  sigma_rel {s:<5} {diff.mean().item():+.5f} above it, noise (2 standard errors) {two_se:.5f}")
+print("within the noise of the chosen length:", ", ".join(map(str, ties)))
 
 # %% [markdown]
-# A flat bottom, about 0.02 to 0.07: 2000 noisy validation samples cannot rank these lengths; any of them
-# does. Too long an EMA reaches back to worse weights (the right end), too short a one keeps the noise
-# (Exercise 2). Against the raw weights on the test set:
+# A flat bottom: a difference smaller than its noise (two standard errors, over the 2000 samples) is
+# none, so these samples cannot rank the lengths the last line lists; any of them will do. Against the
+# raw weights on the test set:
 
 # %% tags=["nbval-ignore-output"]
-best_raw = min(losses["raw"])
+best_raw = min(losses["raw"])  # section 1's run: the same seed, the same raw weights
 print(f"chosen, sigma_rel {chosen}: test loss {test_loss(synthesized(chosen)):.4f}")
+print(
+    f"section 1's EMA (decay ramped to 0.995): {losses[0][-1]:.4f}, or sigma_rel {1 / (1 - 0.995) / STEPS:.3f}"
+)
 print(f"raw weights: final {losses['raw'][-1]:.4f}, best checkpoint {best_raw:.4f} (picked on the test set)")
 beat = [s for s in sigma_rels if test_loss(synthesized(s)) < best_raw]
 print("lengths that beat that checkpoint on the test set:", ", ".join(map(str, beat)))
 
 # %% [markdown]
-# The chosen length beats even the raw weights' best checkpoint, as do all from 0.02 to 0.1; the three
+# The chosen length beats even the raw weights' best checkpoint, and so do the lengths listed; the
 # longest do not. A rule of thumb turns the choice into a constant decay: its shares' standard deviation
-# is about `1 / (1 - d)` steps, so `d = 1 - 1 / (sigma_rel T)` after `T` steps (section 1's 0.995 is
-# `sigma_rel` 200 / 3000, about 0.07). Three such decays, trained in one more run, against the curve:
+# is about `1 / (1 - d)` steps, so `d = 1 - 1 / (sigma_rel T)` after `T` steps. Three such decays, trained in one more run, against the curve:
 
 # %% tags=["nbval-ignore-output"]
 constants = [0.02, 0.05, 0.15]
@@ -474,14 +508,18 @@ ax.set_xticks([0.02, 0.05, 0.1, 0.2], ["0.02", "0.05", "0.1", "0.2"], minor=Fals
 ax.minorticks_off()
 ax.grid(alpha=0.3)
 plt.show()
+for s, e in zip(constants, constant_emas):
+    print(
+        f"sigma_rel {s}: constant decay {val_loss(e.ema):.5f}, synthesized {validation[sigma_rels.index(s)]:.5f}"
+    )
 
 # %% [markdown]
-# The constant decays sit on the curve, at 0.15 slightly below it: the rule of thumb holds.
+# The constant decays land on the curve (the longest a little below it): the rule of thumb holds.
 #
 # ## Summary
 #
 # - With noisy SGD steps, an EMA of suitable length beats the weights, even their best checkpoint;
-#   annealed to zero, they end equal.
+#   annealing the learning rate did not close that gap.
 # - An EMA's window is about `1 / (1 - d)` steps; a warm-up keeps it off the initial weights.
 # - Averaging is linear: weighted snapshots of two power EMAs build other lengths after training. Choose on
 #   validation data; `d = 1 - 1 / (sigma_rel T)` turns the choice into a constant decay.
@@ -507,10 +545,9 @@ plt.show()
 #     print(f"{name:<17} {four[key][-1]:.4f}")
 # ```
 #
-# The warm-up and the power function score best, close together: at step 3000 their windows are about 200
-# and 400 steps of late weights. The ramp and the constant average about 1000 steps, reaching back into
-# worse weights; the constant, still 5 % the untrained start, is worst. Both lose to section 1's best raw
-# checkpoint: too long.
+# The warm-up and the power function score best (windows of about 200 and 400 late steps); the ramp and
+# the constant average about 1000 steps, reaching back into worse weights, and the constant, still 5 %
+# the untrained start, is worst.
 #
 # </details>
 
@@ -558,8 +595,7 @@ plt.show()
 # print(f"test loss: tracked {test_loss(tracked_03.ema):.5f}, from 12 snapshots {test_loss(evaluate):.5f}")
 # ```
 #
-# The fit is ten times worse (13 % against 1.3 %), yet the losses agree to about a tenth of a percent: a
-# profile somewhat off is an EMA of a somewhat different length, and near the best length the loss hardly
-# changes (section 4's flat bottom).
+# A fit ten times worse, yet losses within about a tenth of a percent: a profile somewhat off is an EMA
+# of a somewhat different length, and near the best length the loss hardly changes.
 #
 # </details>

@@ -66,10 +66,11 @@ def execute(path: str | Path, timeout: int = 1800) -> nbformat.NotebookNode:
     """Run one notebook from its ``.py`` and write the executed ``.ipynb``; raise on a cell error."""
     source, target = pair(path)
     nb = jupytext.read(source)
-    nb.metadata.pop("jupytext", None)  # the pairing is declared once, in notebooks/jupytext.toml
     run(nb, source.parent, timeout)
     nbformat.validate(nb)
-    nbformat.write(nb, target)
+    # Written by jupytext as `jupytext --sync` writes it (the .py header's metadata filter kept, its text
+    # representation dropped), so that a reader's first sync leaves the committed file as it is.
+    jupytext.write(nb, target, fmt="ipynb")
     return nb
 
 

@@ -62,6 +62,28 @@ def test_the_pair_is_in_sync(ipynb: Path) -> None:
     assert "jupytext_version:" not in source.read_text().partition("\n# ---\n")[0]
 
 
+@pytest.mark.parametrize("newer", [".py", ".ipynb"])
+@pytest.mark.parametrize("ipynb", PAIRS, ids=lambda p: p.stem)
+def test_the_pair_is_unchanged_by_jupytext_sync(ipynb: Path, newer: str, tmp_path: Path) -> None:
+    """A reader's first `jupytext --sync` (JupyterLab's, or the command's) rewrites neither file of a pair.
+
+    Whichever file is newer (a checkout sets the times at random), the bytes stay; nox -s pairs runs this
+    on the oldest jupytext that pyproject.toml admits and on the last two releases.
+    """
+    from jupytext.cli import jupytext as jupytext_cli
+
+    shutil.copy(NOTEBOOKS / "jupytext.toml", tmp_path)
+    pair = [ipynb, ipynb.with_suffix(".py")]
+    for path in pair:
+        shutil.copy(path, tmp_path)
+    later = tmp_path / ipynb.with_suffix(newer).name
+    os.utime(later, (later.stat().st_atime, later.stat().st_mtime + 60))
+    assert jupytext_cli(["--sync", "--quiet", str(tmp_path / ipynb.name)]) == 0
+    changed = [p.name for p in pair if (tmp_path / p.name).read_bytes() != p.read_bytes()]
+    rerun = f"python3 dev.py notebooks notebooks/{pair[1].name}"
+    assert not changed, f"`jupytext --sync` rewrote {changed}: run `{rerun}`"
+
+
 def _stream(name: str, text: str) -> dict:
     return nbformat.v4.new_output("stream", name=name, text=text)
 
@@ -122,7 +144,9 @@ def test_execute_writes_the_pair_in_order_and_never_a_failure(tmp_path: Path, ca
     assert [c.execution_count for c in nb.cells] == [1, 2, 3]
     assert nb.cells[0].outputs[0].text.strip() == str(tmp_path)  # cwd is the notebook's folder
     assert nb.cells[1].outputs[0].data["text/plain"] == "'ema_lab'"  # this interpreter's ema_lab
-    assert nb.metadata.kernelspec.name == "python3" and "jupytext" not in nb.metadata
+    assert nb.metadata.kernelspec.name == "python3"
+    # What `jupytext --sync` would write: the .py's jupytext options, without its text representation.
+    assert "text_representation" not in nb.metadata.get("jupytext", {})
     with pytest.raises(ProcessLookupError):  # each kernel is shut down when its notebook is done
         os.kill(int(nb.cells[2].outputs[0].data["text/plain"]), 0)
     with pytest.raises(ValueError, match="not a notebook"):
