@@ -1,12 +1,12 @@
 """When may an EMA update use ``torch._foreach_lerp_``? A pure function of (torch version, device type).
 
-The table, as ultralytics PR #25315 and its follow-up gate it (see facts in the README):
+The table, as ultralytics PR #25315 and its follow-up gate it:
 
 =============  ==========  ==================================================================
 torch          device      foreach?
 =============  ==========  ==================================================================
 < 2.0          any         no: ``torch._foreach_lerp_`` does not exist yet
->= 2.0, < 2.4  ``mps``     no: raised NotImplementedError on MPS up to 2.2 (2.3 untested)
+>= 2.0, < 2.4  ``mps``     no: the PR's gate ("on MPS, torch>=2.4")
 >= 2.4         ``mps``     yes
 >= 2.0         ``npu``     no: excluded for Ascend NPU by a later version of the gate
 >= 2.0         any other   yes (cpu, cuda, xpu, ...; unknown backends use ATen's per-tensor path)

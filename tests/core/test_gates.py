@@ -13,8 +13,8 @@ from ema_lab.gates import foreach_lerp_supported, parse_version
         ("1.13.1", "cuda", False),
         ("2.0.0", "cpu", True),
         ("2.0.1+cu118", "cuda", True),
-        ("2.2.2", "mps", False),  # NotImplementedError on MPS up to 2.2
-        ("2.3.1", "mps", False),  # untested upstream: stay on the fallback
+        ("2.2.2", "mps", False),  # the PR gates MPS at 2.4
+        ("2.3.1", "mps", False),
         ("2.4.0", "mps", True),
         ("2.4.0a0+git1234abc", "mps", True),  # a pre-release counts as its release
         ("2.13.0+cpu", "mps", True),
