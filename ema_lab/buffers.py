@@ -9,7 +9,15 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["group", "empty_flat", "into_one_buffer", "whole_storage", "tiles_in_order"]
+__all__ = [
+    "group",
+    "empty_flat",
+    "is_dense",
+    "view_like",
+    "into_one_buffer",
+    "whole_storage",
+    "tiles_in_order",
+]
 
 
 def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]:
@@ -39,15 +47,35 @@ def empty_flat(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu
     return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=-start % _HUGE_PAGE)
 
 
-def into_one_buffer(tensors: Sequence[Tensor], like: Tensor | None = None) -> Tensor:
-    """A new 1-D buffer holding ``tensors`` back to back (one dtype and device, or ``like``'s); each becomes
-    a view of it."""
-    like = tensors[0] if like is None else like
-    buf = empty_flat(sum(t.numel() for t in tensors), like.dtype, like.device)
+def is_dense(t: Tensor) -> bool:
+    """True when ``t`` fills ``t.numel()`` consecutive places of its storage in some dimension order
+    (contiguous, channels_last, transposed): no gap, no place read twice."""
+    if t.numel() == 0:
+        return True
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def view_like(part: Tensor, t: Tensor) -> Tensor:
+    """``part`` (1-D, ``t.numel()`` long) as ``t``'s shape, in ``t``'s strides where they are dense (its
+    memory format: channels_last stays so), else contiguous."""
+    return part.as_strided(t.shape, t.stride()) if is_dense(t) else part.view(t.shape)
+
+
+def into_one_buffer(tensors: Sequence[Tensor], like: Sequence[Tensor] | None = None) -> Tensor:
+    """A new 1-D buffer holding ``tensors`` back to back in the dtype and device of ``like`` (default: the
+    tensors themselves, of one dtype and device); each becomes a view of it laid out as its ``like``
+    (:func:`view_like`)."""
+    like = tensors if like is None else like
+    buf = empty_flat(sum(t.numel() for t in tensors), like[0].dtype, like[0].device)
     off = 0
     with torch.no_grad():
-        for t in tensors:
-            view = buf[off : off + t.numel()].view(t.shape)
+        for t, layout in zip(tensors, like):
+            view = view_like(buf[off : off + t.numel()], layout)
             view.copy_(t)  # a fresh buffer: tensors that shared memory before are still read intact
             t.data = view  # keeps the Parameter object (optimizers, hooks and module slots hold it)
             off += t.numel()

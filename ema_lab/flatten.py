@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .buffers import empty_flat, group, tiles_in_order, whole_storage
+from .buffers import empty_flat, group, is_dense, tiles_in_order, whole_storage
 from .pairs import unique
 
 __all__ = ["flatten_model", "unflatten_model", "flatten_tensors"]
@@ -17,19 +17,6 @@ __all__ = ["flatten_model", "unflatten_model", "flatten_tensors"]
 #: A private binding of torch (from 2.1; absent from CPU-only builds before mid-2025): how many tensors hold a
 #: storage. Without it flatten_model cannot see memory held outside the model, and does not check it.
 USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _is_dense(t: Tensor) -> bool:
-    """True when ``t`` fills ``t.numel()`` consecutive places of its storage in some dimension order
-    (contiguous, channels_last, transposed): no gap, no place read twice."""
-    if t.numel() == 0:
-        return True
-    expected = 1
-    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _refusal(t: Tensor) -> str | None:
@@ -44,7 +31,7 @@ def _refusal(t: Tensor) -> str | None:
         return "a quantized tensor cannot be a view of a plain buffer"
     if t.device.type == "meta":
         return "a meta tensor has no memory: flatten once the model is materialized"
-    if not _is_dense(t):
+    if not is_dense(t):
         shape = tuple(t.shape)
         return f"strides {t.stride()} of shape {shape} leave gaps or overlap (an expand or a strided slice)"
     return None
@@ -97,6 +84,33 @@ def _check_held_outside(named: Sequence[tuple[str, Tensor]], on_storage: dict[in
         )
 
 
+def _copies_of_views(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    """``state_dict`` post-hook: each of ``module``'s entries that is a view of part of a larger storage (a
+    flat buffer) replaced by a copy of its own, one per tensor (tied weights stay one); ``keep_vars=True``
+    entries (the module's own tensors) are left as they are."""
+    own = {id(t) for t in (*module.parameters(), *module.buffers())}
+    copies: dict[tuple, Tensor] = {}
+    for key, t in state.items():
+        if not key.startswith(prefix) or not isinstance(t, Tensor) or id(t) in own or _refusal(t) is not None:
+            continue
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            same = (t.data_ptr(), t.dtype, t.shape, t.stride())
+            if same not in copies:
+                copies[same] = t.clone()
+            state[key] = copies[same]
+
+
+def save_whole(module: nn.Module) -> None:
+    """Make ``module.state_dict()`` give a copy of each entry that is a view of a larger storage (once).
+
+    accelerate's ``save_model``/``save_state`` keep one entry per storage, and safetensors' ``save_model``
+    and ``load_model`` refuse a view that does not cover its storage: both would lose the tensors of a flat
+    buffer. A copy costs one pass at save time; the update keeps its one buffer. A module-level function,
+    so a ``deepcopy`` or ``torch.save`` of the module keeps it (a pickled one needs ema_lab to load)."""
+    if _copies_of_views not in module._state_dict_hooks.values():
+        module._register_state_dict_hook(_copies_of_views)  # the private name: torch 2.1 has no public one
+
+
 def _assign(moves: Sequence[tuple[Tensor, Tensor]]) -> None:
     """Point each tensor at its new memory (``.data``, so optimizers, hooks and module slots keep the
     object); if one fails, every tensor already pointed is put back."""
@@ -122,7 +136,7 @@ def _flatten(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
     groups = [[named[i] for i in idx] for idx in by_kind]
     # A group that tiles one storage (disjoint: checked above) is flat already: a second call moves nothing.
     flat_already = [
-        tiles_in_order(sorted((t for _, t in g), key=Tensor.storage_offset), _is_dense) for g in groups
+        tiles_in_order(sorted((t for _, t in g), key=Tensor.storage_offset), is_dense) for g in groups
     ]
     _check_held_outside([item for g, done in zip(groups, flat_already) if not done for item in g], on_storage)
     buffers, moves = [], []
@@ -181,23 +195,29 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
 
     Every tensor keeps its object (optimizers, hooks and module slots still hold it), value, shape, strides
     (channels_last stays so) and ``requires_grad``; tied weights move once; ``state_dict()`` then returns
-    views of the buffers. Flatten before building the optimizer and the EMA. All is checked first, and a
-    failure while moving (out of memory) puts every tensor back. Refused, with a ``ValueError`` naming the
-    tensor: a sparse, nested, quantized, meta, lazy or wrapper-subclass (DTensor) tensor, or strides with gaps
-    or overlaps; two tensors whose memory overlaps (each would get its own copy); a tensor whose storage more
-    tensors hold than the model's (a ``.data`` or view kept by an optimizer or an earlier EMA would keep the
-    old memory; checked where torch has ``_storage_Use_Count``). A group that already fills one buffer is not
-    moved; pinned memory stays pinned; the buffers are normal tensors even under inference_mode. Later,
-    ``.to()``, ``.half()`` or a new parameter give tensors their own memory again (correct, no longer one
-    ``lerp_``), and a channels_last group is correct but not one ``lerp_``. The tensors lie back to back, not
-    on a fresh tensor's 64-byte boundary: a kernel that rounds by alignment (some CPUs' BLAS matrix-vector
-    product) can differ in the last bit.
+    copies (:func:`save_whole`: write through ``state_dict(keep_vars=True)``, the parameters or
+    ``load_state_dict``, never into its copies). Flatten before building the optimizer and the EMA. All is
+    checked first, and a failure while moving (out of memory) puts every tensor back. Refused, with a
+    ``ValueError`` naming the tensor: a sparse, nested, quantized, meta, lazy or wrapper-subclass (DTensor)
+    tensor, or strides with gaps or overlaps; two tensors whose memory overlaps (each would get its own copy);
+    a tensor whose storage more tensors hold than the model's (a ``.data`` or view kept by an optimizer or an
+    earlier EMA would keep the old memory; checked where torch has ``_storage_Use_Count``). A group that
+    already fills one buffer is not moved; pinned memory stays pinned; the buffers are normal tensors even
+    under inference_mode. Later, ``.to()``, ``.half()`` or a new parameter give tensors their own memory again
+    (correct, no longer one ``lerp_``), and a channels_last group is correct but not one ``lerp_``. The
+    tensors lie back to back, not on a fresh tensor's 64-byte boundary: a kernel that rounds by alignment
+    (some CPUs' BLAS matrix-vector product) can differ in the last bit.
     """
-    return _flatten(_model_tensors(model))
+    buffers = _flatten(_model_tensors(model))
+    save_whole(model)
+    return buffers
 
 
 def unflatten_model(model: nn.Module) -> None:
     """Give every parameter and buffer of ``model`` that shares a buffer its own memory again (undoes
     :func:`flatten_model`; strides kept; all or nothing; overlapping tensors refused as there). Whatever
-    still holds the buffers (what flatten_model returned, an EMA's step) keeps the old memory."""
+    still holds the buffers (what flatten_model returned, an EMA's step) keeps the old memory;
+    ``state_dict()`` returns views again."""
     _unflatten(_model_tensors(model))
+    for key in [k for k, hook in model._state_dict_hooks.items() if hook is _copies_of_views]:
+        del model._state_dict_hooks[key]

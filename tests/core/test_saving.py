@@ -1,0 +1,205 @@
+"""Every way an EMA or a flattened model is saved keeps every entry (issue #62, item 3).
+
+The "flat" EMA's tensors, and a model's after ``flatten_model``, are views of one buffer. accelerate's
+``save_model``/``save_state`` key each entry by its storage (``id_tensor_storage``: device, storage pointer,
+size) and keep one entry per storage; safetensors' ``save_model``/``load_model`` refuse an entry that does
+not cover its storage. So ``state_dict()`` gives such entries as copies of their own: checked here as those
+tools check (torch alone), through ``torch.save``, and through safetensors where it is installed.
+accelerate, Lightning and timm themselves: tests/trainers.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Callable
+from copy import deepcopy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from ema_lab import ModelEMA, PostHocEMA, flatten_model, unflatten_model
+from ema_lab.bench import models
+
+from ..helpers import one_rank_group
+
+
+def _trained(model: nn.Module) -> nn.Module:
+    """``model`` after one forward in train mode (BatchNorm's statistics and counters move)."""
+    model.train()
+    model(torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0)))
+    return model
+
+
+def _ema_module(strategy: str, flat_model: bool = False) -> Callable[[Path], nn.Module]:
+    def make(tmp_path: Path) -> nn.Module:
+        model = models.build("tiny_cnn")
+        if flat_model:
+            flatten_model(model)
+        ema = ModelEMA(model, strategy=strategy, decay=0.5, tau=0.01)
+        ema.update(_trained(model))
+        return ema.ema
+
+    return make
+
+
+def _flattened(tmp_path: Path) -> nn.Module:
+    model = models.build("tiny_cnn")
+    flatten_model(model)
+    return _trained(model)
+
+
+def _posthoc_second(tmp_path: Path) -> nn.Module:
+    model = models.build("tiny_cnn")
+    ema = PostHocEMA(model, tmp_path / "snapshots")
+    ema.update(_trained(model))
+    return ema.emas[1]
+
+
+#: name -> a module whose state_dict() a user saves (views of one buffer; "gated": its counters only).
+MODULES: dict[str, Callable[[Path], nn.Module]] = {
+    "ModelEMA default (flat)": _ema_module("auto"),
+    "ModelEMA gated (its counters in one buffer)": _ema_module("gated"),
+    "ModelEMA of a flattened model (fused)": _ema_module("auto", flat_model=True),
+    "flatten_model": _flattened,
+    "PostHocEMA's second EMA": _posthoc_second,
+}
+
+
+def _storage_id(t: Tensor) -> tuple:
+    """accelerate's ``id_tensor_storage``: ``clean_state_dict_for_safetensors`` keeps one entry of each."""
+    return t.device, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+
+
+def _covers_its_storage(t: Tensor) -> bool:
+    """safetensors' ``_is_complete``: what its ``save_model``/``load_model`` need of an entry."""
+    storage = t.untyped_storage()
+    return t.data_ptr() == storage.data_ptr() and t.numel() * t.element_size() == storage.nbytes()
+
+
+def _assert_whole(state: dict[str, Tensor]) -> None:
+    """Every entry its own storage, covered whole: nothing for those tools to drop or refuse."""
+    by_storage: dict[tuple, list[str]] = {}
+    for k, v in state.items():
+        by_storage.setdefault(_storage_id(v), []).append(k)
+    shared = [keys for keys in by_storage.values() if len(keys) > 1]
+    assert not shared, f"{sum(map(len, shared)) - len(shared)} of {len(state)} entries would be dropped"
+    partial = [k for k, v in state.items() if not _covers_its_storage(v)]
+    assert not partial, f"{partial[:3]} do not cover their storage"
+
+
+def _assert_equal(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k, v in a.items():
+        assert v.dtype == b[k].dtype and torch.equal(v, b[k]), k
+
+
+def _roundtrip(obj: object) -> object:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_every_entry_is_its_own_storage_and_round_trips(name: str, tmp_path: Path) -> None:
+    module = MODULES[name](tmp_path)
+    state = module.state_dict()
+    _assert_whole(state)
+    loaded = _roundtrip(state)
+    _assert_equal(loaded, state)
+    fresh = models.build("tiny_cnn")
+    fresh.load_state_dict(loaded)  # strict: every entry there
+    _assert_equal(fresh.state_dict(), state)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_a_deep_copy_or_a_pickled_module_still_saves_whole(name: str, tmp_path: Path) -> None:
+    module = MODULES[name](tmp_path)
+    for other in (deepcopy(module), _roundtrip(module), pickle.loads(pickle.dumps(module))):
+        _assert_whole(other.state_dict())
+        _assert_equal(other.state_dict(), module.state_dict())
+
+
+def test_one_entry_saved_alone_is_its_own_size_not_the_buffer(tmp_path: Path) -> None:
+    module = _ema_module("auto")(tmp_path)
+    floats = {k: v for k, v in module.state_dict().items() if v.is_floating_point()}
+    key, value = min(floats.items(), key=lambda item: item[1].numel())
+    buffer = io.BytesIO()
+    torch.save({key: value}, buffer)
+    assert buffer.tell() < 4096 + value.numel() * value.element_size(), buffer.tell()
+
+
+def test_keep_vars_gives_the_modules_own_tensors_and_writes_through_them_land(tmp_path: Path) -> None:
+    module = _ema_module("auto")(tmp_path)
+    own = module.state_dict(keep_vars=True)
+    params = dict(module.named_parameters())
+    assert all(own[k] is p for k, p in params.items())
+    with torch.no_grad():
+        for v in own.values():
+            v.zero_()
+    assert all(not v.any() for v in module.state_dict().values())
+    copies = module.state_dict()
+    copies[next(iter(params))].fill_(1.0)  # a copy: the module is untouched
+    assert not next(iter(module.parameters())).any()
+
+
+def test_tied_weights_stay_one_entry_as_in_an_unflattened_model() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].weight = model[0].weight
+    flatten_model(model)
+    state = model.state_dict()
+    assert state["0.weight"] is state["1.weight"] and _covers_its_storage(state["0.weight"])
+    assert _storage_id(state["0.bias"]) != _storage_id(state["1.bias"])
+
+
+def test_unflatten_removes_the_hook_and_a_second_flatten_adds_one() -> None:
+    model = models.build("tiny_cnn")
+    flatten_model(model)
+    flatten_model(model)
+    assert len(model._state_dict_hooks) == 1
+    unflatten_model(model)
+    assert not model._state_dict_hooks
+    _assert_whole(model.state_dict())  # its own memory again
+
+
+def test_a_ddp_wrapped_flattened_model_saves_whole_under_its_prefix(tmp_path_factory) -> None:
+    with one_rank_group(tmp_path_factory.mktemp("pg")):
+        model = models.build("tiny_cnn")
+        flatten_model(model)
+        wrapped = nn.parallel.DistributedDataParallel(model)
+        state = wrapped.state_dict()
+        assert all(k.startswith("module.") for k in state)
+        _assert_whole(state)
+        ema = ModelEMA(wrapped)
+        ema.update(wrapped)
+        _assert_whole(ema.ema.state_dict())
+
+
+def test_a_submodule_saved_inside_its_parent_is_whole_under_its_prefix(tmp_path: Path) -> None:
+    ema = _ema_module("auto")(tmp_path)
+    holder = nn.Module()
+    holder.module = ema  # timm's ModelEmaV3 holds the EMA so: state_dict keys "module.<key>"
+    state = holder.state_dict()
+    _assert_whole(state)
+    _assert_equal({k.removeprefix("module."): v for k, v in state.items()}, ema.state_dict())
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_safetensors_save_file_save_model_and_load_model_keep_every_entry(name: str, tmp_path: Path) -> None:
+    st = pytest.importorskip(
+        "safetensors.torch", reason="safetensors is not installed (tests/trainers has it)"
+    )
+    module = MODULES[name](tmp_path)
+    want = {k: v.clone() for k, v in module.state_dict().items()}
+    st.save_file(module.state_dict(), tmp_path / "file.safetensors")
+    _assert_equal(st.load_file(tmp_path / "file.safetensors"), want)
+    st.save_model(module, tmp_path / "model.safetensors")
+    with torch.no_grad():
+        for v in module.state_dict(keep_vars=True).values():
+            v.zero_()
+    missing, unexpected = st.load_model(module, tmp_path / "model.safetensors")
+    assert not missing and not unexpected
+    _assert_equal(module.state_dict(), want)
