@@ -68,14 +68,18 @@ def view_like(part: Tensor, t: Tensor) -> Tensor:
 
 def into_one_buffer(tensors: Sequence[Tensor], like: Sequence[Tensor] | None = None) -> Tensor:
     """A new 1-D buffer holding ``tensors`` back to back in the dtype and device of ``like`` (default: the
-    tensors themselves, of one dtype and device); each becomes a view of it laid out as its ``like``
-    (:func:`view_like`)."""
+    tensors themselves, of one dtype and device); each becomes a view of its part, laid out as its ``like``
+    (:func:`view_like`), on a storage of its own: a slice of the buffer's, which keeps the buffer alive."""
     like = tensors if like is None else like
     buf = empty_flat(sum(t.numel() for t in tensors), like[0].dtype, like[0].device)
-    off = 0
+    storage, size, off = buf.untyped_storage(), buf.element_size(), buf.storage_offset()
     with torch.no_grad():
         for t, layout in zip(tensors, like):
-            view = view_like(buf[off : off + t.numel()], layout)
+            # Its own storage: accelerate and safetensors take tensors of one storage for tied weights (they
+            # keep one, or refuse one that does not cover it), torch.save writes a storage whole.
+            part = torch.empty(0, dtype=buf.dtype, device=buf.device)
+            part.set_(storage[off * size : (off + t.numel()) * size], 0, (t.numel(),), (1,))
+            view = view_like(part, layout)
             view.copy_(t)  # a fresh buffer: tensors that shared memory before are still read intact
             t.data = view  # keeps the Parameter object (optimizers, hooks and module slots hold it)
             off += t.numel()

@@ -14,7 +14,6 @@ from torch import Tensor, nn
 
 from .checks import check_decay, check_int, weight_of
 from .flat_step import CAT_MAX_NUMEL, FlatStep
-from .flatten import save_whole
 from .graph_step import GraphStep
 from .pairs import Pairs, collect_pairs
 from .ranks import RankDuties, is_fully_sharded
@@ -182,8 +181,6 @@ class BaseEMA(RankDuties):
             step = self._step_type(self._collect(model), model, self._options)
         if not step.ready(model):  # only a model changed meanwhile fails here
             raise RuntimeError("the model changed while its EMA step was being built")
-        for ema in self.emas:  # the step may have moved their tensors into buffers: saved as copies
-            save_whole(ema)
         self._step = step
         self.rebuilds += 1
         return step
@@ -224,13 +221,12 @@ class BaseEMA(RankDuties):
             step.apply(decays, weights)
         self.updates = n
 
-    def state_dict(self, keep_vars: bool = False) -> dict:
-        """What a resumed run needs to continue bit for bit: each EMA module's ``state_dict(keep_vars)``
-        (copies of the step's buffers' views, :func:`~ema_lab.flatten.save_whole`), the update count, and what
-        :meth:`load_state_dict` checks (the schedules, ``every``). A ValueError for a schedule without a name
-        of its own (a lambda): the checkpoint could not tell it from another."""
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue bit for bit: each EMA module's ``state_dict()`` (views, as
+        torch's), the update count, and what :meth:`load_state_dict` checks (the schedules, ``every``); a
+        ValueError for a schedule without a name of its own (a lambda), which a checkpoint cannot check."""
         schedules = [_name(s) for s in self.schedules]
-        emas = [e.state_dict(keep_vars=keep_vars) for e in self.emas]
+        emas = [e.state_dict() for e in self.emas]
         return {"emas": emas, "updates": self.updates, "schedules": schedules, "every": self.every}
 
     def load_state_dict(self, state: dict) -> None:
@@ -244,7 +240,7 @@ class BaseEMA(RankDuties):
 
     def _check_state(self, state: dict) -> None:
         """Raise the one-line ValueError of :meth:`load_state_dict` where ``state`` cannot be loaded."""
-        own = self.state_dict(keep_vars=True)  # the EMAs' own tensors: no copies
+        own = self.state_dict()
         if not isinstance(state, dict) or state.keys() != own.keys():
             raise ValueError(f"not a {type(self).__name__} state_dict: expected a dict of {sorted(own)}")
         for key in ("schedules", "every"):  # one schedule per EMA: their number is checked too
@@ -286,9 +282,9 @@ class ModelEMA(BaseEMA):
 
     ``decay``: a number in [0, 1] (ultralytics' ramp, with ``tau``), a schedule (:mod:`ema_lab.schedules`) or
     a list of them (one EMA each). With "flat" (what "auto" picks for ordinary tensors) the EMA's tensors are
-    views of one buffer per group (each in its memory format: channels_last stays so), and
-    ``ema.ema.state_dict()`` gives copies of them (what accelerate and safetensors save whole; write through
-    ``state_dict(keep_vars=True)``). ``cat_max_numel``: smaller model tensors are gathered by ``torch.cat``;
+    views of one buffer per group, each in its memory format (channels_last stays so) and on a storage of its
+    own (accelerate and safetensors save every entry). ``cat_max_numel``: smaller model tensors are gathered
+    by ``torch.cat``;
     ``cuda_graph=True`` (one CUDA device, "flat"): each update replays a CUDA graph
     (:mod:`ema_lab.graph_step`). Under DDP call ``ema.sync_buffers()`` on every rank before evaluating or
     saving. Not thread-safe: one ``update()`` at a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -84,10 +85,13 @@ def _check_held_outside(named: Sequence[tuple[str, Tensor]], on_storage: dict[in
         )
 
 
-def _copies_of_views(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
-    """``state_dict`` post-hook: each of ``module``'s entries that is a view of part of a larger storage (a
-    flat buffer) replaced by a copy of its own, one per tensor (tied weights stay one); ``keep_vars=True``
-    entries (the module's own tensors) are left as they are."""
+def _copies_of_views(owner: int, module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    """``state_dict`` post-hook of the flattened module ``owner`` (its ``id``): each of its entries that is a
+    view of part of a larger storage replaced by a copy, one per tensor (tied weights stay one); the module's
+    own tensors (``keep_vars=True``) left as they are. Inert in a deep or pickled copy: an EMA that writes
+    into its ``deepcopy(model).state_dict()`` (ultralytics', timm's) must reach its module."""
+    if id(module) != owner:
+        return
     own = {id(t) for t in (*module.parameters(), *module.buffers())}
     copies: dict[tuple, Tensor] = {}
     for key, t in state.items():
@@ -100,15 +104,9 @@ def _copies_of_views(module: nn.Module, state: dict, prefix: str, local_metadata
             state[key] = copies[same]
 
 
-def save_whole(module: nn.Module) -> None:
-    """Make ``module.state_dict()`` give a copy of each entry that is a view of a larger storage (once).
-
-    accelerate's ``save_model``/``save_state`` keep one entry per storage, and safetensors' ``save_model``
-    and ``load_model`` refuse a view that does not cover its storage: both would lose the tensors of a flat
-    buffer. A copy costs one pass at save time; the update keeps its one buffer. A module-level function,
-    so a ``deepcopy`` or ``torch.save`` of the module keeps it (a pickled one needs ema_lab to load)."""
-    if _copies_of_views not in module._state_dict_hooks.values():
-        module._register_state_dict_hook(_copies_of_views)  # the private name: torch 2.1 has no public one
+def _hooks(model: nn.Module) -> list[int]:
+    """The keys of the state_dict hooks of ``model`` that :func:`flatten_model` registered (or a copy's)."""
+    return [k for k, h in model._state_dict_hooks.items() if getattr(h, "func", None) is _copies_of_views]
 
 
 def _assign(moves: Sequence[tuple[Tensor, Tensor]]) -> None:
@@ -194,9 +192,10 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
     """Move the model's parameters and buffers into one buffer per (device, dtype); return the buffers.
 
     Every tensor keeps its object (optimizers, hooks and module slots still hold it), value, shape, strides
-    (channels_last stays so) and ``requires_grad``; tied weights move once; ``state_dict()`` then returns
-    copies (:func:`save_whole`: write through ``state_dict(keep_vars=True)``, the parameters or
-    ``load_state_dict``, never into its copies). Flatten before building the optimizer and the EMA. All is
+    (channels_last stays so) and ``requires_grad``; tied weights move once; ``model.state_dict()`` then
+    returns copies, which accelerate and safetensors save whole (write through ``state_dict(keep_vars=True)``,
+    the parameters or ``load_state_dict``; a deep or pickled copy of the model returns views until
+    ``flatten_model`` of it, which moves nothing). Flatten before building the optimizer and the EMA. All is
     checked first, and a failure while moving (out of memory) puts every tensor back. Refused, with a
     ``ValueError`` naming the tensor: a sparse, nested, quantized, meta, lazy or wrapper-subclass (DTensor)
     tensor, or strides with gaps or overlaps; two tensors whose memory overlaps (each would get its own copy);
@@ -209,7 +208,10 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
     (some CPUs' BLAS matrix-vector product) can differ in the last bit.
     """
     buffers = _flatten(_model_tensors(model))
-    save_whole(model)
+    # accelerate's save_model/save_state keep one entry per storage; safetensors' save_model/load_model refuse
+    # one that does not cover its storage: its state_dict() gives copies (one pass, at save time only).
+    if not any(model._state_dict_hooks[k].args == (id(model),) for k in _hooks(model)):
+        model._register_state_dict_hook(partial(_copies_of_views, id(model)))  # torch 2.1: no public name
     return buffers
 
 
@@ -219,5 +221,5 @@ def unflatten_model(model: nn.Module) -> None:
     still holds the buffers (what flatten_model returned, an EMA's step) keeps the old memory;
     ``state_dict()`` returns views again."""
     _unflatten(_model_tensors(model))
-    for key in [k for k, hook in model._state_dict_hooks.items() if hook is _copies_of_views]:
+    for key in _hooks(model):
         del model._state_dict_hooks[key]

@@ -156,17 +156,14 @@ class PostHocEMA(ModelEMA):
         if not self.enabled or (self.updates + 1) % self.snapshot_every:
             super().update(model)
             return
-        # The EMAs' own tensors (keep_vars): their state_dict() gives copies, which an undo would not reach.
-        copies = [
-            {k: v.detach().clone() for k, v in ema.state_dict(keep_vars=True).items()} for ema in self.emas
-        ]
+        copies = [{k: v.clone() for k, v in ema.state_dict().items()} for ema in self.emas]  # to undo it
         super().update(model)
         try:
             self.save()
         except BaseException:
             with torch.no_grad():  # in place: the step's buffers stay the EMAs' memory
                 for ema, copy in zip(self.emas, copies):
-                    for k, v in ema.state_dict(keep_vars=True).items():
+                    for k, v in ema.state_dict().items():
                         v.copy_(copy[k])
             self.updates -= 1  # as before it
             raise
@@ -185,9 +182,9 @@ class PostHocEMA(ModelEMA):
         save_step(self.folder, self.updates, states, self.run)
         self.saved = self.updates
 
-    def state_dict(self, keep_vars: bool = False) -> dict:
+    def state_dict(self) -> dict:
         """:meth:`ModelEMA.state_dict`, the run it continues and the last update it saved (``saved``)."""
-        return {**super().state_dict(keep_vars), "run": self.run, "saved": self.saved}
+        return {**super().state_dict(), "run": self.run, "saved": self.saved}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (:meth:`ModelEMA.load_state_dict`) and its run: the one resumed, if any.

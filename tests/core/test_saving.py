@@ -3,8 +3,9 @@
 The "flat" EMA's tensors, and a model's after ``flatten_model``, are views of one buffer. accelerate's
 ``save_model``/``save_state`` key each entry by its storage (``id_tensor_storage``: device, storage pointer,
 size) and keep one entry per storage; safetensors' ``save_model``/``load_model`` refuse an entry that does
-not cover its storage. So ``state_dict()`` gives such entries as copies of their own: checked here as those
-tools check (torch alone), through ``torch.save``, and through safetensors where it is installed.
+not cover its storage. So each of the EMA's tensors lies on a storage of its own (a slice of the buffer's),
+and a flattened model's ``state_dict()`` gives copies: checked here as those tools check (torch alone),
+through ``torch.save``, and through safetensors where it is installed.
 accelerate, Lightning and timm themselves: tests/trainers.
 """
 
@@ -96,6 +97,13 @@ def _assert_equal(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
         assert v.dtype == b[k].dtype and torch.equal(v, b[k]), k
 
 
+def _zero(state: dict[str, Tensor]) -> None:
+    """Zero every entry in place, through the dict's own tensors (as an EMA writes into a state_dict)."""
+    with torch.no_grad():
+        for v in state.values():
+            v.zero_()
+
+
 def _roundtrip(obj: object) -> object:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
@@ -115,12 +123,45 @@ def test_every_entry_is_its_own_storage_and_round_trips(name: str, tmp_path: Pat
     _assert_equal(fresh.state_dict(), state)
 
 
-@pytest.mark.parametrize("name", MODULES)
-def test_a_deep_copy_or_a_pickled_module_still_saves_whole(name: str, tmp_path: Path) -> None:
+EMAS = [name for name in MODULES if name != "flatten_model"]
+
+
+@pytest.mark.parametrize("name", EMAS)
+def test_an_emas_tensors_own_their_storages_through_a_deep_copy_or_pickle(name: str, tmp_path: Path) -> None:
     module = MODULES[name](tmp_path)
     for other in (deepcopy(module), _roundtrip(module), pickle.loads(pickle.dumps(module))):
         _assert_whole(other.state_dict())
         _assert_equal(other.state_dict(), module.state_dict())
+
+
+@pytest.mark.parametrize("name", EMAS)
+def test_an_emas_state_dict_is_views_writes_into_it_land(name: str, tmp_path: Path) -> None:
+    """No copies: ``v.copy_()`` into ``ema.ema.state_dict()`` (Lightning's, ultralytics' idiom) moves it."""
+    module = MODULES[name](tmp_path)
+    _zero(module.state_dict())
+    assert all(not t.any() for t in (*module.parameters(), *module.buffers()))
+
+
+def test_a_flattened_models_state_dict_is_copies_and_keep_vars_its_own_tensors(tmp_path: Path) -> None:
+    model = _flattened(tmp_path)
+    own = model.state_dict(keep_vars=True)
+    assert all(own[k] is p for k, p in model.named_parameters())
+    _zero(own)
+    assert all(not v.any() for v in model.state_dict().values())  # keep_vars: writes land
+    model.state_dict()["0.conv.weight"].fill_(1.0)  # a copy: the model is untouched
+    assert not model[0].conv.weight.any()
+
+
+def test_a_copy_of_a_flattened_model_gives_views_until_flattened_itself(tmp_path: Path) -> None:
+    """An EMA that deep-copies the model and writes into the copy's ``state_dict()`` (ultralytics', timm's
+    ModelEmaV3) still moves; ``flatten_model`` of the copy (it moves nothing) makes it save whole."""
+    model = _flattened(tmp_path)
+    for copy in (deepcopy(model), _roundtrip(model), pickle.loads(pickle.dumps(model))):
+        _assert_equal(copy.state_dict(), model.state_dict())
+        _zero(copy.state_dict())
+        assert all(not t.any() for t in (*copy.parameters(), *copy.buffers()))
+        flatten_model(copy)
+        _assert_whole(copy.state_dict())
 
 
 def test_one_entry_saved_alone_is_its_own_size_not_the_buffer(tmp_path: Path) -> None:
@@ -132,20 +173,6 @@ def test_one_entry_saved_alone_is_its_own_size_not_the_buffer(tmp_path: Path) ->
     assert buffer.tell() < 4096 + value.numel() * value.element_size(), buffer.tell()
 
 
-def test_keep_vars_gives_the_modules_own_tensors_and_writes_through_them_land(tmp_path: Path) -> None:
-    module = _ema_module("auto")(tmp_path)
-    own = module.state_dict(keep_vars=True)
-    params = dict(module.named_parameters())
-    assert all(own[k] is p for k, p in params.items())
-    with torch.no_grad():
-        for v in own.values():
-            v.zero_()
-    assert all(not v.any() for v in module.state_dict().values())
-    copies = module.state_dict()
-    copies[next(iter(params))].fill_(1.0)  # a copy: the module is untouched
-    assert not next(iter(module.parameters())).any()
-
-
 def test_tied_weights_stay_one_entry_as_in_an_unflattened_model() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model[1].weight = model[0].weight
@@ -155,7 +182,7 @@ def test_tied_weights_stay_one_entry_as_in_an_unflattened_model() -> None:
     assert _storage_id(state["0.bias"]) != _storage_id(state["1.bias"])
 
 
-def test_unflatten_removes_the_hook_and_a_second_flatten_adds_one() -> None:
+def test_unflatten_removes_the_hook_and_a_second_flatten_adds_none() -> None:
     model = models.build("tiny_cnn")
     flatten_model(model)
     flatten_model(model)
