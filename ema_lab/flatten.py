@@ -195,17 +195,17 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
     (channels_last stays so) and ``requires_grad``; tied weights move once; ``model.state_dict()`` then
     returns copies, which accelerate and safetensors save whole (write through ``state_dict(keep_vars=True)``,
     the parameters or ``load_state_dict``; a deep or pickled copy of the model returns views until
-    ``flatten_model`` of it, which moves nothing). Flatten before building the optimizer and the EMA. All is
-    checked first, and a failure while moving (out of memory) puts every tensor back. Refused, with a
-    ``ValueError`` naming the tensor: a sparse, nested, quantized, meta, lazy or wrapper-subclass (DTensor)
-    tensor, or strides with gaps or overlaps; two tensors whose memory overlaps (each would get its own copy);
-    a tensor whose storage more tensors hold than the model's (a ``.data`` or view kept by an optimizer or an
-    earlier EMA would keep the old memory; checked where torch has ``_storage_Use_Count``). A group that
-    already fills one buffer is not moved; pinned memory stays pinned; the buffers are normal tensors even
-    under inference_mode. Later, ``.to()``, ``.half()`` or a new parameter give tensors their own memory again
-    (correct, no longer one ``lerp_``), and a channels_last group is correct but not one ``lerp_``. The
-    tensors lie back to back, not on a fresh tensor's 64-byte boundary: a kernel that rounds by alignment
-    (some CPUs' BLAS matrix-vector product) can differ in the last bit.
+    ``flatten_model`` of it). Flatten before building the optimizer and the EMA. All is checked first, and a
+    failure while moving (out of memory) puts every tensor back. Refused, with a ``ValueError`` naming the
+    tensor: a sparse, nested, quantized, meta, lazy or wrapper-subclass (DTensor) tensor, or strides with gaps
+    or overlaps; two tensors whose memory overlaps (each would get its own copy); a tensor whose storage more
+    tensors hold than the model's (a ``.data`` or view kept by an optimizer or an earlier EMA would keep the
+    old memory; checked where torch has ``_storage_Use_Count``). A group that already fills one buffer is not
+    moved; pinned memory stays pinned; the buffers are normal tensors even under inference_mode. Later,
+    ``.to()``, ``.half()`` or a new parameter give tensors their own memory again (correct, no longer one
+    ``lerp_``), and a channels_last group is correct but not one ``lerp_``. The tensors lie back to back, not
+    on a fresh tensor's 64-byte boundary: a kernel that rounds by alignment (some CPUs' BLAS matrix-vector
+    product) can differ in the last bit.
     """
     buffers = _flatten(_model_tensors(model))
     # accelerate's save_model/save_state keep one entry per storage; safetensors' save_model/load_model refuse

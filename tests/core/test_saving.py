@@ -154,7 +154,7 @@ def test_a_flattened_models_state_dict_is_copies_and_keep_vars_its_own_tensors(t
 
 def test_a_copy_of_a_flattened_model_gives_views_until_flattened_itself(tmp_path: Path) -> None:
     """An EMA that deep-copies the model and writes into the copy's ``state_dict()`` (ultralytics', timm's
-    ModelEmaV3) still moves; ``flatten_model`` of the copy (it moves nothing) makes it save whole."""
+    ModelEmaV3) still moves; ``flatten_model`` of the copy makes it save whole."""
     model = _flattened(tmp_path)
     for copy in (deepcopy(model), _roundtrip(model), pickle.loads(pickle.dumps(model))):
         _assert_equal(copy.state_dict(), model.state_dict())
