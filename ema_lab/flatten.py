@@ -86,22 +86,18 @@ def _check_held_outside(named: Sequence[tuple[str, Tensor]], on_storage: dict[in
 
 
 def _copies_of_views(owner: int, module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
-    """``state_dict`` post-hook of the flattened module ``owner`` (its ``id``): each of its entries that is a
-    view of part of a larger storage replaced by a copy, one per tensor (tied weights stay one); the module's
-    own tensors (``keep_vars=True``) left as they are. Inert in a deep or pickled copy: an EMA that writes
-    into its ``deepcopy(model).state_dict()`` (ultralytics', timm's) must reach its module."""
+    """``state_dict`` post-hook of a flattened module (``owner``, its ``id``): each of its own entries that is
+    a view of part of a larger storage replaced by a copy; ``keep_vars=True`` entries (its own tensors) left
+    as they are. Inert in a deep or pickled copy: an EMA that writes into its ``deepcopy(model).state_dict()``
+    (ultralytics', timm's) must reach its module."""
     if id(module) != owner:
         return
-    own = {id(t) for t in (*module.parameters(), *module.buffers())}
-    copies: dict[tuple, Tensor] = {}
-    for key, t in state.items():
-        if not key.startswith(prefix) or not isinstance(t, Tensor) or id(t) in own or _refusal(t) is not None:
+    for name, t in (*module._parameters.items(), *module._buffers.items()):
+        saved = state.get(prefix + name)  # None: a non-persistent buffer
+        if saved is None or saved is t or _refusal(saved) is not None:
             continue
-        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
-            same = (t.data_ptr(), t.dtype, t.shape, t.stride())
-            if same not in copies:
-                copies[same] = t.clone()
-            state[key] = copies[same]
+        if saved.untyped_storage().nbytes() > saved.numel() * saved.element_size():
+            state[prefix + name] = saved.clone()
 
 
 def _hooks(model: nn.Module) -> list[int]:
@@ -169,7 +165,8 @@ def _unflatten(named: Sequence[tuple[str, Tensor]]) -> None:
     with torch.inference_mode(False), torch.no_grad():  # normal tensors, as in _flatten
         for _, t in movable:
             shared = len(on_storage[_storage_key(t)]) > 1
-            if shared or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            part = t.untyped_storage().nbytes() != t.numel() * t.element_size()
+            if shared or part or not t.untyped_storage().resizable():  # not resizable: a slice (an EMA's)
                 new = torch.empty_strided(  # dense (checked): its strides (channels_last) and pinning kept
                     t.shape, t.stride(), dtype=t.dtype, device=t.device, pin_memory=t.is_pinned()
                 )
@@ -209,9 +206,11 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
     """
     buffers = _flatten(_model_tensors(model))
     # accelerate's save_model/save_state keep one entry per storage; safetensors' save_model/load_model refuse
-    # one that does not cover its storage: its state_dict() gives copies (one pass, at save time only).
-    if not any(model._state_dict_hooks[k].args == (id(model),) for k in _hooks(model)):
-        model._register_state_dict_hook(partial(_copies_of_views, id(model)))  # torch 2.1: no public name
+    # one that does not cover its storage: each module's state_dict() gives copies (at save time only), a
+    # submodule's or an unwrapped one's too.
+    for m in model.modules():
+        if not any(m._state_dict_hooks[k].args == (id(m),) for k in _hooks(m)):
+            m._register_state_dict_hook(partial(_copies_of_views, id(m)))  # torch 2.1 has no public name
     return buffers
 
 
@@ -221,5 +220,6 @@ def unflatten_model(model: nn.Module) -> None:
     still holds the buffers (what flatten_model returned, an EMA's step) keeps the old memory;
     ``state_dict()`` returns views again."""
     _unflatten(_model_tensors(model))
-    for key in _hooks(model):
-        del model._state_dict_hooks[key]
+    for m in model.modules():
+        for key in _hooks(m):
+            del m._state_dict_hooks[key]

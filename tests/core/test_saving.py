@@ -173,33 +173,47 @@ def test_one_entry_saved_alone_is_its_own_size_not_the_buffer(tmp_path: Path) ->
     assert buffer.tell() < 4096 + value.numel() * value.element_size(), buffer.tell()
 
 
-def test_tied_weights_stay_one_entry_as_in_an_unflattened_model() -> None:
+def test_tied_weights_are_saved_under_both_names() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model[1].weight = model[0].weight
     flatten_model(model)
     state = model.state_dict()
-    assert state["0.weight"] is state["1.weight"] and _covers_its_storage(state["0.weight"])
-    assert _storage_id(state["0.bias"]) != _storage_id(state["1.bias"])
+    _assert_whole(state)
+    assert torch.equal(state["0.weight"], state["1.weight"])
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fresh.load_state_dict(_roundtrip(state))
+    _assert_equal(fresh.state_dict(), state)
+
+
+def test_a_submodule_of_a_flattened_model_saves_whole_too(tmp_path: Path) -> None:
+    model = _flattened(tmp_path)
+    _assert_whole(model[0].state_dict())  # saved on its own (a backbone, an unwrapped model)
+    _assert_equal(model[0].state_dict(), {k[2:]: v for k, v in model.state_dict().items() if k[:2] == "0."})
 
 
 def test_unflatten_removes_the_hook_and_a_second_flatten_adds_none() -> None:
     model = models.build("tiny_cnn")
     flatten_model(model)
     flatten_model(model)
-    assert len(model._state_dict_hooks) == 1
+    assert all(len(m._state_dict_hooks) == 1 for m in model.modules())
     unflatten_model(model)
-    assert not model._state_dict_hooks
+    assert not any(m._state_dict_hooks for m in model.modules())
     _assert_whole(model.state_dict())  # its own memory again
 
 
-def test_a_ddp_wrapped_flattened_model_saves_whole_under_its_prefix(tmp_path_factory) -> None:
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_ddp_wrapped_flattened_model_saves_whole_wrapped_or_not(tmp_path_factory, when: str) -> None:
     with one_rank_group(tmp_path_factory.mktemp("pg")):
         model = models.build("tiny_cnn")
-        flatten_model(model)
+        if when == "before":
+            flatten_model(model)
         wrapped = nn.parallel.DistributedDataParallel(model)
-        state = wrapped.state_dict()
+        if when == "after":
+            flatten_model(wrapped)
+        state = wrapped.state_dict()  # accelerate's save_state
         assert all(k.startswith("module.") for k in state)
         _assert_whole(state)
+        _assert_whole(model.state_dict())  # accelerate's save_model unwraps it
         ema = ModelEMA(wrapped)
         ema.update(wrapped)
         _assert_whole(ema.ema.state_dict())
@@ -230,3 +244,15 @@ def test_safetensors_save_file_save_model_and_load_model_keep_every_entry(name: 
     missing, unexpected = st.load_model(module, tmp_path / "model.safetensors")
     assert not missing and not unexpected
     _assert_equal(module.state_dict(), want)
+
+
+def test_unflatten_gives_an_emas_tensors_memory_apart_from_its_steps_buffer(tmp_path: Path) -> None:
+    model = models.build("tiny_cnn")
+    ema = ModelEMA(model)
+    ema.update(model)
+    before = {k: (v.data_ptr(), v.clone()) for k, v in ema.ema.state_dict().items()}
+    unflatten_model(ema.ema)  # each on a slice of the step's buffer: moved all the same
+    for k, v in ema.ema.state_dict().items():
+        assert v.data_ptr() != before[k][0] and torch.equal(v, before[k][1]), k
+    ema.update(model)
+    assert ema.rebuilds == 2
