@@ -493,7 +493,7 @@ def test_a_tensor_weight_where_foreach_is_fused_goes_as_views_of_one_filled_buff
 # silently is refused with one line naming the tensor, the model untouched, or kept and said so.
 
 
-#: The check of memory held outside the model reads storages' use counts (flatten.py says where it is skipped).
+#: The check of memory held outside the model reads storages' use counts (flatten.py: where it is skipped).
 USE_COUNT = pytest.mark.requires_torch("2.1", "torch._C._storage_Use_Count")
 
 
