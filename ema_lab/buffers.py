@@ -9,15 +9,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = [
-    "group",
-    "empty_flat",
-    "is_dense",
-    "view_like",
-    "into_one_buffer",
-    "whole_storage",
-    "tiles_in_order",
-]
+__all__ = ["group", "empty_flat", "is_dense", "view_like", "into_one_buffer", "whole_storage"]
+__all__ += ["tiles_in_order"]
 
 
 def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]:

@@ -284,11 +284,9 @@ class ModelEMA(BaseEMA):
     a list of them (one EMA each). With "flat" (what "auto" picks for ordinary tensors) the EMA's tensors are
     views of one buffer per group, each in its memory format (channels_last stays so) and on a storage of its
     own (accelerate and safetensors save every entry). ``cat_max_numel``: smaller model tensors are gathered
-    by ``torch.cat``;
-    ``cuda_graph=True`` (one CUDA device, "flat"): each update replays a CUDA graph
+    by ``torch.cat``; ``cuda_graph=True`` (one CUDA device, "flat"): each update replays a CUDA graph
     (:mod:`ema_lab.graph_step`). Under DDP call ``ema.sync_buffers()`` on every rank before evaluating or
-    saving. Not thread-safe: one ``update()`` at a
-    time (use a lock), and read ``.ema`` between updates.
+    saving. Not thread-safe: one ``update()`` at a time (use a lock), and read ``.ema`` between updates.
     """
 
     def _average_of(self, model: nn.Module) -> nn.Module:
