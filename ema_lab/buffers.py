@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["group", "empty_flat", "into_one_buffer", "whole_storage", "tiles_in_order"]
+__all__ = ["group", "empty_flat", "is_dense", "view_like", "into_one_buffer", "whole_storage"]
+__all__ += ["tiles_in_order"]
 
 
 def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]:
@@ -39,15 +40,39 @@ def empty_flat(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu
     return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=-start % _HUGE_PAGE)
 
 
-def into_one_buffer(tensors: Sequence[Tensor], like: Tensor | None = None) -> Tensor:
-    """A new 1-D buffer holding ``tensors`` back to back (one dtype and device, or ``like``'s); each becomes
-    a view of it."""
-    like = tensors[0] if like is None else like
-    buf = empty_flat(sum(t.numel() for t in tensors), like.dtype, like.device)
-    off = 0
+def is_dense(t: Tensor) -> bool:
+    """True when ``t`` fills ``t.numel()`` consecutive places of its storage in some dimension order
+    (contiguous, channels_last, transposed): no gap, no place read twice."""
+    if t.numel() == 0:
+        return True
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def view_like(part: Tensor, t: Tensor) -> Tensor:
+    """``part`` (1-D, ``t.numel()`` long) as ``t``'s shape, in ``t``'s strides where they are dense (its
+    memory format: channels_last stays so), else contiguous."""
+    return part.as_strided(t.shape, t.stride()) if is_dense(t) else part.view(t.shape)
+
+
+def into_one_buffer(tensors: Sequence[Tensor], like: Sequence[Tensor] | None = None) -> Tensor:
+    """A new 1-D buffer holding ``tensors`` back to back in the dtype and device of ``like`` (default: the
+    tensors themselves, of one dtype and device); each becomes a view of its part, laid out as its ``like``
+    (:func:`view_like`), on a storage of its own: a slice of the buffer's, which keeps the buffer alive."""
+    like = tensors if like is None else like
+    buf = empty_flat(sum(t.numel() for t in tensors), like[0].dtype, like[0].device)
+    storage, size, off = buf.untyped_storage(), buf.element_size(), buf.storage_offset()
     with torch.no_grad():
-        for t in tensors:
-            view = buf[off : off + t.numel()].view(t.shape)
+        for t, layout in zip(tensors, like):
+            # Its own storage: accelerate and safetensors take tensors of one storage for tied weights (they
+            # keep one, or refuse one that does not cover it), torch.save writes a storage whole.
+            part = torch.empty(0, dtype=buf.dtype, device=buf.device)
+            part.set_(storage[off * size : (off + t.numel()) * size], 0, (t.numel(),), (1,))
+            view = view_like(part, layout)
             view.copy_(t)  # a fresh buffer: tensors that shared memory before are still read intact
             t.data = view  # keeps the Parameter object (optimizers, hooks and module slots hold it)
             off += t.numel()

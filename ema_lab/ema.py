@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from copy import deepcopy
 from dataclasses import is_dataclass
@@ -49,9 +50,35 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def _name(schedule: Schedule) -> str:
-    """A schedule as a checkpoint names it: the call that makes it, or a function's qualified name."""
-    named = getattr(schedule, "__qualname__", repr(type(schedule)))
-    return repr(schedule) if is_dataclass(schedule) else named
+    """A schedule as a checkpoint names it: the call that makes it (a dataclass's repr, a ``partial`` of a
+    named function with plain values), or a function's qualified name; a ValueError naming the fix for one
+    whose name another function could share (a lambda, a nested function, a callable object)."""
+    if is_dataclass(schedule):
+        return repr(schedule)
+    if isinstance(schedule, partial):
+        values = (*schedule.args, *schedule.keywords.values())
+        if all(isinstance(v, (int, float, str, type(None))) for v in values):  # reprs that name the value
+            args = [*map(repr, schedule.args), *(f"{k}={v!r}" for k, v in schedule.keywords.items())]
+            return f"{_name(schedule.func)}({', '.join(args)})"
+    elif (inspect.isfunction(schedule) or inspect.isbuiltin(schedule)) and "<" not in schedule.__qualname__:
+        return schedule.__qualname__  # "<lambda>", "f.<locals>.g": shared by every lambda, every closure
+    raise ValueError(
+        f"the schedule {schedule!r} has no name a checkpoint can tell from another's: use a schedule of "
+        "ema_lab.schedules, a function defined at module level, a dataclass, or a partial of one of these"
+    )
+
+
+def _unfit(saved: object, mine: Tensor) -> str | None:
+    """Why a checkpoint's entry (of ``mine``'s shape) cannot be copied into ``mine``, or None."""
+    if not isinstance(saved, Tensor):
+        return f"a {type(saved).__name__}, not a tensor"
+    if saved.layout != torch.strided:
+        return f"a {saved.layout} tensor, not a dense one"
+    if saved.is_meta:
+        return "on the meta device: it holds no values (saved before the weights were materialized)"
+    if not torch.can_cast(saved.dtype, mine.dtype):  # complex to real, float to int: values of another kind
+        return f"{saved.dtype}, which does not cast to this EMA's {mine.dtype}"
+    return None
 
 
 class BaseEMA(RankDuties):
@@ -196,14 +223,23 @@ class BaseEMA(RankDuties):
 
     def state_dict(self) -> dict:
         """What a resumed run needs to continue bit for bit: each EMA module's ``state_dict()`` (views, as
-        torch's), the update count, and what :meth:`load_state_dict` checks (the schedules, ``every``)."""
-        emas, schedules = [e.state_dict() for e in self.emas], [_name(s) for s in self.schedules]
+        torch's), the update count, and what :meth:`load_state_dict` checks (the schedules, ``every``); a
+        ValueError for a schedule without a name of its own (a lambda), which a checkpoint cannot check."""
+        schedules = [_name(s) for s in self.schedules]
+        emas = [e.state_dict() for e in self.emas]
         return {"emas": emas, "updates": self.updates, "schedules": schedules, "every": self.every}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (:meth:`state_dict`'s, loaded with ``torch.load(weights_only=True)``):
-        copied into the EMA's tensors in place; a checkpoint of another schedule, ``every`` or model is
-        refused with a one-line ValueError before anything changes."""
+        copied into the EMA's tensors in place; a checkpoint of another schedule, ``every`` or model, or an
+        entry torch could not copy, is refused with a one-line ValueError before anything changes."""
+        self._check_state(state)
+        for ema, saved in zip(self.emas, state["emas"]):
+            ema.load_state_dict(saved)  # in place: the cached step keeps its tensors
+        self.updates = state["updates"]
+
+    def _check_state(self, state: dict) -> None:
+        """Raise the one-line ValueError of :meth:`load_state_dict` where ``state`` cannot be loaded."""
         own = self.state_dict()
         if not isinstance(state, dict) or state.keys() != own.keys():
             raise ValueError(f"not a {type(self).__name__} state_dict: expected a dict of {sorted(own)}")
@@ -220,9 +256,9 @@ class BaseEMA(RankDuties):
                 raise ValueError(
                     f"the checkpoint is another model's: entries {diff[:3]} differ in name or shape"
                 )
-        for ema, saved in zip(self.emas, state["emas"]):
-            ema.load_state_dict(saved)  # in place: the cached step keeps its tensors
-        self.updates = state["updates"]
+            for key, value in saved.items():  # torch would copy the entries before it, then raise
+                if why := _unfit(value, mine[key]):
+                    raise ValueError(f"the checkpoint's entry {key!r} is {why}: nothing was loaded")
 
     def __getstate__(self) -> dict:
         # The cached step holds weak references and module dicts: dropped, the next update() rebuilds it.
@@ -246,11 +282,11 @@ class ModelEMA(BaseEMA):
 
     ``decay``: a number in [0, 1] (ultralytics' ramp, with ``tau``), a schedule (:mod:`ema_lab.schedules`) or
     a list of them (one EMA each). With "flat" (what "auto" picks for ordinary tensors) the EMA's tensors are
-    views of one buffer per group: a saved *subset* of its state_dict stores the whole buffer (clone it
-    first). ``cat_max_numel``: smaller model tensors are gathered by ``torch.cat``; ``cuda_graph=True`` (one
-    CUDA device, "flat"): each update replays a CUDA graph (:mod:`ema_lab.graph_step`). Under DDP call
-    ``ema.sync_buffers()`` on every rank before evaluating or saving. Not thread-safe: one ``update()`` at a
-    time (use a lock), and read ``.ema`` between updates.
+    views of one buffer per group, each in its memory format (channels_last stays so) and on a storage of its
+    own (accelerate and safetensors save every entry). ``cat_max_numel``: smaller model tensors are gathered
+    by ``torch.cat``; ``cuda_graph=True`` (one CUDA device, "flat"): each update replays a CUDA graph
+    (:mod:`ema_lab.graph_step`). Under DDP call ``ema.sync_buffers()`` on every rank before evaluating or
+    saving. Not thread-safe: one ``update()`` at a time (use a lock), and read ``.ema`` between updates.
     """
 
     def _average_of(self, model: nn.Module) -> nn.Module:

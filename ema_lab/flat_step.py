@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _foreach_utils
 
-from .buffers import empty_flat, group, into_one_buffer, tiles_in_order, whole_storage
+from .buffers import empty_flat, group, into_one_buffer, tiles_in_order, view_like, whole_storage
 from .checks import validate_pairs
 from .gates import foreach_lerp_supported
 from .pairs import Pairs, Slot
@@ -53,7 +53,10 @@ class _OneLerpGroup:
         same = fused and model[0].dtype == first.dtype
         self.source = self.model if same else empty_flat(first.numel(), first.dtype, first.device)
         off = [0, *accumulate(m.numel() for m in model)]
-        self.views = [] if fused else [self.source[a:b].view(m.shape) for a, b, m in zip(off, off[1:], model)]
+        # The model cast into scratch laid out as the EMA (its memory format): one lerp_ pairs their elements.
+        self.views = (
+            [] if fused else [view_like(self.source[a:b], e) for a, b, e in zip(off, off[1:], emas[0])]
+        )
 
     def read(self) -> None:
         if self.mode == "cast":
@@ -75,12 +78,15 @@ class _SameDtypeGroup:
     def __init__(
         self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], cat_max_numel: int
     ) -> None:
-        # Contiguous and in the EMA's shape (a strided or re-viewed one goes with the large, through an alias
-        # shaped like the EMA's): the gather's values then lie as the EMA's do.
+        # Contiguous, the EMA's too, and in the EMA's shape (a strided or re-viewed one goes with the large,
+        # through an alias shaped like the EMA's): the gather's values then lie as the EMA's do.
         small = [
             i
             for i, m in enumerate(model)
-            if m.numel() < cat_max_numel and m.is_contiguous() and getitem(*slots[i]).shape == m.shape
+            if m.numel() < cat_max_numel
+            and m.is_contiguous()
+            and emas[0][i].is_contiguous()
+            and getitem(*slots[i]).shape == m.shape
         ]
         # The large tensors that take a dense weight (see lerp) first: one slice of the lists holds them.
         large = sorted(set(range(len(model))) - set(small))
@@ -152,9 +158,9 @@ class _SameDtypeGroup:
 
 def _buffers(emas: list[list[Tensor]], order: Sequence[int]) -> list[Tensor]:
     """Each EMA's tensors (``emas[k][i]``) moved, in ``order``, into a new buffer laid out like the first
-    EMA's (its dtype and device): the same offsets in every buffer."""
-    first = into_one_buffer([emas[0][i] for i in order])
-    return [first, *(into_one_buffer([e[i] for i in order], like=first) for e in emas[1:])]
+    EMA's (its dtype, device and memory formats): the same element at the same offset in every buffer."""
+    first = [emas[0][i] for i in order]
+    return [into_one_buffer(first), *(into_one_buffer([e[i] for i in order], like=first) for e in emas[1:])]
 
 
 def _runs(numels: list[int], limit: int) -> list[range]:
@@ -198,7 +204,8 @@ class FlatStep:
         for idx in group(range(len(floats)), lambda i: (first[i].device, first[i].dtype, mod[i].dtype)):
             es, ms = [[e[i] for i in idx] for e in emas], [mod[i] for i in idx]
             slots = [floats[i].model_slot for i in idx]
-            fused = tiles_in_order(sorted(ms, key=Tensor.storage_offset))
+            tiled = tiles_in_order(sorted(ms, key=Tensor.storage_offset))
+            fused = tiled and all(e.is_contiguous() for e in es[0])  # one lerp_: one element order
             if fused or ms[0].dtype != es[0][0].dtype:
                 self.groups.append(_OneLerpGroup(es, ms, slots, fused))
             else:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 
-from .buffers import empty_flat, group, tiles_in_order, whole_storage
+from .buffers import empty_flat, group, is_dense, tiles_in_order, whole_storage
 from .pairs import unique
 
 __all__ = ["flatten_model", "unflatten_model", "flatten_tensors"]
@@ -17,19 +18,6 @@ __all__ = ["flatten_model", "unflatten_model", "flatten_tensors"]
 #: A private binding of torch (from 2.1; absent from CPU-only builds before mid-2025): how many tensors hold a
 #: storage. Without it flatten_model cannot see memory held outside the model, and does not check it.
 USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _is_dense(t: Tensor) -> bool:
-    """True when ``t`` fills ``t.numel()`` consecutive places of its storage in some dimension order
-    (contiguous, channels_last, transposed): no gap, no place read twice."""
-    if t.numel() == 0:
-        return True
-    expected = 1
-    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _refusal(t: Tensor) -> str | None:
@@ -44,7 +32,7 @@ def _refusal(t: Tensor) -> str | None:
         return "a quantized tensor cannot be a view of a plain buffer"
     if t.device.type == "meta":
         return "a meta tensor has no memory: flatten once the model is materialized"
-    if not _is_dense(t):
+    if not is_dense(t):
         shape = tuple(t.shape)
         return f"strides {t.stride()} of shape {shape} leave gaps or overlap (an expand or a strided slice)"
     return None
@@ -97,6 +85,26 @@ def _check_held_outside(named: Sequence[tuple[str, Tensor]], on_storage: dict[in
         )
 
 
+def _copies_of_views(owner: int, module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    """``state_dict`` post-hook of a flattened module (``owner``, its ``id``): each of its own entries that is
+    a view of part of a larger storage replaced by a copy; ``keep_vars=True`` entries (its own tensors) left
+    as they are. Inert in a deep or pickled copy: an EMA that writes into its ``deepcopy(model).state_dict()``
+    (ultralytics', timm's) must reach its module."""
+    if id(module) != owner:
+        return
+    for name, t in (*module._parameters.items(), *module._buffers.items()):
+        saved = state.get(prefix + name)  # None: a non-persistent buffer
+        if saved is None or saved is t or _refusal(saved) is not None:
+            continue
+        if saved.untyped_storage().nbytes() > saved.numel() * saved.element_size():
+            state[prefix + name] = saved.clone()
+
+
+def _hooks(model: nn.Module) -> list[int]:
+    """The keys of the state_dict hooks of ``model`` that :func:`flatten_model` registered (or a copy's)."""
+    return [k for k, h in model._state_dict_hooks.items() if getattr(h, "func", None) is _copies_of_views]
+
+
 def _assign(moves: Sequence[tuple[Tensor, Tensor]]) -> None:
     """Point each tensor at its new memory (``.data``, so optimizers, hooks and module slots keep the
     object); if one fails, every tensor already pointed is put back."""
@@ -122,7 +130,7 @@ def _flatten(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
     groups = [[named[i] for i in idx] for idx in by_kind]
     # A group that tiles one storage (disjoint: checked above) is flat already: a second call moves nothing.
     flat_already = [
-        tiles_in_order(sorted((t for _, t in g), key=Tensor.storage_offset), _is_dense) for g in groups
+        tiles_in_order(sorted((t for _, t in g), key=Tensor.storage_offset), is_dense) for g in groups
     ]
     _check_held_outside([item for g, done in zip(groups, flat_already) if not done for item in g], on_storage)
     buffers, moves = [], []
@@ -157,7 +165,8 @@ def _unflatten(named: Sequence[tuple[str, Tensor]]) -> None:
     with torch.inference_mode(False), torch.no_grad():  # normal tensors, as in _flatten
         for _, t in movable:
             shared = len(on_storage[_storage_key(t)]) > 1
-            if shared or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            part = t.untyped_storage().nbytes() != t.numel() * t.element_size()
+            if shared or part or not t.untyped_storage().resizable():  # not resizable: a slice (an EMA's)
                 new = torch.empty_strided(  # dense (checked): its strides (channels_last) and pinning kept
                     t.shape, t.stride(), dtype=t.dtype, device=t.device, pin_memory=t.is_pinned()
                 )
@@ -180,8 +189,10 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
     """Move the model's parameters and buffers into one buffer per (device, dtype); return the buffers.
 
     Every tensor keeps its object (optimizers, hooks and module slots still hold it), value, shape, strides
-    (channels_last stays so) and ``requires_grad``; tied weights move once; ``state_dict()`` then returns
-    views of the buffers. Flatten before building the optimizer and the EMA. All is checked first, and a
+    (channels_last stays so) and ``requires_grad``; tied weights move once; ``model.state_dict()`` then
+    returns copies, which accelerate and safetensors save whole (write through ``state_dict(keep_vars=True)``,
+    the parameters or ``load_state_dict``; a deep or pickled copy of the model returns views until
+    ``flatten_model`` of it). Flatten before building the optimizer and the EMA. All is checked first, and a
     failure while moving (out of memory) puts every tensor back. Refused, with a ``ValueError`` naming the
     tensor: a sparse, nested, quantized, meta, lazy or wrapper-subclass (DTensor) tensor, or strides with gaps
     or overlaps; two tensors whose memory overlaps (each would get its own copy); a tensor whose storage more
@@ -193,11 +204,22 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
     on a fresh tensor's 64-byte boundary: a kernel that rounds by alignment (some CPUs' BLAS matrix-vector
     product) can differ in the last bit.
     """
-    return _flatten(_model_tensors(model))
+    buffers = _flatten(_model_tensors(model))
+    # accelerate's save_model/save_state keep one entry per storage; safetensors' save_model/load_model refuse
+    # one that does not cover its storage: each module's state_dict() gives copies (at save time only), a
+    # submodule's or an unwrapped one's too.
+    for m in model.modules():
+        if not any(m._state_dict_hooks[k].args == (id(m),) for k in _hooks(m)):
+            m._register_state_dict_hook(partial(_copies_of_views, id(m)))  # torch 2.1 has no public name
+    return buffers
 
 
 def unflatten_model(model: nn.Module) -> None:
     """Give every parameter and buffer of ``model`` that shares a buffer its own memory again (undoes
     :func:`flatten_model`; strides kept; all or nothing; overlapping tensors refused as there). Whatever
-    still holds the buffers (what flatten_model returned, an EMA's step) keeps the old memory."""
+    still holds the buffers (what flatten_model returned, an EMA's step) keeps the old memory;
+    ``state_dict()`` returns views again."""
     _unflatten(_model_tensors(model))
+    for m in model.modules():
+        for key in _hooks(m):
+            del m._state_dict_hooks[key]

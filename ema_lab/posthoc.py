@@ -17,11 +17,11 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from .checks import check_gamma, check_int, one_of, require
+from .checks import check_gamma, check_int, is_int, one_of, require
 from .ema import ModelEMA
 from .pairs import key_diff
 from .schedules import power, sigma_rel_to_gamma
-from .snapshots import check_folder, check_step, list_snapshots, read_snapshot, save_step
+from .snapshots import check_folder, check_step, list_snapshots, read_snapshot, remove_step, save_step
 
 __all__ = ["PostHocEMA", "power_inner_products", "solve_weights", "synthesize"]
 
@@ -137,7 +137,7 @@ class PostHocEMA(ModelEMA):
         self.folder, self.snapshot_every = check_folder(folder), snapshot_every  # a bad folder fails here
         listed = list_snapshots(self.folder)
         if later := [s.step for s in listed if s.step > updates]:
-            why = "resume with updates=<a saved update> or give an empty folder"
+            why = f"resume with updates={max(later)} (then load any checkpoint of it) or give an empty folder"
             raise ValueError(f"{self.folder} holds snapshots up to update {max(later)}: {why}")
         super().__init__(model, decay=schedules, updates=updates, strategy="flat")
         self.run, self.saved = secrets.token_hex(8), updates  # the last update this run saved (or resumed at)
@@ -170,25 +170,40 @@ class PostHocEMA(ModelEMA):
 
     def save(self) -> None:
         """Save every EMA's snapshot of this update as one step, complete or none; refused where the folder
-        holds a later update than this run saved (another run writes there)."""
-        if later := [s.step for s in list_snapshots(self.folder) if s.step > self.saved]:
+        holds a later update than this run saved of another run (it writes there). This run's own later
+        steps were saved after the checkpoint it resumed from (:meth:`load_state_dict`): removed first."""
+        later = [s for s in list_snapshots(self.folder) if s.step > self.saved]
+        if others := [s.step for s in later if read_snapshot(s)["run"] != self.run]:
             why = f"after run {self.run}'s last save ({self.saved}): another run writes there"
-            raise ValueError(f"{self.folder} holds update {max(later)}, {why}; give each run its own folder")
+            raise ValueError(f"{self.folder} holds update {max(others)}, {why}; give each run its own folder")
+        for step in sorted({s.step for s in later}, reverse=True):  # the latest first: a prefix stays
+            remove_step(self.folder, step)
         states = {s.gamma: e.state_dict() for e, s in zip(self.emas, self.schedules)}
         save_step(self.folder, self.updates, states, self.run)
         self.saved = self.updates
 
     def state_dict(self) -> dict:
-        """:meth:`ModelEMA.state_dict` and the run it continues."""
-        return {**super().state_dict(), "run": self.run}
+        """:meth:`ModelEMA.state_dict`, the run it continues and the last update it saved (``saved``)."""
+        return {**super().state_dict(), "run": self.run, "saved": self.saved}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state`` (:meth:`ModelEMA.load_state_dict`) and its run: the one resumed, if any."""
-        run = state.get("run", self.run) if isinstance(state, dict) else self.run  # no run: the base refuses
-        if self.saved and run != self.run:
-            raise ValueError(f"the state is of run {run!r}, the snapshots in {self.folder} of {self.run!r}")
+        """Continue from ``state`` (:meth:`ModelEMA.load_state_dict`) and its run: the one resumed, if any.
+        The steps that run saved after ``state``'s last save are replaced as it saves again (:meth:`save`)."""
+        if isinstance(state, dict) and "saved" not in state:  # a state saved before it held "saved": as then
+            state = {**state, "saved": self.saved}
         super().load_state_dict(state)
-        self.run = run
+        self.run, self.saved = state["run"], state["saved"]
+
+    def _check_state(self, state: dict) -> None:
+        super()._check_state(state)  # a dict of the keys of state_dict(), "updates" an int
+        if self.saved and state["run"] != self.run:
+            raise ValueError(
+                f"the state is of run {state['run']!r}, the snapshots in {self.folder} of {self.run!r}"
+            )
+        if not (is_int(state["saved"]) and 0 <= state["saved"] <= state["updates"]):
+            raise ValueError(
+                f"the state's saved is {state['saved']!r}: need an int in [0, {state['updates']}]"
+            )
 
     def synthesize(self, sigma_rel: float, step: int | None = None) -> dict[str, Tensor]:
         """The state_dict of the EMA of length ``sigma_rel`` at ``step`` (default: the last snapshot)."""

@@ -1,7 +1,7 @@
 """The post-hoc EMA's snapshot store: ``step-<step, 12 digits or more>/g<repr(gamma)>.pt``, each file a
 ``torch.save`` of :data:`FIELDS` naming its run. :func:`save_step` writes a step under a hidden name, flushes
 it to disk, then renames it in one call: a reader sees it whole or not at all, and a saved step is never
-replaced.
+replaced (:func:`remove_step` removes one, also in one call).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from torch import Tensor
 
 from .checks import check_gamma, is_int, require
 
-__all__ = ["Snapshot", "check_folder", "save_step", "list_snapshots", "load_snapshot", "read_snapshot"]
+__all__ = ["Snapshot", "check_folder", "save_step", "remove_step", "list_snapshots", "load_snapshot"]
+__all__ += ["read_snapshot"]
 
 #: What a snapshot file says it is (its ``"format"`` entry).
 FORMAT = "ema_lab snapshot 3"
@@ -89,6 +90,11 @@ def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
             os.close(fd)
 
 
+def _hidden(folder: Path, step: int) -> Path:
+    """A new hidden name for a step's folder while it is written or removed (:data:`_TMP`)."""
+    return folder / f".step-{step:012d}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
 def save_step(
     folder: str | os.PathLike, step: int, states: Mapping[float, Mapping[str, Tensor]], run: str | None = None
 ) -> Path:
@@ -112,7 +118,7 @@ def save_step(
     taken = ValueError(f"{final} exists: a saved step is never replaced")
     if final.exists() or final.is_symlink():  # early and cheap; the rename below decides
         raise taken
-    tmp = folder / f".step-{step:012d}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    tmp = _hidden(folder, step)
     try:
         os.mkdir(tmp)
         for gamma, tensors in states.items():
@@ -140,6 +146,21 @@ def save_step(
     except OSError as e:  # the step is saved and visible; whether it would outlive a power cut is not known
         raise OSError(e.errno, f"step {step} saved to {final}, but {folder} not flushed: {e.strerror}") from e
     return final
+
+
+def remove_step(folder: str | os.PathLike, step: int) -> None:
+    """Remove ``folder/step-<step>/`` as a reader sees it, in one call (renamed to a hidden temporary, then
+    deleted: a killed removal leaves a temporary that :func:`check_folder` removes)."""
+    check_step("step", step)
+    folder = Path(folder)
+    tmp = _hidden(folder, step)
+    try:
+        os.rename(folder / f"step-{step:012d}", tmp)
+    except OSError as e:
+        raise OSError(
+            e.errno, f"step {step} not removed from {folder}: {e.strerror or _first_line(e)}"
+        ) from e
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def list_snapshots(folder: str | os.PathLike) -> list[Snapshot]:

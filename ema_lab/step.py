@@ -146,9 +146,9 @@ class Counters:
         ema = [e.emas[k] for k in range(pairs.count) for e in pairs.counters]
         model = [e.model for e in pairs.counters] * pairs.count
         self.copies: list[tuple[Tensor, list[Tensor]]] = []  # (EMA buffer, 1-D model aliases or the storage)
-        strided = [i for i, m in enumerate(model) if not m.is_contiguous()]
+        flat = [i for i, m in enumerate(model) if m.is_contiguous() and ema[i].is_contiguous()]  # one order
+        strided = sorted(set(range(len(model))) - set(flat))
         self.strided = ([ema[i] for i in strided], [model[i].detach() for i in strided])
-        flat = [i for i, m in enumerate(model) if m.is_contiguous()]
         for idx in group(flat, lambda i: (ema[i].device, ema[i].dtype, model[i].dtype)):
             aliases = [model[i].detach().view(-1) for i in idx]
             buf = into_one_buffer([ema[i] for i in idx])

@@ -18,8 +18,9 @@ from ema_lab.bench.seed import lerp_float_entries
 
 
 def float_entries(module: torch.nn.Module) -> dict[str, Tensor]:
-    """The floating-point state_dict entries (what every EMA averages)."""
-    return {k: v for k, v in module.state_dict().items() if v.is_floating_point()}
+    """The floating-point state_dict entries (what every EMA averages), the module's own tensors detached: a
+    write into one reaches the module, also after flatten_model (whose ``state_dict()`` gives copies)."""
+    return {k: v.detach() for k, v in module.state_dict(keep_vars=True).items() if v.is_floating_point()}
 
 
 def reference_step(ref: list[Tensor], model: list[Tensor], d: float) -> None:

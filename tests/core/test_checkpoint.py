@@ -4,7 +4,10 @@ for bit, and a checkpoint of another model or schedule is refused with the EMA l
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Iterator
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from torch import nn
 
 from ema_lab import ModelEMA, ShardedModelEMA
 from ema_lab.bench.models import build
-from ema_lab.schedules import power, ramp, warmup
+from ema_lab.schedules import Schedule, power, ramp, warmup
 
 from ..helpers import one_rank_group
 
@@ -192,6 +195,116 @@ def test_a_negative_update_count_is_refused() -> None:
     model = build("tiny_cnn")
     state = {**_checkpoint(model), "updates": -1}
     _refused(ModelEMA(build("tiny_cnn")), state, r"^updates must be an int >= 0, got -1$")
+
+
+# --- a schedule's name (issue #62, item 5) ----------------------------------------------------------------
+
+
+def _half_life(h: float, n: int) -> float:
+    """A schedule of the user's, defined at module level: ``partial(_half_life, h)`` names it by ``h``."""
+    return 0.5 ** (1 / h)
+
+
+def _call(schedule: Schedule, n: int) -> float:
+    return schedule(n)
+
+
+def _closure(d: float) -> Schedule:
+    def schedule(n: int) -> float:
+        return d
+
+    return schedule
+
+
+class _Fixed:
+    """A callable object, not a dataclass: its name says nothing of its decay."""
+
+    def __init__(self, d: float) -> None:
+        self.d = d
+
+    def __call__(self, n: int) -> float:
+        return self.d
+
+
+UNNAMED = {
+    "lambda": lambda n: 0.5,
+    "nested function": _closure(0.5),
+    "callable object": _Fixed(0.5),
+    "partial of a lambda": partial(lambda d, n: d, 0.5),
+    "partial of an object": partial(_call, _Fixed(0.5)),
+}
+
+
+@pytest.mark.parametrize("decay", UNNAMED.values(), ids=UNNAMED)
+def test_a_schedule_two_functions_could_share_the_name_of_is_refused_naming_the_fix(decay) -> None:
+    model = build("tiny_cnn")
+    ema = ModelEMA(model, decay=decay)
+    ema.update(model)
+    with pytest.raises(ValueError, match="no name .* a function defined at module level, a dataclass") as e:
+        ema.state_dict()
+    assert "\n" not in str(e.value)
+    # A checkpoint an older ema_lab saved as "<lambda>": loading into such an EMA is refused the same way.
+    old = {**_checkpoint(build("tiny_cnn")), "schedules": ["<lambda>"]}
+    _refused(ema, old, "no name a checkpoint can tell from another's")
+
+
+def test_named_functions_and_partials_of_them_load_only_into_their_own() -> None:
+    state = _checkpoint(build("tiny_cnn"), decay=partial(_half_life, 10))
+    assert state["schedules"] == ["_half_life(10)"]
+    model = build("tiny_cnn")
+    _refused(
+        ModelEMA(model, decay=partial(_half_life, 20)),
+        state,
+        r"schedules .*_half_life\(10\).*_half_life\(20\)",
+    )
+    _refused(
+        ModelEMA(model, decay=_half_life), state, r"is \['_half_life\(10\)'\], this EMA's \['_half_life'\]"
+    )
+    ModelEMA(model, decay=partial(_half_life, h=10)).load_state_dict(
+        {**state, "schedules": ["_half_life(h=10)"]}
+    )
+    ModelEMA(model, decay=partial(_half_life, 10)).load_state_dict(state)
+
+
+# --- every entry checked before any is copied (issue #62, item 6) -----------------------------------------
+
+BAD_ENTRIES = {
+    "meta": (lambda t: t.to("meta"), r"is on the meta device: it holds no values"),
+    "sparse": (lambda t: t.to_sparse(), r"is a torch.sparse_coo tensor, not a dense one"),
+    "complex": (
+        lambda t: t.to(torch.complex64),
+        r"is torch.complex64, which does not cast to .* torch.float32",
+    ),
+    "not a tensor": (lambda t: SimpleNamespace(shape=t.shape), r"is a SimpleNamespace, not a tensor"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_ENTRIES)
+def test_an_entry_torch_could_not_copy_is_refused_before_any_is_copied(bad: str) -> None:
+    """The bad entry last: torch would have copied every other one before it raised."""
+    make, match = BAD_ENTRIES[bad]
+    state = _checkpoint(build("tiny_cnn"))
+    entries = state["emas"][0]
+    key = [k for k, v in entries.items() if v.is_floating_point()][-1]
+    state["emas"] = [{**{k: v for k, v in entries.items() if k != key}, key: make(entries[key])}]
+    model = build("tiny_cnn")
+    ema = ModelEMA(model)
+    ema.update(model)
+    _refused(ema, state, rf"^the checkpoint's entry '{re.escape(key)}' {match}.*: nothing was loaded$")
+
+
+def test_a_counter_saved_as_float_is_refused_and_a_float64_checkpoint_loads() -> None:
+    state = _checkpoint(build("tiny_cnn"))
+    entries = state["emas"][0]
+    counter = next(k for k, v in entries.items() if not v.is_floating_point())
+    model = build("tiny_cnn")
+    ema = ModelEMA(model)
+    ema.update(model)
+    floated = {**state, "emas": [{**entries, counter: entries[counter].float()}]}
+    _refused(ema, floated, rf"'{re.escape(counter)}' is torch.float32, which does not cast to .* torch.int64")
+    doubled = {k: v.double() if v.is_floating_point() else v for k, v in entries.items()}
+    ema.load_state_dict({**state, "emas": [doubled]})  # float64 into float32: cast, as torch's load does
+    _assert_same(ema.ema.state_dict(), {k: v.to(entries[k].dtype) for k, v in doubled.items()})
 
 
 def test_module_is_the_ema_under_torch_and_timms_name() -> None:

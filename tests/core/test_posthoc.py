@@ -16,7 +16,7 @@ from ema_lab import ModelEMA, PostHocEMA, flatten_model
 from ema_lab.bench import models
 from ema_lab.posthoc import power_inner_products, solve_weights, synthesize
 from ema_lab.schedules import power
-from ema_lab.snapshots import check_folder, list_snapshots, save_step
+from ema_lab.snapshots import check_folder, list_snapshots, read_snapshot, save_step
 
 from ..helpers import float_entries
 
@@ -357,6 +357,82 @@ def test_a_resumed_run_from_its_state_dict_equals_one_that_never_stopped_bit_for
     for a, b in zip(list_snapshots(tmp_path / "whole"), list_snapshots(tmp_path / "resumed")):
         assert (a.step, a.gamma) == (b.step, b.gamma)
     assert all(torch.equal(v, whole.synthesize(0.075)[k]) for k, v in resumed.synthesize(0.075).items())
+
+
+def test_a_run_resumed_from_a_checkpoint_older_than_its_last_snapshot_continues_bit_for_bit(tmp_path) -> None:
+    """Checkpointed at update 5 (last saved: 3), snapshot 6 written, then the run stops: resumed from the
+    snapshots of 6 and the checkpoint of 5, it replaces step 6 when it saves it again, and every EMA, every
+    snapshot and the synthesis equal an uninterrupted run's (issue #62, item 7)."""
+    model, again = models.build("tiny_cnn"), models.build("tiny_cnn")
+    whole = PostHocEMA(model, tmp_path / "whole", snapshot_every=3)
+    first = PostHocEMA(again, tmp_path / "resumed", snapshot_every=3)
+    for step in range(1, 7):
+        for m, ema in ((model, whole), (again, first)):
+            _train_step(m, step)
+            ema.update(m)
+        if step == 5:
+            saved = {
+                "ema": first.state_dict(),
+                "model": {k: v.clone() for k, v in again.state_dict().items()},
+            }
+            torch.save(saved, tmp_path / "checkpoint.pt")
+    del first  # the run stops after its save of update 6
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    again = models.build("tiny_cnn")
+    again.load_state_dict(checkpoint["model"])
+    with pytest.raises(ValueError, match="holds snapshots up to update 6: resume with updates=6 ") as info:
+        PostHocEMA(again, tmp_path / "resumed", snapshot_every=3, updates=3)
+    assert "\n" not in str(info.value)
+    resumed = PostHocEMA(again, tmp_path / "resumed", snapshot_every=3, updates=6)
+    resumed.load_state_dict(checkpoint["ema"])
+    for step in range(6, 10):
+        _train_step(again, step)  # whole trained up to 6 already: it goes on from 7
+        if step > 6:
+            _train_step(model, step)
+            whole.update(model)
+        resumed.update(again)
+    assert resumed.updates == whole.updates == 9
+    for mine, other in zip(resumed.emas, whole.emas):
+        want = other.state_dict()
+        for k, v in mine.state_dict().items():
+            assert torch.equal(v, want[k]), k
+    pairs = list(zip(list_snapshots(tmp_path / "whole"), list_snapshots(tmp_path / "resumed"), strict=True))
+    for a, b in pairs:
+        assert (a.step, a.gamma) == (b.step, b.gamma)
+        ta, tb = read_snapshot(a)["tensors"], read_snapshot(b)["tensors"]
+        assert all(torch.equal(v, tb[k]) for k, v in ta.items()), (a.step, a.gamma)
+    assert all(torch.equal(v, whole.synthesize(0.075)[k]) for k, v in resumed.synthesize(0.075).items())
+    assert checkpoint["ema"]["saved"] == 3 and resumed.state_dict()["saved"] == whole.saved == 9
+
+
+def test_a_checkpoint_older_than_another_runs_snapshot_is_still_refused_at_its_save(tmp_path) -> None:
+    """Only the run's own later steps are replaced: a step of another run in the folder stops the save."""
+    model = models.build("tiny_cnn")
+    ema = PostHocEMA(model, tmp_path, snapshot_every=2)
+    ema.update(model)
+    state = ema.state_dict()  # saved 0
+    ema.update(model)  # saves 2
+    save_step(tmp_path, 3, {1.0: {"w": torch.ones(2)}}, run="another")
+    ema.load_state_dict(state)
+    with pytest.raises(ValueError, match="holds update 3, after run .* last save .0.: another run") as info:
+        ema.update(model)
+    assert "\n" not in str(info.value) and ema.updates == 1
+    assert {s.step for s in list_snapshots(tmp_path)} == {2, 3}  # nothing removed
+
+
+def test_a_state_without_saved_loads_as_before_and_a_bad_one_is_refused(tmp_path) -> None:
+    model = models.build("tiny_cnn")
+    ema = PostHocEMA(model, tmp_path, snapshot_every=2)
+    for _ in range(3):
+        ema.update(model)
+    state = ema.state_dict()
+    older = {k: v for k, v in state.items() if k != "saved"}  # saved before the state recorded it
+    resumed = PostHocEMA(model, tmp_path, snapshot_every=2, updates=2)
+    resumed.load_state_dict(older)
+    assert resumed.updates == 3 and resumed.saved == 2
+    for bad in (-1, 4, "2", None):
+        with pytest.raises(ValueError, match=r"^the state's saved is .*: need an int in \[0, 3\]$"):
+            resumed.load_state_dict({**state, "saved": bad})
 
 
 def test_a_state_dict_of_other_profiles_or_another_run_is_refused_before_anything_changes(tmp_path) -> None:
