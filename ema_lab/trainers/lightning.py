@@ -65,8 +65,9 @@ class EMACallback(Callback):
         if self.ema is None:  # validate() without fit(): nothing to swap in
             return
         self.ema.sync_buffers()
-        model = pl_module.state_dict()
-        kept = {k: t.clone() for k, t in model.items()}
+        # keep_vars: the module's own tensors (a flattened model's state_dict() gives copies).
+        model = pl_module.state_dict(keep_vars=True)
+        kept = {k: t.detach().clone() for k, t in model.items()}
 
         def training_weights(module: torch.nn.Module, state: dict, prefix: str, metadata: Any) -> None:
             state.update((prefix + k, t) for k, t in kept.items())
@@ -77,7 +78,8 @@ class EMACallback(Callback):
         # torch.save(model.state_dict()) never calls it. torch < 2.5 has the hook under a private name only.
         register = getattr(pl_module, "register_state_dict_post_hook", pl_module._register_state_dict_hook)
         self._kept, self._hook = kept, register(training_weights)
-        torch._foreach_copy_(list(model.values()), list(self.ema.ema.state_dict().values()))
+        with torch.no_grad():
+            torch._foreach_copy_(list(model.values()), list(self.ema.ema.state_dict().values()))
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._put_back(pl_module)
@@ -95,7 +97,9 @@ class EMACallback(Callback):
         """The training weights back into the model, if the EMA is in it."""
         if self._kept is not None:
             self._hook.remove()  # first: state_dict() gives the model's own tensors again
-            torch._foreach_copy_(list(pl_module.state_dict().values()), list(self._kept.values()))
+            with torch.no_grad():
+                model = pl_module.state_dict(keep_vars=True).values()
+                torch._foreach_copy_(list(model), list(self._kept.values()))
             self._kept = None
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

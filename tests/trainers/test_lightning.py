@@ -298,3 +298,24 @@ def test_resumed_without_ema_state_counts_optimizer_steps(tmp_path: Path) -> Non
     )
     trainer.fit(Net(), data(64, 1), ckpt_path=tmp_path / "plain.ckpt")
     assert trainer.global_step == 8 + 4 and callback.ema.updates == 4
+
+
+def test_a_flattened_model_validates_with_the_ema_and_gets_its_weights_back(tmp_path: Path) -> None:
+    """After flatten_model the model's state_dict() gives copies: the swap writes through its own tensors."""
+    from ema_lab import flatten_model
+
+    class Seen(Net):
+        def validation_step(self, batch: object, batch_idx: int) -> object:
+            self.seen = [p.detach().clone() for p in self.parameters()]
+            return super().validation_step(batch, batch_idx)
+
+    callback = EMACallback(decay=constant(DECAY))
+    trainer = _trainer(
+        tmp_path, max_epochs=1, num_sanity_val_steps=0, limit_val_batches=1, callbacks=[callback]
+    )
+    model = Seen()
+    flatten_model(model)
+    trainer.fit(model, data(64, 1), data(32, 2))
+    ema = [p.detach() for p in callback.ema.ema.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(model.seen, ema))  # validated with the EMA's weights
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), ema))  # its own weights back

@@ -2,8 +2,9 @@
 safetensors' save_file/save_model, accelerate's save_model and save_state/load_state, a Lightning checkpoint
 and timm's CheckpointSaver. Each round trip loads into fresh objects and compares every entry, bitwise.
 
-The EMA's tensors are views of one buffer (strategy "flat", what "auto" picks here), which safetensors'
-tooling takes for tied weights: those formats are marked xfail (issue 62 item 3) until the core changes.
+The EMA's tensors lie in one buffer (strategy "flat", what "auto" picks here), each on a storage of its own,
+and a flattened model's state_dict() gives copies: safetensors' tooling, which takes tensors sharing a storage
+for tied weights, keeps every entry.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from ema_lab.trainers.timm import ModelEmaV3
 from .ddp_run import net
 from .lightning_ddp import DECAY, Net, data
 
-VIEWS = pytest.mark.xfail(strict=True, reason="issue 62 item 3: views of one buffer")
 Saved = dict[str, dict[str, torch.Tensor]]  # what was saved and what came back, by part ("ema", "model")
 
 
@@ -193,26 +193,24 @@ def via_timm_saver(flat: bool, folder: Path) -> Saved:
     }
 
 
-FORMATS: dict[str, tuple[Callable[[bool, Path], Saved], bool]] = {  # name: (round trip, fails today)
-    "torch.save": (via_torch_save, False),
-    "safetensors.save_file": (via_save_file, False),  # views that do not overlap: saved
-    "safetensors.save_model": (via_save_model, True),
-    "accelerate.save_model": (accelerate_save_model(True), True),
-    "accelerate.save_model(safe_serialization=False)": (accelerate_save_model(False), False),
-    "accelerate.save_state": (via_save_state, True),
-    "lightning": (via_lightning, False),
-    "timm.CheckpointSaver": (via_timm_saver, False),
+FORMATS: dict[str, Callable[[bool, Path], Saved]] = {  # name: its round trip
+    "torch.save": via_torch_save,
+    "safetensors.save_file": via_save_file,
+    "safetensors.save_model": via_save_model,
+    "accelerate.save_model": accelerate_save_model(True),
+    "accelerate.save_model(safe_serialization=False)": accelerate_save_model(False),
+    "accelerate.save_state": via_save_state,
+    "lightning": via_lightning,
+    "timm.CheckpointSaver": via_timm_saver,
 }
 
 
 def cases() -> list:
-    out = []
-    for name, (_, fails) in FORMATS.items():
-        for flat in (False, True):
-            # save_state pickles the registered EMA: only the flattened model's safetensors file fails.
-            marks = [VIEWS] if fails and (flat or name != "accelerate.save_state") else []
-            out.append(pytest.param(name, flat, marks=marks, id=f"{name}-{'flat' if flat else 'plain'}"))
-    return out
+    return [
+        pytest.param(name, flat, id=f"{name}-{'flat' if flat else 'plain'}")
+        for name in FORMATS
+        for flat in (False, True)
+    ]
 
 
 @pytest.fixture
@@ -226,7 +224,7 @@ def accelerate_reset() -> None:
 def test_every_entry_comes_back(tmp_path: Path, accelerate_reset: None, name: str, flat: bool) -> None:
     """Saved, loaded into fresh objects: the same entries (9 of 9), bitwise, for the EMA and, where the
     format saves it, the model."""
-    round_trip, _ = FORMATS[name]
+    round_trip = FORMATS[name]
     for part, (saved, loaded) in round_trip(flat, tmp_path).items():
         assert len(saved) == 9 and sorted(loaded) == sorted(saved), f"{part}: {len(loaded)} of {len(saved)}"
         different = [k for k in saved if not torch.equal(saved[k], loaded[k])]
