@@ -15,9 +15,9 @@
 # %% [markdown]
 # # 05 · Beyond foreach: one `lerp_` over one buffer
 #
-# - Put the EMA and the model each in one contiguous buffer, and the whole update is one `lerp_`.
-# - Views go stale when the model moves, so check them; keep the EMA in fp32.
-# - On a GPU the default update is host-bound: a flattened model needs two launches.
+# - Course map: 01 launch overhead → 02 EMA strategies → 03 float64 bug → 04 timing → **05 beyond foreach** → 06 many processes → 07 the decay.
+# - You build: the EMA and the model each in one buffer, so an update is one `lerp_`; a check for stale views; an fp32 EMA.
+# - `ModelEMA` pays for safety: it checks every tensor it does not read live. On a GPU its time is host work.
 
 # %% tags=["nbval-ignore-output"]
 import copy
@@ -28,7 +28,7 @@ from ema_lab.bench import models
 from ema_lab.bench.environment import quick_mode
 
 torch.set_num_threads(1)  # one thread, so timings compare across runs
-QUICK = quick_mode()  # EMA_LAB_QUICK=1: a shorter run with the same steps
+QUICK = quick_mode()  # EMA_LAB_QUICK=1: 5 timing rounds instead of 15, smaller images in Exercise 2
 print(f"torch {torch.__version__}, threads: {torch.get_num_threads()}")
 
 model = models.build("yolo")  # a conv net shaped like ultralytics' yolo26n
@@ -67,7 +67,8 @@ def ema_foreach() -> None:  # the PR's after-code: one call for all tensors
 
 
 # %% [markdown]
-# Time both with notebook 04's `time_candidates` (turns, medians, IQR):
+# Time both with notebook 04's `time_candidates` (turns, medians, IQR), over 15 rounds (5 in quick mode,
+# `EMA_LAB_QUICK=1`):
 
 # %% tags=["nbval-ignore-output"]
 from ema_lab.bench.timing import time_candidates
@@ -190,11 +191,12 @@ print("after model.half():", all_views_of(M, model_flat), "| parameter dtype:", 
 #
 # ## 4. Keep the EMA in fp32
 #
-# Should the EMA of a bf16 model be bf16 too? bf16 (bfloat16: 16 bits, float32's range) keeps 7
-# significant bits, its [*mantissa*](../docs/glossary.md#mantissa-bits), so near 1.0 its values are 2^-7
-# apart: one *ulp* (unit in the last place). A result closer to 1.0 than half an ulp rounds back to 1.0:
+# Should the EMA of a bf16 model be bf16 too? bf16 (bfloat16: 16 bits, float32's range) stores 7 bits of
+# its [*mantissa*](../docs/glossary.md#mantissa-bits) (8 bits with the implicit leading 1), so near 1.0 its
+# values are 2^-7 apart: one *ulp* (unit in the last place). A result closer to 1.0 than half an ulp rounds
+# back to 1.0:
 #
-# ![A bf16 step of 8e-7 from 1.0 rounds back to 1.0](figures/05_ulp.svg)
+# ![A bf16 step far below half an ulp from 1.0 rounds back to 1.0](figures/05_ulp.svg)
 #
 # Move a one-element EMA at 1.0 towards 1.01, 1,000 times:
 
@@ -222,7 +224,7 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
 # ## 5. What ema_lab packages
 #
 # `ema_lab.ModelEMA` packages sections 2-4: it flattens its EMA copy, checks before every update that no
-# tensor moved (rebuilding when one did), and casts a bf16 model's values into an fp32 buffer when you keep
+# tensor it relies on moved (rebuilding when one did), and casts a bf16 model's values into an fp32 buffer when you keep
 # the EMA in fp32 (`ema.ema.float()`: it starts in the model's dtype). `ema_lab.flatten_model` is our
 # `flatten` for the model; `count_ops`, notebook 01's op counter, packaged, shows what an update calls:
 
@@ -230,15 +232,24 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
 import ema_lab
 from ema_lab.bench.counting import count_ops
 
+
+def show(name: str, e: ema_lab.ModelEMA, m: torch.nn.Module) -> None:
+    """The modes and ops of one update, and how many slots it checks first (_step: its cached update)."""
+    print(f"{name:<10} {e.modes} {dict(count_ops(e.update, m))}")
+    print(f"{'':<10} slots checked per update: {len(e._step.watch.keys):,}")
+
+
 net = models.build("yolo")
 ema_default = ema_lab.ModelEMA(net)
 ema_default.update(net)  # the first update builds the flat buffers
-print("default:  ", ema_default.modes, dict(count_ops(ema_default.update, net)))
+show("default", ema_default, net)
 net_flat = models.build("yolo")
 ema_lab.flatten_model(net_flat)
 ema_fused = ema_lab.ModelEMA(net_flat)
 ema_fused.update(net_flat)
-print("flattened:", ema_fused.modes, dict(count_ops(ema_fused.update, net_flat)))
+show("flattened", ema_fused, net_flat)
+small = [t for t in float_tensors(net) if t.numel() < 2048]
+print(f"small float tensors (under 2,048 elements): {len(small)} of {len(float_tensors(net))}")
 
 # %% [markdown]
 # You choose a *strategy* (`ModelEMA(model, strategy="auto")`, the default); `ema.modes` names what
@@ -246,14 +257,17 @@ print("flattened:", ema_fused.modes, dict(count_ops(ema_fused.update, net_flat))
 #
 # | mode | the model's tensors | one update |
 # |---|---|---|
-# | `cat` | scattered, all small | one `cat` gathers them, one `lerp_` |
+# | `cat` | scattered, all small | a `cat` per shape gathers them, one `_foreach_lerp_` |
 # | `foreach` | scattered, all large | one `_foreach_lerp_` |
-# | `cat+foreach` | scattered, small and large | one `cat` of the small ones, one `_foreach_lerp_` |
+# | `cat+foreach` | scattered, small and large | a `cat` per shape of the small ones, one `_foreach_lerp_` |
 # | `fused` | flattened | one `lerp_` |
 # | `cast` | another dtype | one `_foreach_copy_` into fp32, one `lerp_` |
 #
-# *Small*: under 2,048 elements. The second `cat` and the `copy_` carry BatchNorm's integer counters. Time
-# all six ways in turns:
+# *Small*: under 2,048 elements. The default reads these live from their *slots* (a module's entries, such
+# as `conv.weight`) with a `cat` per trailing shape (a `stack` for 0-dim ones; `view` flattens each
+# block), so they cannot go stale. It checks the address in every other slot: all the EMA's, and the
+# model's it reads through saved views. A flattened model is read through its buffer: all its slots are
+# checked. `cat.out` and `copy_` carry BatchNorm's integer counters.
 
 # %% tags=["nbval-ignore-output"]
 import matplotlib.pyplot as plt
@@ -281,12 +295,17 @@ ax.set_xlim(0, 1.3 * max(1e3 * r.q3_s for r in results.values()))
 ax.set_xlabel("ms per EMA update (median; line: IQR), yolo-sized model, 1 thread")
 fig.tight_layout()
 plt.show()
+print(f"ModelEMA default / bare foreach of section 1: {times['ModelEMA'] / times['foreach']:.2f}")
 
 # %% [markdown]
 # Gray: built here; blue: `ema_lab`. The flattened model's `ModelEMA` adds the counters' `copy_` and the
-# check to the floor's `lerp_`, so it cannot beat the floor (overlapping IQR lines: noise). The default
-# (foreach over the large tensors, one `cat` of the small, the check, the counters) lands near or above
-# foreach.
+# check to the floor's `lerp_`, so it cannot beat the floor (overlapping IQR lines: noise).
+#
+# The printed ratio sets the default against the bare `_foreach_lerp_` of section 1 (under 1: the default
+# is faster). Its `_foreach_lerp_` moves the large tensors and a few gathered blocks instead of 594
+# tensors; it pays for the `cat`s, the counters and the check of every slot it does not read live. The
+# bare lists check nothing: they trust that the model's tensors never change. The check is the cost of
+# being safe.
 #
 # The check, packaged: make the flattened model fp16 and update once with decay 0. The EMA must equal
 # the model:
@@ -308,18 +327,21 @@ print(
 # %% [markdown]
 # ## 6. On a GPU: host time, not bytes
 #
-# On CUDA the host queues kernels for each op (notebook 04). An NVIDIA H200 run (torch 2.11, 1 host
-# thread) timed and counted the kernels of one update of the yolo-sized model:
+# On CUDA the host queues kernels for each op (notebook 04). An NVIDIA H200 run on 2026-12-04 (torch 2.11,
+# 1 host thread, the ema_lab of that date) timed and counted the kernels of one update of this notebook's
+# model, the zoo's `yolo`. (Notebook 04's 0.385 ms is another model, the real yolo26n, in another run.)
 
 # %%
 from ema_lab.bench.results import load, results_dir
 
 h200 = results_dir() / "gpu-linux-intel-xeon-16c-nvidia-h200"
 run = load(h200 / "linux-intel-xeon-16c-nvidia-h200_2026-12-04T154528Z_full_t1_cuda.json")
+print(f"measured {run['created'][:10]}, torch {run['environment']['torch']}, model: the zoo's yolo")
 rows = {r["candidate"]: r for r in run["results"] if r["model"] == "yolo"}
 floor_ms = rows["floor"]["median_ms"]
 for name, cand in [
     ("PR before-code", "seed_before"),
+    ("PR after-code", "seed_after"),
     ('ModelEMA "foreach"', "foreach"),
     ("ModelEMA default", "auto"),
     ("flatten_model + ModelEMA", "flat_model"),
@@ -329,16 +351,21 @@ for name, cand in [
     print(f"{name:<25} {ms:7.3f} ms = {ms / floor_ms:5.0f}x the floor, {n:>5} kernels")
 
 # %% [markdown]
-# The default's 8 kernels take about 30x the floor's time for nearly the same bytes. The time is the
-# host's: it checks that the model's tensors have not moved, gathers the small ones, copies the counters.
-# ultralytics' class, with more kernels and no check, was faster on the same GPU
-# ([results](../docs/results/h200-update-costs-2026-12-04.md)). Flattening the model leaves 2 kernels
-# and a lighter check (the flat buffer as a whole, not each float tensor): about 4x the floor.
+# The PR's after-code launches 10 kernels (notebook 01) but walks `state_dict()` twice per call.
+# `ModelEMA`'s "foreach" adds one kernel: a `cat` that copies BatchNorm's integer counters, which the PR
+# skips. The default's 8 kernels took 32x the floor's time for nearly the same bytes: host work (checks,
+# gathers, the counters). ultralytics' class, with more kernels and no check, was faster on that GPU
+# ([H200 results, 2026-12-04](../docs/results/h200-update-costs-2026-12-04.md)). The flattened model: 2
+# kernels, 4x the floor.
 #
-# <details><summary>Why 8 kernels, not section 5's 3 ops</summary>
+# All of it is that date's ema_lab, which checked a flattened model's buffer as a whole. Today's checks
+# the slots section 5 printed: count and time yours on your GPU (notebook 04).
 #
-# CUDA's `cat` launches a kernel per 128 inputs (4 for the small tensors, 1 for the counters),
-# `_foreach_lerp_` one per batch of tensors (2), and that run's ema_lab a `lerp_` for the gathered ones (1).
+# <details><summary>Why that default launched 8 kernels</summary>
+#
+# It gathered the small tensors with one `cat`, moved them with one `lerp_`, the large ones with one
+# `_foreach_lerp_`, and copied the counters with one more `cat`. CUDA's `cat` launches a kernel per 128
+# inputs (4 for the small tensors, 1 for the counters), `_foreach_lerp_` one per batch of tensors (2).
 # </details>
 
 # %% [markdown]
@@ -349,8 +376,9 @@ for name, cand in [
 #
 # A replay reuses the recorded addresses and numbers: check the addresses before each replay, and keep
 # the decay in a device tensor. `ModelEMA(model, cuda_graph=True)` is written to do
-# both, but has never run on a GPU in a published run (on a CPU it raises a `ValueError`). On the H200,
-# graphs captured by hand replayed the real yolo26n's default update in 0.17 ms (0.385 ms eager) and one
+# both, but has never run on a GPU in a published run (on a CPU it raises a `ValueError`). On the H200
+# ([results, 2026-12-04](../docs/results/h200-update-costs-2026-12-04.md), that date's ema_lab), graphs
+# captured by hand replayed the real yolo26n's default update in 0.17 ms (0.385 ms eager) and one
 # `_foreach_lerp_` in 0.070 ms (ultralytics, eager: 0.250 ms). Time `cuda_graph=True` on your GPU as
 # notebook 04 does; [the details](../docs/beyond_foreach_details.md) say how it records and re-records.
 
@@ -359,17 +387,21 @@ for name, cand in [
 #
 # - foreach removes Python's per-tensor ops; flat buffers make the whole update one `lerp_`.
 # - Views go stale after `model.half()` or `.to()`: check them every update, as `ModelEMA` does.
+# - `ModelEMA` reads small tensors live and checks every other slot: its cost against bare foreach is
+#   the printed ratio in section 5.
 # - Keep the EMA in fp32: at decay 0.9999 a bf16 EMA's steps round away.
-# - On a GPU the default update is host-bound; a flattened model needs 2 kernels, 4x the floor.
+# - On a GPU the update is host work: on the H200 (2026-12-04) the default took 32x the floor, a
+#   flattened model 2 kernels and 4x.
 
 # %% [markdown]
 # ## Exercises
 #
 # Try each exercise in the empty cell below it before you open its solution; to run a solution, paste it into that cell.
 #
-# **Exercise 1.** `models.build("tiny_tensors")` holds 2,000 float tensors (1,000 of 256 elements, 1,000
-# of 16). Flatten one and its EMA copy with `flatten`, and time `foreach` against one `lerp_` with
-# `timed`. *Predict*: does one `lerp_` gain more over foreach there than on the yolo-sized model?
+# **Exercise 1.** `models.build("tiny_tensors")` holds 2,000 float tensors, the weights and biases of
+# 1,000 `Linear(16, 16)`. Flatten one and its EMA copy with `flatten`, and time `foreach` against one
+# `lerp_` with `timed`. *Predict*: does one `lerp_` gain more over foreach there than on the yolo-sized
+# model?
 
 # %%
 # Exercise 1: your code here
@@ -391,8 +423,9 @@ for name, cand in [
 # print(f"tiny_tensors: {ratio:.0f}x; yolo-sized: {times['foreach'] / times['one lerp_']:.1f}x")
 # ```
 #
-# Far more (the printed ratios): 2,000 tensors of 272,000 elements in all are almost all per-tensor
-# work, which one `lerp_` removes; the yolo-sized model's 2.6 million elements must move either way.
+# Far more (the printed ratios): 2,000 tiny tensors, about a tenth of the yolo-sized model's elements,
+# cost almost only per-tensor work, which one `lerp_` removes; the yolo-sized model's 2.6 million
+# elements must move either way.
 #
 # </details>
 
