@@ -15,9 +15,15 @@
 # %% [markdown]
 # # 05 · Beyond foreach: one `lerp_` over one buffer
 #
-# - Course map: 01 launch overhead → 02 EMA strategies → 03 float64 bug → 04 timing → **05 beyond foreach** → 06 many processes → 07 the decay.
-# - You build: the EMA and the model each in one buffer, so an update is one `lerp_`; a check for stale views; an fp32 EMA.
-# - `ModelEMA` pays for safety: it checks every tensor it does not read live. On a GPU its time is host work.
+# - Put the EMA and the model each in one contiguous buffer, and the whole update is one `lerp_`.
+# - Views go stale when the model moves, so check them; keep the EMA in fp32.
+# - A safe update checks every tensor it does not read live; bare foreach trusts the model never to change.
+
+# %% [markdown]
+# ![Course map](figures/course_map_05.svg)
+#
+# You build: flat buffers for the EMA and the model, a check for stale views, an fp32 EMA; then you read
+# what `ema_lab.ModelEMA` does on a CPU and a GPU.
 
 # %% tags=["nbval-ignore-output"]
 import copy
@@ -31,7 +37,7 @@ torch.set_num_threads(1)  # one thread, so timings compare across runs
 QUICK = quick_mode()  # EMA_LAB_QUICK=1: 5 timing rounds instead of 15, smaller images in Exercise 2
 print(f"torch {torch.__version__}, threads: {torch.get_num_threads()}")
 
-model = models.build("yolo")  # a conv net shaped like ultralytics' yolo26n
+model = models.build("yolo")  # the zoo's yolo: a conv net shaped like ultralytics' yolo26n
 ema = copy.deepcopy(model).requires_grad_(False)
 
 
@@ -41,7 +47,8 @@ def float_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
 
 
 E, M = float_tensors(ema), float_tensors(model)
-print(f"{len(E)} float tensors, {sum(t.numel() for t in E):,} elements")
+elements = sum(t.numel() for t in E)
+print(f"{len(E)} float tensors, {elements:,} elements ({elements / 1e6:.1f} million)")
 
 # %% [markdown]
 # ## 1. From the before-code to foreach
@@ -191,10 +198,9 @@ print("after model.half():", all_views_of(M, model_flat), "| parameter dtype:", 
 #
 # ## 4. Keep the EMA in fp32
 #
-# Should the EMA of a bf16 model be bf16 too? bf16 (bfloat16: 16 bits, float32's range) stores 7 bits of
-# its [*mantissa*](../docs/glossary.md#mantissa-bits) (8 bits with the implicit leading 1), so near 1.0 its
-# values are 2^-7 apart: one *ulp* (unit in the last place). A result closer to 1.0 than half an ulp rounds
-# back to 1.0:
+# Should a bf16 model's EMA be bf16 too? bf16 (bfloat16: 16 bits, float32's range) stores 7 bits of
+# [*mantissa*](../docs/glossary.md#mantissa-bits) (8 bits with the implicit leading 1): near 1.0 its values
+# lie 2^-7 apart, one *ulp* (unit in the last place). A result within half an ulp of 1.0 rounds back to 1.0:
 #
 # ![A bf16 step far below half an ulp from 1.0 rounds back to 1.0](figures/05_ulp.svg)
 #
@@ -216,17 +222,17 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     print(stall(dtype))
 
 # %% [markdown]
-# bf16 and fp16 never leave 1.0: each step is far below their half-ulp, so it rounds away. fp32 tracks
-# the exact value. So keep an fp32 EMA of a bf16 model. Then each (EMA, model) pair differs in dtype, and
-# `_foreach_lerp_` refuses such pairs: the update must first *cast* (convert) the model's values to fp32.
+# bf16 and fp16 never leave 1.0: each step is far below their half-ulp and rounds away; fp32 tracks the
+# exact value. So keep an fp32 EMA of a bf16 model. `_foreach_lerp_` refuses a pair of two dtypes: the
+# update must first *cast* (convert) the model's values to fp32.
 
 # %% [markdown]
 # ## 5. What ema_lab packages
 #
-# `ema_lab.ModelEMA` packages sections 2-4: it flattens its EMA copy, checks before every update that no
-# tensor it relies on moved (rebuilding when one did), and casts a bf16 model's values into an fp32 buffer when you keep
-# the EMA in fp32 (`ema.ema.float()`: it starts in the model's dtype). `ema_lab.flatten_model` is our
-# `flatten` for the model; `count_ops`, notebook 01's op counter, packaged, shows what an update calls:
+# `ema_lab.ModelEMA` packages sections 2-4: it flattens its EMA copy, checks before every update that
+# nothing it relies on moved (rebuilding if so), and casts a bf16 model into an fp32 EMA
+# (`ema.ema.float()`). `ema_lab.flatten_model` is our `flatten` for the model; `count_ops` (notebook 01's
+# op counter) shows what an update calls:
 
 # %%
 import ema_lab
@@ -252,22 +258,17 @@ small = [t for t in float_tensors(net) if t.numel() < 2048]
 print(f"small float tensors (under 2,048 elements): {len(small)} of {len(float_tensors(net))}")
 
 # %% [markdown]
-# You choose a *strategy* (`ModelEMA(model, strategy="auto")`, the default); `ema.modes` names what
-# each group of tensors got ([glossary table](../docs/glossary.md#strategies-and-modes)). Here:
+# `ema.modes` names what each group of tensors got ([all modes](../docs/glossary.md#strategies-and-modes)):
 #
 # | mode | the model's tensors | one update |
 # |---|---|---|
-# | `cat` | scattered, all small | a `cat` per shape gathers them, one `_foreach_lerp_` |
-# | `foreach` | scattered, all large | one `_foreach_lerp_` |
 # | `cat+foreach` | scattered, small and large | a `cat` per shape of the small ones, one `_foreach_lerp_` |
 # | `fused` | flattened | one `lerp_` |
 # | `cast` | another dtype | one `_foreach_copy_` into fp32, one `lerp_` |
 #
-# *Small*: under 2,048 elements. The default reads these live from their *slots* (a module's entries, such
-# as `conv.weight`) with a `cat` per trailing shape (a `stack` for 0-dim ones; `view` flattens each
-# block), so they cannot go stale. It checks the address in every other slot: all the EMA's, and the
-# model's it reads through saved views. A flattened model is read through its buffer: all its slots are
-# checked. `cat.out` and `copy_` carry BatchNorm's integer counters.
+# *Small*: under 2,048 elements, read live from their *slots* (a module's entries, such as `conv.weight`):
+# they cannot go stale. Every other slot's address is checked: the EMA's, the model's large ones, all of a
+# flattened model's. `cat.out` and `copy_` copy BatchNorm's integer counters. Time all six ways:
 
 # %% tags=["nbval-ignore-output"]
 import matplotlib.pyplot as plt
@@ -299,16 +300,13 @@ print(f"ModelEMA default / bare foreach of section 1: {times['ModelEMA'] / times
 
 # %% [markdown]
 # Gray: built here; blue: `ema_lab`. The flattened model's `ModelEMA` adds the counters' `copy_` and the
-# check to the floor's `lerp_`, so it cannot beat the floor (overlapping IQR lines: noise).
+# check to the floor's `lerp_`: it cannot beat the floor (overlapping IQR lines: noise).
 #
-# The printed ratio sets the default against the bare `_foreach_lerp_` of section 1 (under 1: the default
-# is faster). Its `_foreach_lerp_` moves the large tensors and a few gathered blocks instead of 594
-# tensors; it pays for the `cat`s, the counters and the check of every slot it does not read live. The
-# bare lists check nothing: they trust that the model's tensors never change. The check is the cost of
-# being safe.
+# The ratio sets the default against section 1's bare `_foreach_lerp_` (under 1: the default is faster).
+# The default lerps fewer, larger pieces, but pays for its `cat`s and for checking every slot it does not
+# read live; the bare lists check nothing. The check is the cost of being safe.
 #
-# The check, packaged: make the flattened model fp16 and update once with decay 0. The EMA must equal
-# the model:
+# The check, packaged: make the flattened model fp16, update once with decay 0; the EMA must equal it:
 
 # %%
 before = ema_fused.rebuilds
@@ -321,15 +319,13 @@ print(
 )
 
 # %% [markdown]
-# Rebuilt, and the EMA stayed fp32: mode `cast`. (What each strategy pays for such a model, and the
-# other modes: [Beyond foreach: the details](../docs/beyond_foreach_details.md).)
-
-# %% [markdown]
+# Rebuilt, and the EMA stayed fp32: mode `cast` ([what each strategy pays](../docs/beyond_foreach_details.md)).
+#
 # ## 6. On a GPU: host time, not bytes
 #
-# On CUDA the host queues kernels for each op (notebook 04). An NVIDIA H200 run on 2026-12-04 (torch 2.11,
-# 1 host thread, the ema_lab of that date) timed and counted the kernels of one update of this notebook's
-# model, the zoo's `yolo`. (Notebook 04's 0.385 ms is another model, the real yolo26n, in another run.)
+# On CUDA the host queues kernels for each op (notebook 04). An NVIDIA H200 run with the ema_lab of
+# 2026-12-04 timed one update of this notebook's model (notebook 04's 0.385 ms is another model, the real
+# yolo26n):
 
 # %%
 from ema_lab.bench.results import load, results_dir
@@ -351,22 +347,12 @@ for name, cand in [
     print(f"{name:<25} {ms:7.3f} ms = {ms / floor_ms:5.0f}x the floor, {n:>5} kernels")
 
 # %% [markdown]
-# The PR's after-code launches 10 kernels (notebook 01) but walks `state_dict()` twice per call.
-# `ModelEMA`'s "foreach" adds one kernel: a `cat` that copies BatchNorm's integer counters, which the PR
-# skips. The default's 8 kernels took 32x the floor's time for nearly the same bytes: host work (checks,
-# gathers, the counters). ultralytics' class, with more kernels and no check, was faster on that GPU
-# ([H200 results, 2026-12-04](../docs/results/h200-update-costs-2026-12-04.md)). The flattened model: 2
-# kernels, 4x the floor.
-#
-# All of it is that date's ema_lab, which checked a flattened model's buffer as a whole. Today's checks
-# the slots section 5 printed: count and time yours on your GPU (notebook 04).
-#
-# <details><summary>Why that default launched 8 kernels</summary>
-#
-# It gathered the small tensors with one `cat`, moved them with one `lerp_`, the large ones with one
-# `_foreach_lerp_`, and copied the counters with one more `cat`. CUDA's `cat` launches a kernel per 128
-# inputs (4 for the small tensors, 1 for the counters), `_foreach_lerp_` one per batch of tensors (2).
-# </details>
+# The PR's after-code launches 10 kernels (notebook 01) but walks `state_dict()` twice per call;
+# `ModelEMA`'s "foreach" adds a `cat` for BatchNorm's counters, which the PR skips. The default took 32x
+# the floor's time for nearly the same bytes: host work. ultralytics' class, with more kernels and no
+# check, was faster ([H200 results, 2026-12-04](../docs/results/h200-update-costs-2026-12-04.md)). A
+# flattened model: 2 kernels, 4x the floor. That ema_lab checked a flattened model's buffer as a whole;
+# the one you run checks every slot (section 5): time it on your GPU (notebook 04).
 
 # %% [markdown]
 # A *CUDA graph* takes any number of launches down to one: record an update's kernels once
@@ -375,23 +361,19 @@ for name, cand in [
 # ![One launch replays all the kernels](figures/05_cuda_graph.svg)
 #
 # A replay reuses the recorded addresses and numbers: check the addresses before each replay, and keep
-# the decay in a device tensor. `ModelEMA(model, cuda_graph=True)` is written to do
-# both, but has never run on a GPU in a published run (on a CPU it raises a `ValueError`). On the H200
-# ([results, 2026-12-04](../docs/results/h200-update-costs-2026-12-04.md), that date's ema_lab), graphs
-# captured by hand replayed the real yolo26n's default update in 0.17 ms (0.385 ms eager) and one
-# `_foreach_lerp_` in 0.070 ms (ultralytics, eager: 0.250 ms). Time `cuda_graph=True` on your GPU as
-# notebook 04 does; [the details](../docs/beyond_foreach_details.md) say how it records and re-records.
+# the decay in a device tensor. `ModelEMA(model, cuda_graph=True)` does both; no published run has timed
+# it on a GPU. By hand, on the H200 ([results, 2026-12-04](../docs/results/h200-update-costs-2026-12-04.md)),
+# the real yolo26n's default update replayed in 0.17 ms (0.385 ms eager), one `_foreach_lerp_` in 0.070
+# ms (ultralytics, eager: 0.250 ms). [More](../docs/beyond_foreach_details.md).
 
 # %% [markdown]
 # ## Summary
 #
 # - foreach removes Python's per-tensor ops; flat buffers make the whole update one `lerp_`.
-# - Views go stale after `model.half()` or `.to()`: check them every update, as `ModelEMA` does.
-# - `ModelEMA` reads small tensors live and checks every other slot: its cost against bare foreach is
-#   the printed ratio in section 5.
+# - Views go stale after `model.half()` or `.to()`: `ModelEMA` checks them every update, at the price
+#   section 5 prints against bare foreach.
 # - Keep the EMA in fp32: at decay 0.9999 a bf16 EMA's steps round away.
-# - On a GPU the update is host work: on the H200 (2026-12-04) the default took 32x the floor, a
-#   flattened model 2 kernels and 4x.
+# - On a GPU the update is host work: on the H200 (2026-12-04) a flattened model took 2 kernels, 4x the floor.
 
 # %% [markdown]
 # ## Exercises
@@ -423,9 +405,8 @@ for name, cand in [
 # print(f"tiny_tensors: {ratio:.0f}x; yolo-sized: {times['foreach'] / times['one lerp_']:.1f}x")
 # ```
 #
-# Far more (the printed ratios): 2,000 tiny tensors, about a tenth of the yolo-sized model's elements,
-# cost almost only per-tensor work, which one `lerp_` removes; the yolo-sized model's 2.6 million
-# elements must move either way.
+# Far more (the printed ratios): 2,000 tiny tensors cost almost only per-tensor work, which one `lerp_`
+# removes; the yolo-sized model's 2.6 million elements must move either way.
 #
 # </details>
 
