@@ -22,8 +22,8 @@
 # %% [markdown]
 # ![Course map](figures/course_map_05.svg)
 #
-# You build: flat buffers for the EMA and the model, a check for stale views, an fp32 EMA; then you read
-# what `ema_lab.ModelEMA` does on a CPU and a GPU.
+# You build: flat buffers for the EMA and the model, a stale-view check, an fp32 EMA; then meet
+# `ema_lab.ModelEMA` on a CPU and a GPU.
 
 # %% tags=["nbval-ignore-output"]
 import copy
@@ -134,8 +134,8 @@ print("the module holds the same Parameter objects:", next(ema.parameters()) is 
 
 # %% [markdown]
 # The module did not notice: same objects, same values, new memory. The model's tensors are still
-# scattered; the obvious next step gathers them with `torch.cat` on every update. Time it against
-# foreach, round by round:
+# scattered; the obvious next step gathers them with `torch.cat` every update. Time it against foreach,
+# in turns:
 
 
 # %% tags=["nbval-ignore-output"]
@@ -148,9 +148,8 @@ cat_ms = timed({"foreach": ema_foreach, "flat EMA + cat": ema_cat_lerp})
 print(f"flat EMA + cat / foreach: {cat_ms['flat EMA + cat'] / cat_ms['foreach']:.2f}x")
 
 # %% [markdown]
-# The gather costs more than it saves: `cat` copies all 2.6 million model elements on every update. So
-# flatten the model too: the update becomes one `lerp_` over two buffers, and it must equal foreach to
-# the bit:
+# The gather costs more than it saves: `cat` copies all 2.6 million model elements every update. So
+# flatten the model too: one `lerp_` over two buffers, which must equal foreach to the bit:
 
 
 # %% tags=["nbval-ignore-output"]
@@ -266,9 +265,10 @@ print(f"small float tensors (under 2,048 elements): {len(small)} of {len(float_t
 # | `fused` | flattened | one `lerp_` |
 # | `cast` | another dtype | one `_foreach_copy_` into fp32, one `lerp_` |
 #
-# *Small*: under 2,048 elements, read live from their *slots* (a module's entries, such as `conv.weight`):
-# they cannot go stale. Every other slot's address is checked: the EMA's, the model's large ones, all of a
-# flattened model's. `cat.out` and `copy_` copy BatchNorm's integer counters. Time all six ways:
+# *Small*: under 2,048 elements, read live from their *slots* (a module's entries, such as `conv.weight`)
+# by the `cat`s: they cannot go stale. Every other slot's address is checked: the EMA's, the model's large
+# ones, all of a flattened model's. `cat.out` and `copy_` copy BatchNorm's integer counters. Time all six
+# ways:
 
 # %% tags=["nbval-ignore-output"]
 import matplotlib.pyplot as plt
@@ -294,13 +294,14 @@ for y, k in enumerate(names):
     ax.text(1e3 * results[k].q3_s, y, f" {times[k]:.2f} ms", va="center", fontsize=9)
 ax.set_xlim(0, 1.3 * max(1e3 * r.q3_s for r in results.values()))
 ax.set_xlabel("ms per EMA update (median; line: IQR), yolo-sized model, 1 thread")
+ax.set_title("gray: built in this notebook, blue: ema_lab", fontsize=10, loc="left")
 fig.tight_layout()
 plt.show()
 print(f"ModelEMA default / bare foreach of section 1: {times['ModelEMA'] / times['foreach']:.2f}")
 
 # %% [markdown]
-# Gray: built here; blue: `ema_lab`. The flattened model's `ModelEMA` adds the counters' `copy_` and the
-# check to the floor's `lerp_`: it cannot beat the floor (overlapping IQR lines: noise).
+# The flattened model's `ModelEMA` adds the counters' `copy_` and the check to the floor's `lerp_`: it
+# cannot beat the floor (overlapping IQR lines: noise).
 #
 # The ratio sets the default against section 1's bare `_foreach_lerp_` (under 1: the default is faster).
 # The default lerps fewer, larger pieces, but pays for its `cat`s and for checking every slot it does not
@@ -324,8 +325,8 @@ print(
 # ## 6. On a GPU: host time, not bytes
 #
 # On CUDA the host queues kernels for each op (notebook 04). An NVIDIA H200 run with the ema_lab of
-# 2026-12-04 timed one update of this notebook's model (notebook 04's 0.385 ms is another model, the real
-# yolo26n):
+# 2026-12-04 timed one update of this notebook's model and counted its kernels (notebook 04's 0.385 ms is
+# another model, the real yolo26n):
 
 # %%
 from ema_lab.bench.results import load, results_dir
@@ -350,8 +351,8 @@ for name, cand in [
 # The PR's after-code launches 10 kernels (notebook 01) but walks `state_dict()` twice per call;
 # `ModelEMA`'s "foreach" adds a `cat` for BatchNorm's counters, which the PR skips. The default took 32x
 # the floor's time for nearly the same bytes: host work. ultralytics' class, with more kernels and no
-# check, was faster ([H200 results, 2026-12-04](../docs/results/h200-update-costs-2026-12-04.md)). A
-# flattened model: 2 kernels, 4x the floor. That ema_lab checked a flattened model's buffer as a whole;
+# check, was faster on every model there ([H200 results, 2026-12-04](../docs/results/h200-update-costs-2026-12-04.md)).
+# A flattened model: 2 kernels, 4x the floor. That ema_lab checked a flattened model's buffer as a whole;
 # the one you run checks every slot (section 5): time it on your GPU (notebook 04).
 
 # %% [markdown]
@@ -362,9 +363,9 @@ for name, cand in [
 #
 # A replay reuses the recorded addresses and numbers: check the addresses before each replay, and keep
 # the decay in a device tensor. `ModelEMA(model, cuda_graph=True)` does both; no published run has timed
-# it on a GPU. By hand, on the H200 ([results, 2026-12-04](../docs/results/h200-update-costs-2026-12-04.md)),
-# the real yolo26n's default update replayed in 0.17 ms (0.385 ms eager), one `_foreach_lerp_` in 0.070
-# ms (ultralytics, eager: 0.250 ms). [More](../docs/beyond_foreach_details.md).
+# it on a GPU. Captured by hand on the H200 ([results, 2026-12-04](../docs/results/h200-update-costs-2026-12-04.md)),
+# that date's default update of the real yolo26n replayed in 0.17 ms (0.385 ms eager), one
+# `_foreach_lerp_` in 0.070 ms (ultralytics, eager: 0.250 ms).
 
 # %% [markdown]
 # ## Summary
@@ -444,7 +445,7 @@ for name, cand in [
 #     print(f"  {k:<25} {times[k]:6.2f} ms = {times[k] / (step_ms + times[k]):6.2%} of the step")
 # ```
 #
-# Small at batch 8 of 256x256 (under 1 % for the loop, less for the others): the passes touch every
+# Small at batch 8 of 256x256 (the printed shares; the loop's is the largest): the passes touch every
 # pixel of every image, the update each weight once. The step grows with the batch and the images, the
 # update does not: in quick mode the step is over ten times shorter and every share larger.
 #
