@@ -320,7 +320,7 @@ print(
 )
 
 # %% [markdown]
-# Rebuilt, and the EMA stayed fp32: mode `cast` ([what each strategy pays](../docs/beyond_foreach_details.md)).
+# Rebuilt, and the EMA stayed fp32: mode `cast` ([the details](../docs/beyond_foreach_details.md)).
 #
 # ## 6. On a GPU: host time, not bytes
 #
