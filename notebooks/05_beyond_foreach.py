@@ -17,7 +17,13 @@
 #
 # - Put the EMA and the model each in one contiguous buffer, and the whole update is one `lerp_`.
 # - Views go stale when the model moves, so check them; keep the EMA in fp32.
-# - On a GPU the default update is host-bound: a flattened model needs two launches.
+# - A safe update checks every tensor it does not read live; bare foreach trusts the model never to change.
+
+# %% [markdown]
+# ![Course map](figures/course_map_05.svg)
+#
+# You build: flat buffers for the EMA and the model, a stale-view check, an fp32 EMA; then meet
+# `ema_lab.ModelEMA` on a CPU and a GPU.
 
 # %% tags=["nbval-ignore-output"]
 import copy
@@ -28,10 +34,10 @@ from ema_lab.bench import models
 from ema_lab.bench.environment import quick_mode
 
 torch.set_num_threads(1)  # one thread, so timings compare across runs
-QUICK = quick_mode()  # EMA_LAB_QUICK=1: a shorter run with the same steps
+QUICK = quick_mode()  # EMA_LAB_QUICK=1: 5 timing rounds instead of 15, smaller images in Exercise 2
 print(f"torch {torch.__version__}, threads: {torch.get_num_threads()}")
 
-model = models.build("yolo")  # a conv net shaped like ultralytics' yolo26n
+model = models.build("yolo")  # the zoo's yolo: a conv net shaped like ultralytics' yolo26n
 ema = copy.deepcopy(model).requires_grad_(False)
 
 
@@ -41,7 +47,8 @@ def float_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
 
 
 E, M = float_tensors(ema), float_tensors(model)
-print(f"{len(E)} float tensors, {sum(t.numel() for t in E):,} elements")
+elements = sum(t.numel() for t in E)
+print(f"{len(E)} float tensors, {elements:,} elements ({elements / 1e6:.1f} million)")
 
 # %% [markdown]
 # ## 1. From the before-code to foreach
@@ -67,7 +74,8 @@ def ema_foreach() -> None:  # the PR's after-code: one call for all tensors
 
 
 # %% [markdown]
-# Time both with notebook 04's `time_candidates` (turns, medians, IQR):
+# Time both with notebook 04's `time_candidates` (turns, medians, IQR), over 15 rounds (5 in quick mode,
+# `EMA_LAB_QUICK=1`):
 
 # %% tags=["nbval-ignore-output"]
 from ema_lab.bench.timing import time_candidates
@@ -126,8 +134,8 @@ print("the module holds the same Parameter objects:", next(ema.parameters()) is 
 
 # %% [markdown]
 # The module did not notice: same objects, same values, new memory. The model's tensors are still
-# scattered; the obvious next step gathers them with `torch.cat` on every update. Time it against
-# foreach, round by round:
+# scattered; the obvious next step gathers them with `torch.cat` every update. Time it against foreach,
+# in turns:
 
 
 # %% tags=["nbval-ignore-output"]
@@ -140,9 +148,8 @@ cat_ms = timed({"foreach": ema_foreach, "flat EMA + cat": ema_cat_lerp})
 print(f"flat EMA + cat / foreach: {cat_ms['flat EMA + cat'] / cat_ms['foreach']:.2f}x")
 
 # %% [markdown]
-# The gather costs more than it saves: `cat` copies all 2.6 million model elements on every update. So
-# flatten the model too: the update becomes one `lerp_` over two buffers, and it must equal foreach to
-# the bit:
+# The gather costs more than it saves: `cat` copies all 2.6 million model elements every update. So
+# flatten the model too: one `lerp_` over two buffers, which must equal foreach to the bit:
 
 
 # %% tags=["nbval-ignore-output"]
@@ -190,11 +197,11 @@ print("after model.half():", all_views_of(M, model_flat), "| parameter dtype:", 
 #
 # ## 4. Keep the EMA in fp32
 #
-# Should the EMA of a bf16 model be bf16 too? bf16 (bfloat16: 16 bits, float32's range) keeps 7
-# significant bits, its [*mantissa*](../docs/glossary.md#mantissa-bits), so near 1.0 its values are 2^-7
-# apart: one *ulp* (unit in the last place). A result closer to 1.0 than half an ulp rounds back to 1.0:
+# Should a bf16 model's EMA be bf16 too? bf16 (bfloat16: 16 bits, float32's range) stores 7 bits of
+# [*mantissa*](../docs/glossary.md#mantissa-bits) (8 bits with the implicit leading 1): near 1.0 its values
+# lie 2^-7 apart, one *ulp* (unit in the last place). A result within half an ulp of 1.0 rounds back to 1.0:
 #
-# ![A bf16 step of 8e-7 from 1.0 rounds back to 1.0](figures/05_ulp.svg)
+# ![A bf16 step far below half an ulp from 1.0 rounds back to 1.0](figures/05_ulp.svg)
 #
 # Move a one-element EMA at 1.0 towards 1.01, 1,000 times:
 
@@ -214,46 +221,54 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     print(stall(dtype))
 
 # %% [markdown]
-# bf16 and fp16 never leave 1.0: each step is far below their half-ulp, so it rounds away. fp32 tracks
-# the exact value. So keep an fp32 EMA of a bf16 model. Then each (EMA, model) pair differs in dtype, and
-# `_foreach_lerp_` refuses such pairs: the update must first *cast* (convert) the model's values to fp32.
+# bf16 and fp16 never leave 1.0: each step is far below their half-ulp and rounds away; fp32 tracks the
+# exact value. So keep an fp32 EMA of a bf16 model. `_foreach_lerp_` refuses a pair of two dtypes: the
+# update must first *cast* (convert) the model's values to fp32.
 
 # %% [markdown]
 # ## 5. What ema_lab packages
 #
-# `ema_lab.ModelEMA` packages sections 2-4: it flattens its EMA copy, checks before every update that no
-# tensor moved (rebuilding when one did), and casts a bf16 model's values into an fp32 buffer when you keep
-# the EMA in fp32 (`ema.ema.float()`: it starts in the model's dtype). `ema_lab.flatten_model` is our
-# `flatten` for the model; `count_ops`, notebook 01's op counter, packaged, shows what an update calls:
+# `ema_lab.ModelEMA` packages sections 2-4: it flattens its EMA copy, checks before every update that
+# nothing it relies on moved (rebuilding if so), and casts a bf16 model into an fp32 EMA
+# (`ema.ema.float()`). `ema_lab.flatten_model` is our `flatten` for the model; `count_ops` (notebook 01's
+# op counter) shows what an update calls:
 
 # %%
 import ema_lab
 from ema_lab.bench.counting import count_ops
 
+
+def show(name: str, e: ema_lab.ModelEMA, m: torch.nn.Module) -> None:
+    """The modes and ops of one update, and how many slots it checks first (_step: its cached update)."""
+    print(f"{name:<10} {e.modes} {dict(count_ops(e.update, m))}")
+    print(f"{'':<10} slots checked per update: {len(e._step.watch.keys):,}")
+
+
 net = models.build("yolo")
 ema_default = ema_lab.ModelEMA(net)
 ema_default.update(net)  # the first update builds the flat buffers
-print("default:  ", ema_default.modes, dict(count_ops(ema_default.update, net)))
+show("default", ema_default, net)
 net_flat = models.build("yolo")
 ema_lab.flatten_model(net_flat)
 ema_fused = ema_lab.ModelEMA(net_flat)
 ema_fused.update(net_flat)
-print("flattened:", ema_fused.modes, dict(count_ops(ema_fused.update, net_flat)))
+show("flattened", ema_fused, net_flat)
+small = [t for t in float_tensors(net) if t.numel() < 2048]
+print(f"small float tensors (under 2,048 elements): {len(small)} of {len(float_tensors(net))}")
 
 # %% [markdown]
-# You choose a *strategy* (`ModelEMA(model, strategy="auto")`, the default); `ema.modes` names what
-# each group of tensors got ([glossary table](../docs/glossary.md#strategies-and-modes)). Here:
+# `ema.modes` names what each group of tensors got ([all modes](../docs/glossary.md#strategies-and-modes)):
 #
 # | mode | the model's tensors | one update |
 # |---|---|---|
-# | `cat` | scattered, all small | one `cat` gathers them, one `lerp_` |
-# | `foreach` | scattered, all large | one `_foreach_lerp_` |
-# | `cat+foreach` | scattered, small and large | one `cat` of the small ones, one `_foreach_lerp_` |
+# | `cat+foreach` | scattered, small and large | a `cat` per shape of the small ones, one `_foreach_lerp_` |
 # | `fused` | flattened | one `lerp_` |
 # | `cast` | another dtype | one `_foreach_copy_` into fp32, one `lerp_` |
 #
-# *Small*: under 2,048 elements. The second `cat` and the `copy_` carry BatchNorm's integer counters. Time
-# all six ways in turns:
+# *Small*: under 2,048 elements, read live from their *slots* (a module's entries, such as `conv.weight`)
+# by the `cat`s: they cannot go stale. Every other slot's address is checked: the EMA's, the model's large
+# ones, all of a flattened model's. `cat.out` and `copy_` copy BatchNorm's integer counters. Time all six
+# ways:
 
 # %% tags=["nbval-ignore-output"]
 import matplotlib.pyplot as plt
@@ -279,17 +294,20 @@ for y, k in enumerate(names):
     ax.text(1e3 * results[k].q3_s, y, f" {times[k]:.2f} ms", va="center", fontsize=9)
 ax.set_xlim(0, 1.3 * max(1e3 * r.q3_s for r in results.values()))
 ax.set_xlabel("ms per EMA update (median; line: IQR), yolo-sized model, 1 thread")
+ax.set_title("gray: built in this notebook, blue: ema_lab", fontsize=10, loc="left")
 fig.tight_layout()
 plt.show()
+print(f"ModelEMA default / bare foreach of section 1: {times['ModelEMA'] / times['foreach']:.2f}")
 
 # %% [markdown]
-# Gray: built here; blue: `ema_lab`. The flattened model's `ModelEMA` adds the counters' `copy_` and the
-# check to the floor's `lerp_`, so it cannot beat the floor (overlapping IQR lines: noise). The default
-# (foreach over the large tensors, one `cat` of the small, the check, the counters) lands near or above
-# foreach.
+# The flattened model's `ModelEMA` adds the counters' `copy_` and the check to the floor's `lerp_`: it
+# cannot beat the floor (overlapping IQR lines: noise).
 #
-# The check, packaged: make the flattened model fp16 and update once with decay 0. The EMA must equal
-# the model:
+# The ratio sets the default against section 1's bare `_foreach_lerp_` (under 1: the default is faster).
+# The default lerps fewer, larger pieces, but pays for its `cat`s and for checking every slot it does not
+# read live; the bare lists check nothing. The check is the cost of being safe.
+#
+# The check, packaged: make the flattened model fp16, update once with decay 0; the EMA must equal it:
 
 # %%
 before = ema_fused.rebuilds
@@ -302,24 +320,25 @@ print(
 )
 
 # %% [markdown]
-# Rebuilt, and the EMA stayed fp32: mode `cast`. (What each strategy pays for such a model, and the
-# other modes: [Beyond foreach: the details](../docs/beyond_foreach_details.md).)
-
-# %% [markdown]
+# Rebuilt, and the EMA stayed fp32: mode `cast` ([the details](../docs/beyond_foreach_details.md)).
+#
 # ## 6. On a GPU: host time, not bytes
 #
-# On CUDA the host queues kernels for each op (notebook 04). An NVIDIA H200 run (torch 2.11, 1 host
-# thread) timed and counted the kernels of one update of the yolo-sized model:
+# On CUDA the host queues kernels for each op (notebook 04). An NVIDIA H200 run with the ema_lab of
+# 2026-12-04 timed one update of this notebook's model and counted its kernels (notebook 04's 0.385 ms is
+# another model, the real yolo26n):
 
 # %%
 from ema_lab.bench.results import load, results_dir
 
 h200 = results_dir() / "gpu-linux-intel-xeon-16c-nvidia-h200"
 run = load(h200 / "linux-intel-xeon-16c-nvidia-h200_2026-12-04T154528Z_full_t1_cuda.json")
+print(f"measured {run['created'][:10]}, torch {run['environment']['torch']}, model: the zoo's yolo")
 rows = {r["candidate"]: r for r in run["results"] if r["model"] == "yolo"}
 floor_ms = rows["floor"]["median_ms"]
 for name, cand in [
     ("PR before-code", "seed_before"),
+    ("PR after-code", "seed_after"),
     ('ModelEMA "foreach"', "foreach"),
     ("ModelEMA default", "auto"),
     ("flatten_model + ModelEMA", "flat_model"),
@@ -329,17 +348,12 @@ for name, cand in [
     print(f"{name:<25} {ms:7.3f} ms = {ms / floor_ms:5.0f}x the floor, {n:>5} kernels")
 
 # %% [markdown]
-# The default's 8 kernels take about 30x the floor's time for nearly the same bytes. The time is the
-# host's: it checks that the model's tensors have not moved, gathers the small ones, copies the counters.
-# ultralytics' class, with more kernels and no check, was faster on the same GPU
-# ([results](../docs/results/h200-update-costs-2026-12-04.md)). Flattening the model leaves 2 kernels
-# and a lighter check (the flat buffer as a whole, not each float tensor): about 4x the floor.
-#
-# <details><summary>Why 8 kernels, not section 5's 3 ops</summary>
-#
-# CUDA's `cat` launches a kernel per 128 inputs (4 for the small tensors, 1 for the counters),
-# `_foreach_lerp_` one per batch of tensors (2), and that run's ema_lab a `lerp_` for the gathered ones (1).
-# </details>
+# The PR's after-code launches 10 kernels (notebook 01) but walks `state_dict()` twice per call;
+# `ModelEMA`'s "foreach" adds a `cat` for BatchNorm's counters, which the PR skips. The default took 32x
+# the floor's time for nearly the same bytes: host work. ultralytics' class, with more kernels and no
+# check, was faster on every model there ([H200 results, 2026-12-04](../docs/results/h200-update-costs-2026-12-04.md)).
+# A flattened model: 2 kernels, 4x the floor. That ema_lab checked a flattened model's buffer as a whole;
+# the one you run checks every slot (section 5): time it on your GPU (notebook 04).
 
 # %% [markdown]
 # A *CUDA graph* takes any number of launches down to one: record an update's kernels once
@@ -348,28 +362,29 @@ for name, cand in [
 # ![One launch replays all the kernels](figures/05_cuda_graph.svg)
 #
 # A replay reuses the recorded addresses and numbers: check the addresses before each replay, and keep
-# the decay in a device tensor. `ModelEMA(model, cuda_graph=True)` is written to do
-# both, but has never run on a GPU in a published run (on a CPU it raises a `ValueError`). On the H200,
-# graphs captured by hand replayed the real yolo26n's default update in 0.17 ms (0.385 ms eager) and one
-# `_foreach_lerp_` in 0.070 ms (ultralytics, eager: 0.250 ms). Time `cuda_graph=True` on your GPU as
-# notebook 04 does; [the details](../docs/beyond_foreach_details.md) say how it records and re-records.
+# the decay in a device tensor. `ModelEMA(model, cuda_graph=True)` does both; no published run has timed
+# it on a GPU. Captured by hand on the H200 ([results, 2026-12-04](../docs/results/h200-update-costs-2026-12-04.md)),
+# that date's default update of the real yolo26n replayed in 0.17 ms (0.385 ms eager), one
+# `_foreach_lerp_` in 0.070 ms (ultralytics, eager: 0.250 ms).
 
 # %% [markdown]
 # ## Summary
 #
 # - foreach removes Python's per-tensor ops; flat buffers make the whole update one `lerp_`.
-# - Views go stale after `model.half()` or `.to()`: check them every update, as `ModelEMA` does.
+# - Views go stale after `model.half()` or `.to()`: `ModelEMA` checks them every update, at the price
+#   section 5 prints against bare foreach.
 # - Keep the EMA in fp32: at decay 0.9999 a bf16 EMA's steps round away.
-# - On a GPU the default update is host-bound; a flattened model needs 2 kernels, 4x the floor.
+# - On a GPU the update is host work: on the H200 (2026-12-04) a flattened model took 2 kernels, 4x the floor.
 
 # %% [markdown]
 # ## Exercises
 #
 # Try each exercise in the empty cell below it before you open its solution; to run a solution, paste it into that cell.
 #
-# **Exercise 1.** `models.build("tiny_tensors")` holds 2,000 float tensors (1,000 of 256 elements, 1,000
-# of 16). Flatten one and its EMA copy with `flatten`, and time `foreach` against one `lerp_` with
-# `timed`. *Predict*: does one `lerp_` gain more over foreach there than on the yolo-sized model?
+# **Exercise 1.** `models.build("tiny_tensors")` holds 2,000 float tensors, the weights and biases of
+# 1,000 `Linear(16, 16)`. Flatten one and its EMA copy with `flatten`, and time `foreach` against one
+# `lerp_` with `timed`. *Predict*: does one `lerp_` gain more over foreach there than on the yolo-sized
+# model?
 
 # %%
 # Exercise 1: your code here
@@ -391,8 +406,8 @@ for name, cand in [
 # print(f"tiny_tensors: {ratio:.0f}x; yolo-sized: {times['foreach'] / times['one lerp_']:.1f}x")
 # ```
 #
-# Far more (the printed ratios): 2,000 tensors of 272,000 elements in all are almost all per-tensor
-# work, which one `lerp_` removes; the yolo-sized model's 2.6 million elements must move either way.
+# Far more (the printed ratios): 2,000 tiny tensors cost almost only per-tensor work, which one `lerp_`
+# removes; the yolo-sized model's 2.6 million elements must move either way.
 #
 # </details>
 
@@ -430,7 +445,7 @@ for name, cand in [
 #     print(f"  {k:<25} {times[k]:6.2f} ms = {times[k] / (step_ms + times[k]):6.2%} of the step")
 # ```
 #
-# Small at batch 8 of 256x256 (under 1 % for the loop, less for the others): the passes touch every
+# Small at batch 8 of 256x256 (the printed shares; the loop's is the largest): the passes touch every
 # pixel of every image, the update each weight once. The step grows with the batch and the images, the
 # update does not: in quick mode the step is over ten times shorter and every share larger.
 #
