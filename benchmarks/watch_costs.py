@@ -38,7 +38,7 @@ def costs(name: str, rounds: int) -> str:
         },
         rounds=rounds,
     )
-    ms = {k: r.median * 1e3 for k, r in times.items()}
+    ms = {k: r.median_s * 1e3 for k, r in times.items()}
     slots = len(step.watch.keys)
     own = sum(len(e.state_dict()) for e in ema.emas)
     return (
