@@ -418,9 +418,9 @@ for m in ("yolo", "tiny_tensors"):
 
 # %% [markdown]
 # The before-code launches one kernel per `mul_`, `mul` and `add_` (3 x 594); `detach` launches none.
-# The after-code's `_foreach_lerp_` took 10 launches for 594 tensors and 32 for 2,000: about 60 tensors
-# a launch in that torch build (other builds pack more; count yours above). One flat `lerp_` is one
-# launch.
+# The after-code's `_foreach_lerp_` took 10 launches for 594 tensors and 32 for 2,000: 59.4 and 62.5
+# tensors a launch in that torch build (other builds pack more; count yours above). One flat `lerp_` is
+# one launch.
 #
 # Why does the GPU gain more? The prices differ. Fit one op of the before-code's loop (four per tensor,
 # `detach` included) with section 3's line, beside the prices the bench fitted on the saved machines:
@@ -474,7 +474,7 @@ for label, values in table.items():
     print(f"{label:<45}" + "".join(f"{v:>{w}.{3 if v < 1 else 2}f}" for v, w in zip(values, (10, 12, 8))))
 
 # %% [markdown]
-# A loop's op costs a few times a tensor inside `_foreach_lerp_` on a CPU, about 20 times on the H200,
+# A loop's op costs a few times a tensor inside `_foreach_lerp_` on a CPU, about 21 times on the H200,
 # where its ops launch kernels. The before-code pays the first price four times per tensor, the
 # after-code the second once: on the H200 the prices predict 86x; measured: 5.8x. Both versions also pay
 # the two `state_dict()` walks (timed in section 4), which dilute every gain; only code that keeps its
@@ -512,8 +512,8 @@ for label, values in table.items():
 # print(f"{sum(counts.values())} ops {dict(counts)}")
 # ```
 #
-# 12,000 ops: 3 arithmetic ops per float tensor (2,000 each of `mul_`, `mul`, `add_`) and 6,000
-# `detach`: one per entry of the two `state_dict()` walks (4,000) and one per model tensor (2,000).
+# Six ops per float tensor, times 2,000: three arithmetic ops (`mul_`, `mul`, `add_`) and three
+# `detach`, one per entry of each of the two `state_dict()` walks and one per model tensor.
 #
 # </details>
 

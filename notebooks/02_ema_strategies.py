@@ -437,7 +437,7 @@ print(
 #     print("foreach_update: ValueError:", e)
 # ```
 #
-# `gated_update` dispatches 3 ops: one `_foreach_lerp_` for the 593 matching pairs, then `mul_` and
+# `gated_update` dispatches 3 ops: one `_foreach_lerp_` for all the matching pairs, then `mul_` and
 # `add_` for the mixed one. `foreach_update` checks every pair first and raises a `ValueError` naming
 # entry 5 and both dtypes, before it updates anything.
 #

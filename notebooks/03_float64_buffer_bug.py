@@ -113,8 +113,9 @@ print("leaked keys:", leaked_keys(block))
 
 # %% [markdown]
 # Modules with a rule were cleaned: `Conv2d`, `BatchNorm2d` and `nn.Sequential`. The block and `SiLU`
-# have no rule in thop 0.1.1 and kept theirs. The count follows thop's rules: 16 × 32 × 32 outputs × 27 MACs each for the
-# convolution, plus the 4 per output element thop charges BatchNorm, make 507,904 (SiLU adds nothing).
+# have no rule in thop 0.1.1 and kept theirs. The count follows thop's rules: 16 × 32 × 32 outputs ×
+# 3 × 3 × 3 MACs each (a 3 × 3 kernel over 3 channels) for the convolution, plus the 4 per output
+# element thop charges BatchNorm, make 507,904 (SiLU adds nothing).
 #
 # thop has no `try/finally` either. When the profiled forward raises (a 1-channel input into a
 # 3-channel convolution), the buffers stay on every module, the hooks stay registered, and the block
@@ -449,8 +450,8 @@ print(f"_foreach_lerp_ over {len(floats)} pairs: no error; thop's keys: {leaked_
 # print(f"yolo profiled in place (section 2): {sizes['profiled in place'][1]}")
 # ```
 #
-# Fewer: 34 against 572, kept by `Flatten` and the custom `ResNetBottleneck` only; ResNet-50's `Conv2d`,
-# `BatchNorm2d` and `ReLU` have thop rules, and it has no shared `SiLU`.
+# Far fewer than yolo's 572, kept by `Flatten` and the custom `ResNetBottleneck` only; ResNet-50's
+# `Conv2d`, `BatchNorm2d` and `ReLU` have thop rules, and it has no shared `SiLU`.
 #
 # </details>
 

@@ -530,8 +530,8 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 #     print(f"{name:<13} {len(large):>3} of {len(sizes):>4} large, holding {sum(large) / sum(sizes):6.1%}")
 # ```
 #
-# gpt2 (99.9 %), then resnet50 (99.0 %), yolo (62.8 %), tiny_tensors none: the same on any machine.
-# A second thread can split most of gpt2's elements, none of tiny_tensors'.
+# gpt2 most (nearly all), then resnet50, yolo (under two thirds), tiny_tensors none: the same on any
+# machine. A second thread can split most of gpt2's elements, none of tiny_tensors'.
 #
 # </details>
 
@@ -551,8 +551,8 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 #         print(f"{row['model']:<13} {row['speedup_vs_seed_before']:5.1f}x")
 # ```
 #
-# A committed run (2-core AMD EPYC VM, 1 thread), the same everywhere: tiny_tensors gains most (7.0x),
-# its time almost all per-tensor cost; gpt2 (2.6x) and resnet50 (2.3x) least: their time goes into
-# moving bytes, which any update must do.
+# A committed run ([2-core AMD EPYC VM, 1 thread](../results/linux-amd-epyc-2c_2026-12-03T093048Z_full_t1_cpu.json)),
+# the same everywhere: tiny_tensors gains most (7.0x), its time almost all per-tensor cost; gpt2 (2.6x)
+# and resnet50 (2.3x) least: their time goes into moving bytes, which any update must do.
 #
 # </details>

@@ -134,6 +134,7 @@ ax.grid(alpha=0.3)
 plt.show()
 print(f"after {STEPS} steps: raw {losses['raw'][-1]:.4f}, EMA {losses[0][-1]:.4f}")
 print(f"the raw weights' best test loss at any of the {len(steps)} checkpoints: {min(losses['raw']):.4f}")
+print(f"the EMA's window once ramped: 1 / (1 - 0.995) = {1 / (1 - 0.995):.0f} steps")
 
 # %% [markdown]
 # Each SGD step jolts the weights: the raw loss jumps from checkpoint to checkpoint. The EMA averages the
@@ -545,7 +546,7 @@ for s, e in zip(constants, constant_emas):
 #     print(f"{name:<17} {four[key][-1]:.4f}")
 # ```
 #
-# The warm-up and the power function score best (windows of about 200 and 400 late steps); the ramp and
+# The warm-up and the power function score best (the shortest windows late in the run); the ramp and
 # the constant average about 1000 steps, reaching back into worse weights, and the constant, still 5 %
 # the untrained start, is worst.
 #

@@ -4,9 +4,9 @@ Read: the markdown cells of every committed notebook (``.ipynb``), README.md and
 stated there must be found
 
 - for a notebook cell: in the text outputs of the notebook's code cells (stdout, a result's
-  ``text/plain``; images are not read), in its code (a literal the code sets: sizes, rounds, steps), or in
-  a file the cell links or names: a committed results file (``results/``, ``docs/results/``), or another
-  notebook's outputs (``notebook 04``);
+  ``text/plain``; images are not read), in its code (a literal the code sets: sizes, rounds, steps; the
+  code of the exercises' solutions counts, see ``code_text``), or in a file the cell links or names: a
+  committed results file (``results/``, ``docs/results/``), or another notebook's outputs (``notebook 04``);
 - for README.md and docs/*.md: in a file the same section (from one heading to the next) links or names,
   as above, or in a fenced block of that section (a program and what it printed, shown on the page).
 
@@ -39,6 +39,7 @@ tool's version or wording: the test reads only the committed files.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import re
 import subprocess
@@ -270,9 +271,33 @@ def output_text(nb: dict) -> str:
     return "\n".join(parts)
 
 
+def _solution_code() -> re.Pattern:
+    """notebooks/conftest.py's pattern of a solution's code: what nbval's run puts in its exercise cell."""
+    spec = importlib.util.spec_from_file_location("nb_conftest_numbers", ROOT / "notebooks" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SOLUTION_CODE
+
+
+SOLUTION_CODE = _solution_code()
+
+
 def code_text(nb: dict) -> str:
-    """The notebook's code, comments left out: the numbers it sets (sizes, rounds, steps) are definitions."""
-    lines = [line for c in nb["cells"] if c["cell_type"] == "code" for line in _source(c).splitlines()]
+    """The notebook's code, comments left out: the numbers it sets (sizes, rounds, steps) are definitions.
+
+    The code of each exercise's solution (the ```python block of its ``<details>`` cell) counts too: it is
+    code the notebook runs (nbval's run puts it into the exercise cell, notebooks/conftest.py) and the
+    reader runs, so a literal there (``every=500``, ``make(2000, total=2000 * 136)``) is a size the exercise
+    sets, like one in a code cell. What a solution prints is committed nowhere: it backs nothing.
+    """
+    sources = [_source(c) for c in nb["cells"] if c["cell_type"] == "code"]
+    sources += [
+        code
+        for c in nb["cells"]
+        if c["cell_type"] == "markdown"
+        for _, code in SOLUTION_CODE.findall(_source(c))
+    ]
+    lines = [line for source in sources for line in source.splitlines()]
     return "\n".join(line.split("#")[0] for line in lines)
 
 
@@ -324,18 +349,23 @@ def unbacked_in_doc(path: Path, text: str | None = None) -> list[str]:
 
 # --- the tests ---------------------------------------------------------------------------------------------
 
-# Issue 63 rewrites the notebooks' text in a change of its own. Until it lands, the numbers found unbacked
-# in a notebook are reported, not failures (``pytest --runxfail tests/lessons/test_numbers.py`` lists them);
-# set this to True once it has.
-ENFORCE_NOTEBOOKS = False
+# TEMPORARY: notebooks exempt while their text is rewritten in a change of their own (issue 63). 05 is being
+# rewritten elsewhere: its unbacked numbers are reported as an xfail, not a failure (``pytest --runxfail
+# tests/lessons/test_numbers.py`` lists them). Drop its name once that rewrite has merged; the xfail is
+# strict, so a notebook here that passes fails the run until its name is dropped.
+PENDING = {"05_beyond_foreach"}
 
 
-@pytest.mark.xfail(
-    not ENFORCE_NOTEBOOKS,
-    reason="issue 63: the notebooks' text is being rewritten elsewhere; see ENFORCE_NOTEBOOKS",
-    strict=False,
-)
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def _notebook(path: Path) -> object:
+    """A notebook as a test parameter: expected to fail while it is PENDING."""
+    pending = pytest.mark.xfail(
+        reason=f"issue 63: {path.stem} is being rewritten elsewhere; drop it from PENDING once merged",
+        strict=True,
+    )
+    return pytest.param(path, id=path.stem, marks=[pending] if path.stem in PENDING else [])
+
+
+@pytest.mark.parametrize("path", [_notebook(p) for p in NOTEBOOKS])
 def test_every_number_in_a_notebook_is_printed_or_linked(path: Path) -> None:
     missing = unbacked_in_notebook(path)
     assert not missing, f"{path.name}: numbers that no output, code or linked file holds:\n" + "\n".join(
@@ -391,6 +421,25 @@ def test_a_stale_number_planted_in_a_notebook_cell_is_caught() -> None:
             number,
             stale,
         )
+
+
+def test_a_solutions_code_backs_the_sizes_its_exercise_sets() -> None:
+    """A literal of a solution's code backs its exercise's text; its comments, and what it prints, do not."""
+    solution = (
+        "<details><summary>Solution 1</summary>\n\n```python\nprint(fit(every=500))  # not 250\n```\n\n"
+        "It prints 34 errors.\n\n</details>"
+    )
+    nb = {
+        "cells": [
+            {"cell_type": "markdown", "source": "**Exercise 1.** Snapshots every 500 steps. *Predict* it."},
+            {"cell_type": "code", "source": "# Exercise 1: your code here", "outputs": []},
+            {"cell_type": "markdown", "source": solution},
+        ]
+    }
+    path = ROOT / "notebooks" / "lesson.ipynb"
+    assert [line.split(" (")[0] for line in unbacked_in_notebook(path, nb)] == ["cell 2: 34"]
+    nb["cells"][0]["source"] = nb["cells"][0]["source"].replace("500", "250")
+    assert [line.split(" (")[0] for line in unbacked_in_notebook(path, nb)] == ["cell 0: 250", "cell 2: 34"]
 
 
 def test_a_stale_number_planted_in_the_docs_is_caught() -> None:
