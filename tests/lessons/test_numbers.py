@@ -349,23 +349,8 @@ def unbacked_in_doc(path: Path, text: str | None = None) -> list[str]:
 
 # --- the tests ---------------------------------------------------------------------------------------------
 
-# TEMPORARY: notebooks exempt while their text is rewritten in a change of their own (issue 63). 05 is being
-# rewritten elsewhere: its unbacked numbers are reported as an xfail, not a failure (``pytest --runxfail
-# tests/lessons/test_numbers.py`` lists them). Drop its name once that rewrite has merged; the xfail is
-# strict, so a notebook here that passes fails the run until its name is dropped.
-PENDING = {"05_beyond_foreach"}
 
-
-def _notebook(path: Path) -> object:
-    """A notebook as a test parameter: expected to fail while it is PENDING."""
-    pending = pytest.mark.xfail(
-        reason=f"issue 63: {path.stem} is being rewritten elsewhere; drop it from PENDING once merged",
-        strict=True,
-    )
-    return pytest.param(path, id=path.stem, marks=[pending] if path.stem in PENDING else [])
-
-
-@pytest.mark.parametrize("path", [_notebook(p) for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_every_number_in_a_notebook_is_printed_or_linked(path: Path) -> None:
     missing = unbacked_in_notebook(path)
     assert not missing, f"{path.name}: numbers that no output, code or linked file holds:\n" + "\n".join(
