@@ -161,9 +161,8 @@ class BaseEMA(RankDuties):
         try:
             return check_decay(d)
         except (TypeError, ValueError):
-            raise ValueError(
-                f"the schedule {schedule!r} gave decay {d!r} at update {n}, not a number in [0, 1]"
-            ) from None
+            why = f"gave decay {d!r} at update {n}, not a number in [0, 1]"
+            raise ValueError(f"the schedule {schedule!r} {why}") from None
 
     @property
     def modes(self) -> list[str]:
@@ -253,9 +252,8 @@ class BaseEMA(RankDuties):
             shape = {k: getattr(v, "shape", None) for k, v in saved.items()}  # a non-tensor: None
             diff = [k for k in {**shape, **mine} if shape.get(k) != getattr(mine.get(k), "shape", None)]
             if diff:
-                raise ValueError(
-                    f"the checkpoint is another model's: entries {diff[:3]} differ in name or shape"
-                )
+                why = f"entries {diff[:3]} differ in name or shape"
+                raise ValueError(f"the checkpoint is another model's: {why}")
             for key, value in saved.items():  # torch would copy the entries before it, then raise
                 if why := _unfit(value, mine[key]):
                     raise ValueError(f"the checkpoint's entry {key!r} is {why}: nothing was loaded")
@@ -280,13 +278,10 @@ class ModelEMA(BaseEMA):
     ``p.data = ...``, ``swap_tensors``, a new parameter), non-float entries are copied, tied weights averaged
     once, and a failed update changes nothing. It holds no view of a module tensor (``swap_tensors`` works).
 
-    ``decay``: a number in [0, 1] (ultralytics' ramp, with ``tau``), a schedule (:mod:`ema_lab.schedules`) or
-    a list of them (one EMA each). With "flat" (what "auto" picks for ordinary tensors) the EMA's tensors are
-    views of one buffer per group, each in its memory format (channels_last stays so) and on a storage of its
-    own (accelerate and safetensors save every entry). ``cat_max_numel``: smaller model tensors are gathered
-    by ``torch.cat``; ``cuda_graph=True`` (one CUDA device, "flat"): each update replays a CUDA graph
-    (:mod:`ema_lab.graph_step`). Under DDP call ``ema.sync_buffers()`` on every rank before evaluating or
-    saving. Not thread-safe: one ``update()`` at a time (use a lock), and read ``.ema`` between updates.
+    ``decay``, "flat"'s buffers, checkpoints and DDP: docs/api.md. ``cat_max_numel``: smaller model tensors
+    are gathered by ``torch.cat``; ``cuda_graph=True`` (one CUDA device, "flat"): each update replays a CUDA
+    graph (:mod:`ema_lab.graph_step`). Not thread-safe: one ``update()`` at a time (use a lock), and read
+    ``.ema`` between updates.
     """
 
     def _average_of(self, model: nn.Module) -> nn.Module:

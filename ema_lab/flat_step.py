@@ -65,7 +65,6 @@ class _OneLerpGroup:
             self.source.copy_(self.model)
 
     def lerp(self, k: int, weight: float | Tensor) -> None:
-        """``e += weight * (m - e)`` over EMA ``k``'s whole buffer: one ``lerp_``."""
         self.emas[k].lerp_(self.source, weight)
 
 
@@ -94,8 +93,6 @@ class _SameDtypeGroup:
         self.checked_slots = [slots[i] for i in large]
         self.mode = "cat+foreach" if small and large else "cat" if small else "foreach"
         device = model[0].device
-        # One gather per trailing shape at one thread (or off the CPU); at 2+ threads in runs under
-        # CAT_RUN_NUMEL (see above).
         threaded = device.type == "cpu" and torch.get_num_threads() > 1
         runs = []
         for same in group(small, lambda i: model[i].shape[1:] if model[i].dim() else None):
@@ -120,7 +117,6 @@ class _SameDtypeGroup:
         self.large = [model[i] for i in large]
         self.sources: list[Tensor] = []  # the runs' gathered values, then the large tensors: set by read()
         self.foreach = len(self.targets[0]) > 1 and foreach_lerp_supported(None, device.type)
-        # Where foreach is fused, a tensor weight goes as views of one buffer (made on first use).
         self.packed = len(self.runs) + sum(model[i].numel() <= DENSE_WEIGHT_NUMEL for i in large)
         self.dense = self.foreach and self.packed > 0 and device.type in fused_foreach_devices()
         self.dense_buffer: Tensor | None = None
@@ -175,12 +171,9 @@ def _runs(numels: list[int], limit: int) -> list[range]:
 
 
 class FlatStep:
-    """``"flat"``: each EMA in one buffer per (device, EMA dtype, model dtype) group, one ``lerp_`` or
-    ``_foreach_lerp_`` each, in a mode: ``fused`` (the model's tensors tile one storage, as after
-    ``flatten_model``), ``cast`` (another dtype), ``cat``, ``foreach`` or ``cat+foreach`` (small tensors
-    gathered by ``torch.cat``, large ones read as they are). A step's class says what it can do;
-    ``ready(model)`` (False: rebuild) and ``apply(decays, weights)`` (``weight = 1 - decay``; a 0-dim tensor
-    weight: no host sync) run under ``no_grad``."""
+    """The ``"flat"`` step (the module's docstring), each group in a mode: ``fused`` (the model's tensors tile
+    one storage, as after ``flatten_model``), ``cast`` (another dtype), ``cat``, ``foreach`` or ``cat+foreach``
+    (small tensors gathered by ``torch.cat``, large ones read as they are)."""
 
     tensor_decay = True  # apply() takes 0-dim tensor decays (no host sync)
     in_place = False  # the EMAs' tensors move into the groups' buffers (ShardedModelEMA needs in place)

@@ -188,21 +188,10 @@ def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
 def flatten_model(model: nn.Module) -> list[Tensor]:
     """Move the model's parameters and buffers into one buffer per (device, dtype); return the buffers.
 
-    Every tensor keeps its object (optimizers, hooks and module slots still hold it), value, shape, strides
-    (channels_last stays so) and ``requires_grad``; tied weights move once; ``model.state_dict()`` then
-    returns copies, which accelerate and safetensors save whole (write through ``state_dict(keep_vars=True)``,
-    the parameters or ``load_state_dict``; a deep or pickled copy of the model returns views until
-    ``flatten_model`` of it). Flatten before building the optimizer and the EMA. All is checked first, and a
-    failure while moving (out of memory) puts every tensor back. Refused, with a ``ValueError`` naming the
-    tensor: a sparse, nested, quantized, meta, lazy or wrapper-subclass (DTensor) tensor, or strides with gaps
-    or overlaps; two tensors whose memory overlaps (each would get its own copy); a tensor whose storage more
-    tensors hold than the model's (a ``.data`` or view kept by an optimizer or an earlier EMA would keep the
-    old memory; checked where torch has ``_storage_Use_Count``). A group that already fills one buffer is not
-    moved; pinned memory stays pinned; the buffers are normal tensors even under inference_mode. Later,
-    ``.to()``, ``.half()`` or a new parameter give tensors their own memory again (correct, no longer one
-    ``lerp_``), and a channels_last group is correct but not one ``lerp_``. The tensors lie back to back, not
-    on a fresh tensor's 64-byte boundary: a kernel that rounds by alignment (some CPUs' BLAS matrix-vector
-    product) can differ in the last bit.
+    Every tensor keeps its object, value, shape, strides and ``requires_grad``; ``model.state_dict()`` then
+    returns copies. Flatten before building the optimizer and the EMA. All is checked first (what is refused:
+    docs/beyond_foreach_details.md), and a failure while moving puts every tensor back. Later, ``.to()``,
+    ``.half()`` or a new parameter give tensors their own memory again (correct, no longer one ``lerp_``).
     """
     buffers = _flatten(_model_tensors(model))
     # accelerate's save_model/save_state keep one entry per storage; safetensors' save_model/load_model refuse
@@ -216,9 +205,7 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
 
 def unflatten_model(model: nn.Module) -> None:
     """Give every parameter and buffer of ``model`` that shares a buffer its own memory again (undoes
-    :func:`flatten_model`; strides kept; all or nothing; overlapping tensors refused as there). Whatever
-    still holds the buffers (what flatten_model returned, an EMA's step) keeps the old memory;
-    ``state_dict()`` returns views again."""
+    :func:`flatten_model`, all or nothing); whatever still holds the buffers keeps the old memory."""
     _unflatten(_model_tensors(model))
     for m in model.modules():
         for key in _hooks(m):

@@ -1,12 +1,9 @@
 """``ModelEMA(..., cuda_graph=True)``: the flat step recorded once in a CUDA graph, then replayed per update.
 
 On a GPU the arithmetic of an update is nearly free; what remains is host work per kernel launch, which one
-``replay()`` replaces. Its costs: fixed addresses (the step is rebuilt and recorded again whenever the watch
-says a slot moved, and built with ``cat_max_numel=0``: no live ``torch.cat`` reads); the weight on the device
-(each update ``fill_``s ``1 - decay`` into a 0-dim float32 tensor the graph reads: no host sync; a float16 or
-bfloat16 EMA reads it rounded to its dtype, within 0.4 % of each step); recording (the first update after a
-build runs eagerly, the second records on a side stream, then replays; a failed recording raises before
-anything is written); memory (the graph's pool keeps what the update allocates: benchmarks/peers.py).
+``replay()`` replaces. What it costs: docs/beyond_foreach_details.md, "CUDA graphs". A float16 or bfloat16 EMA
+reads the weight rounded to its dtype (within 0.4 % of each step); a failed recording raises before anything
+is written.
 """
 
 from __future__ import annotations

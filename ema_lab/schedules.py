@@ -1,10 +1,8 @@
 """The peers' decay schedules: callables of the update number ``n`` (1 for the first update) -> the decay.
 
-``ModelEMA(model, decay=schedule)`` calls ``schedule(n)`` once per update, as ultralytics calls
-``self.decay(self.updates)`` after ``self.updates += 1``. Each matches its peer's code with the arguments its
-docstring names (``benchmarks/peer_schedules.py``, docs/schedules.md). Started late (``after``), timm,
-diffusers and ema-pytorch give decay 0 (a copy) while ``s = n - after - 1 <= 0``, whatever ``min_decay``.
-Frozen dataclasses: picklable, comparable, their repr the call that makes them.
+Each matches its peer's code with the arguments its docstring names (``benchmarks/peer_schedules.py``,
+docs/schedules.md). Started late (``after``), timm, diffusers and ema-pytorch give decay 0 (a copy) while
+``s = n - after - 1 <= 0``, whatever ``min_decay``.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from .checks import check_decay, check_gamma, check_int, is_int, is_real, one_of
 __all__ = ["ramp", "warmup", "constant", "harmonic", "power", "sigma_rel_to_gamma", "gamma_to_sigma_rel"]
 __all__ += ["decay_over", "Ramp", "Warmup", "Constant", "Harmonic", "Power", "Schedule", "MAX_SIGMA_REL"]
 
-#: A decay schedule: the update number n (1 for the first update) -> the decay of that update.
 Schedule = Callable[[int], float]
 
 # Karras et al.'s length of the power profile at gamma = 0 (the running mean): the longest it can be.

@@ -2,11 +2,9 @@
 built with, and the parts every kind of step shares (:class:`Watch`, :func:`lerp_pairs`, :class:`Counters`).
 
 A step is built once per model layout over the matched entries (:mod:`ema_lab.pairs`) and moves every EMA
-(``PostHocEMA`` keeps several) from one read of the model, through detached aliases (no autograd, nothing
-that makes ``swap_tensors`` refuse); its :class:`Watch` says when it no longer fits. The
-kinds: :class:`ema_lab.updates.ListStep` (``"loop"``, ``"foreach"``, ``"gated"``),
-:class:`ema_lab.flat_step.FlatStep` (``"flat"``) and :class:`ema_lab.graph_step.GraphStep` (the flat step in
-a CUDA graph). A new kind is its own file and one entry in ``ema_lab.ema.STEPS``.
+from one read of the model, through detached aliases (no autograd, nothing that makes ``swap_tensors``
+refuse); its :class:`Watch` says when it no longer fits. The kinds, and how to add one: docs/api.md, "The
+files".
 """
 
 from __future__ import annotations

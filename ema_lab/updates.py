@@ -1,9 +1,7 @@
 """The EMA update strategies as pure functions over lists of (EMA, model) tensor pairs, and their cached step.
 
-Each computes ``ema = decay * ema + (1 - decay) * model`` per pair, in place: :func:`loop_update` as before
-ultralytics PR #25315, :func:`foreach_update` after it, :func:`gated_update` behind its torch-version/device
-gate. Each validates the whole input first (a failed ``_foreach_lerp_`` is not atomic): a bad pair raises
-``ValueError`` with the EMA unchanged. :class:`ListStep` caches what :func:`prepare` validated once.
+Each computes ``ema = decay * ema + (1 - decay) * model`` per pair, in place, and validates the whole input
+first (a failed ``_foreach_lerp_`` is not atomic): a bad pair raises ``ValueError`` with the EMA unchanged.
 """
 
 from __future__ import annotations
