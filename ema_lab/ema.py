@@ -50,9 +50,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def _name(schedule: Schedule) -> str:
-    """A schedule as a checkpoint names it: the call that makes it (a dataclass's repr, a ``partial`` of a
-    named function with plain values), or a function's qualified name; a ValueError naming the fix for one
-    whose name another function could share (a lambda, a nested function, a callable object)."""
+    """A schedule as a checkpoint names it; a ValueError naming the fix for one whose name another function
+    could share (a lambda, a nested function, a callable object)."""
     if is_dataclass(schedule):
         return repr(schedule)
     if isinstance(schedule, partial):
@@ -185,11 +184,9 @@ class BaseEMA(RankDuties):
         return step
 
     def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:
-        """Move every EMA one step towards ``model`` (DDP, DataParallel and torch.compile wrappers unwrapped).
-        With ``every=k`` only every k-th call updates, by the product of the k decays (the others only count).
-        ``decay`` overrides the schedules for this step (with ``every=k``: for the k steps together); with
-        "flat" it may be a 0-dim tensor on the model's device, never read on the host (no sync, no
-        recompiles): used clamped to [0, 1], NaN as 1 (the EMA keeps its weights)."""
+        """Move every EMA one step towards ``model`` (DDP, DataParallel and torch.compile wrappers unwrapped);
+        with ``every=k`` only every k-th call, by the product of the k decays. ``decay`` overrides the
+        schedules for this step (with "flat", a 0-dim tensor too: never read on the host, no sync)."""
         if not self.enabled:
             return
         if not isinstance(model, nn.Module):
@@ -221,17 +218,15 @@ class BaseEMA(RankDuties):
         self.updates = n
 
     def state_dict(self) -> dict:
-        """What a resumed run needs to continue bit for bit: each EMA module's ``state_dict()`` (views, as
-        torch's), the update count, and what :meth:`load_state_dict` checks (the schedules, ``every``); a
-        ValueError for a schedule without a name of its own (a lambda), which a checkpoint cannot check."""
+        """What a resumed run needs to continue bit for bit: each EMA module's ``state_dict()``, the update
+        count, and what :meth:`load_state_dict` checks (the schedules by name, ``every``)."""
         schedules = [_name(s) for s in self.schedules]
         emas = [e.state_dict() for e in self.emas]
         return {"emas": emas, "updates": self.updates, "schedules": schedules, "every": self.every}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state`` (:meth:`state_dict`'s, loaded with ``torch.load(weights_only=True)``):
-        copied into the EMA's tensors in place; a checkpoint of another schedule, ``every`` or model, or an
-        entry torch could not copy, is refused with a one-line ValueError before anything changes."""
+        """Continue from ``state`` (:meth:`state_dict`'s), copied in place; a checkpoint that does not fit is
+        refused with a one-line ValueError before anything changes."""
         self._check_state(state)
         for ema, saved in zip(self.emas, state["emas"]):
             ema.load_state_dict(saved)  # in place: the cached step keeps its tensors

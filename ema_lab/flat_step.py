@@ -171,9 +171,9 @@ def _runs(numels: list[int], limit: int) -> list[range]:
 
 
 class FlatStep:
-    """The ``"flat"`` step (the module's docstring), each group in a mode: ``fused`` (the model's tensors tile
-    one storage, as after ``flatten_model``), ``cast`` (another dtype), ``cat``, ``foreach`` or ``cat+foreach``
-    (small tensors gathered by ``torch.cat``, large ones read as they are)."""
+    """``"flat"``, each group in a mode: ``fused`` (the model's tensors tile one storage, as after
+    ``flatten_model``), ``cast`` (another dtype), ``cat``, ``foreach`` or ``cat+foreach`` (small tensors
+    gathered by ``torch.cat``, large ones read as they are)."""
 
     tensor_decay = True  # apply() takes 0-dim tensor decays (no host sync)
     in_place = False  # the EMAs' tensors move into the groups' buffers (ShardedModelEMA needs in place)

@@ -1,16 +1,8 @@
 """When may an EMA update use ``torch._foreach_lerp_``? A pure function of (torch version, device type).
 
-The table, as ultralytics PR #25315 and its follow-up gate it:
-
-=============  ==========  ==================================================================
-torch          device      foreach?
-=============  ==========  ==================================================================
-< 2.0          any         no: ``torch._foreach_lerp_`` does not exist yet
->= 2.0, < 2.4  ``mps``     no: the PR's gate ("on MPS, torch>=2.4")
->= 2.4         ``mps``     yes
->= 2.0         ``npu``     no: excluded for Ascend NPU by a later version of the gate
->= 2.0         any other   yes (cpu, cuda, xpu, ...; unknown backends use ATen's per-tensor path)
-=============  ==========  ==================================================================
+As ultralytics PR #25315 and its follow-up gate it: not before torch 2.0 (``_foreach_lerp_`` does not exist
+yet); on ``mps`` from 2.4 (the PR's gate: "on MPS, torch>=2.4"); never on ``npu`` (excluded for Ascend NPU by
+a later version of the gate); on any other device yes (unknown backends use ATen's per-tensor path).
 """
 
 from __future__ import annotations

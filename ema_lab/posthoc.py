@@ -1,10 +1,8 @@
 """Post-hoc EMA (Karras et al. 2024, "Analyzing and Improving the Training Dynamics of Diffusion Models").
 
 Track power-function EMAs of a few lengths in training, save their snapshots every N updates
-(:mod:`ema_lab.snapshots`), and afterwards :func:`synthesize` the EMA of any length ``sigma_rel`` as the sum
-of the snapshots whose profiles ``t ** gamma`` best fit it in least squares (Algorithm 3, closed-form inner
-products; as EDM2's ``training/phema.py``, weights scaled to sum 1; ema-pytorch's ``PostHocEMA`` solves it
-unscaled).
+(:mod:`ema_lab.snapshots`), and afterwards :func:`synthesize` the EMA of any length ``sigma_rel`` from them,
+as EDM2's ``training/phema.py`` does (ema-pytorch's ``PostHocEMA`` leaves the weights unscaled).
 """
 
 from __future__ import annotations
@@ -109,11 +107,9 @@ def synthesize(
 
 
 class PostHocEMA(ModelEMA):
-    """Power-function EMAs (Karras et al. 2024) of one model, one per length in ``sigma_rels`` (distinct, in
-    (0, 0.2887]; EDM2's two by default) as ``.emas`` and ``.schedules`` (``.ema`` the first), all moved by
-    one step from one read of the model and saved in ``folder`` every ``snapshot_every`` updates, each
-    snapshot naming ``.run``. ``updates=N`` resumes from the snapshots of update N (a folder holding later
-    ones, another run's, is refused), then :meth:`load_state_dict` continues from a checkpoint bit for bit."""
+    """Power-function EMAs (Karras et al. 2024) of one model, one per length in ``sigma_rels`` (EDM2's two by
+    default), moved by one step and saved in ``folder`` every ``snapshot_every`` updates; ``updates=N``
+    resumes from the snapshots of update N, then :meth:`load_state_dict` from a checkpoint (docs/api.md)."""
 
     def __init__(
         self,
@@ -169,9 +165,9 @@ class PostHocEMA(ModelEMA):
             raise
 
     def save(self) -> None:
-        """Save every EMA's snapshot of this update as one step, complete or none; refused where the folder
-        holds a later update than this run saved of another run (it writes there). This run's own later
-        steps were saved after the checkpoint it resumed from (:meth:`load_state_dict`): removed first."""
+        """Save every EMA's snapshot of this update as one step, complete or none; refused where another run
+        saved a later update in the folder. This run's own later steps (saved after the checkpoint it
+        resumed from) are removed first."""
         later = [s for s in list_snapshots(self.folder) if s.step > self.saved]
         if others := [s.step for s in later if read_snapshot(s)["run"] != self.run]:
             why = f"after run {self.run}'s last save ({self.saved}): another run writes there"
@@ -197,13 +193,11 @@ class PostHocEMA(ModelEMA):
     def _check_state(self, state: dict) -> None:
         super()._check_state(state)  # a dict of the keys of state_dict(), "updates" an int
         if self.saved and state["run"] != self.run:
-            raise ValueError(
-                f"the state is of run {state['run']!r}, the snapshots in {self.folder} of {self.run!r}"
-            )
+            why = f"the snapshots in {self.folder} of {self.run!r}"
+            raise ValueError(f"the state is of run {state['run']!r}, {why}")
         if not (is_int(state["saved"]) and 0 <= state["saved"] <= state["updates"]):
-            raise ValueError(
-                f"the state's saved is {state['saved']!r}: need an int in [0, {state['updates']}]"
-            )
+            why = f"need an int in [0, {state['updates']}]"
+            raise ValueError(f"the state's saved is {state['saved']!r}: {why}")
 
     def synthesize(self, sigma_rel: float, step: int | None = None) -> dict[str, Tensor]:
         """The state_dict of the EMA of length ``sigma_rel`` at ``step`` (default: the last snapshot)."""

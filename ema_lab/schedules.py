@@ -1,7 +1,7 @@
 """The peers' decay schedules: callables of the update number ``n`` (1 for the first update) -> the decay.
 
-Each matches its peer's code with the arguments its docstring names (``benchmarks/peer_schedules.py``,
-docs/schedules.md). Started late (``after``), timm, diffusers and ema-pytorch give decay 0 (a copy) while
+Each matches its peer's code (docs/schedules.md names the calls, ``benchmarks/peer_schedules.py`` checks
+them). Started late (``after``), timm, diffusers and ema-pytorch give decay 0 (a copy) while
 ``s = n - after - 1 <= 0``, whatever ``min_decay``.
 """
 
@@ -75,14 +75,8 @@ class Ramp(_Schedule):
 
 @dataclass(frozen=True, repr=False)
 class Warmup(_Schedule):
-    """The warm-up ``1 - (1 + s / gamma) ** -power`` in [min_decay, decay], ``s = n - after - 1``.
-
-    Matches timm ``ModelEmaV3(use_warmup=True, decay, warmup_gamma=gamma, warmup_power=power, min_decay,
-    update_after_step=after)`` updated with ``step=n``; diffusers ``EMAModel(use_ema_warmup=True, decay,
-    inv_gamma=gamma, power, min_decay, update_after_step=after)``; ema-pytorch ``EMA(beta=decay,
-    inv_gamma=gamma, power, min_value=min_decay, update_after_step=after, update_every=1)`` at its n-th
-    ``update()`` call (ema-pytorch computes it in float32: within 6e-8 of this float64 value).
-    """
+    """The warm-up ``1 - (1 + s / gamma) ** -power`` in [min_decay, decay], ``s = n - after - 1``: timm
+    ``ModelEmaV3(use_warmup=True)``, diffusers ``EMAModel(use_ema_warmup=True)``, ema-pytorch ``EMA``."""
 
     decay: float = 0.9999
     gamma: float = 1.0

@@ -42,8 +42,7 @@ class ShardedModelEMA(BaseEMA):
 
     ``ModelEMA``'s constructor, schedules and update; call :meth:`update` after ``optimizer.step()`` (FSDP
     has resharded). Replicated tensors (buffers) are each rank's own: call ``sync_buffers()`` on every rank
-    before evaluating or saving. Only in-place strategies run ("auto" runs "gated"). To evaluate it,
-    :meth:`copy_to` loads it into an FSDP model; :meth:`full_state_dict` gathers it.
+    before evaluating or saving. Only in-place strategies run ("auto" runs "gated").
     """
 
     sharded = True

@@ -1,8 +1,5 @@
 """The post-hoc EMA's snapshot store: ``step-<step, 12 digits or more>/g<repr(gamma)>.pt``, each file a
-``torch.save`` of :data:`FIELDS` naming its run. :func:`save_step` writes a step under a hidden name, flushes
-it to disk, then renames it in one call: a reader sees it whole or not at all, and a saved step is never
-replaced (:func:`remove_step` removes one, also in one call).
-"""
+``torch.save`` of :data:`FIELDS` naming its run; a step is saved and removed in one rename."""
 
 from __future__ import annotations
 
@@ -157,9 +154,8 @@ def remove_step(folder: str | os.PathLike, step: int) -> None:
     try:
         os.rename(folder / f"step-{step:012d}", tmp)
     except OSError as e:
-        raise OSError(
-            e.errno, f"step {step} not removed from {folder}: {e.strerror or _first_line(e)}"
-        ) from e
+        why = e.strerror or _first_line(e)
+        raise OSError(e.errno, f"step {step} not removed from {folder}: {why}") from e
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -209,9 +205,8 @@ def read_snapshot(snapshot: Snapshot) -> dict:
         if not isinstance(data[k], kind) or isinstance(data[k], bool):
             raise ValueError(f"{path} holds a {type(data[k]).__name__} as its {k}")
     if (data["step"], data["gamma"]) != (snapshot.step, snapshot.gamma):
-        raise ValueError(
-            f"{path} holds step {data['step']}, gamma {data['gamma']!r}; its name says step {snapshot.step}"
-        )
+        held = f"step {data['step']}, gamma {data['gamma']!r}"
+        raise ValueError(f"{path} holds {held}; its name says step {snapshot.step}")
     tensors = data["tensors"]
     if not (tensors and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in tensors.items())):
         raise ValueError(f"{path} does not hold a non-empty dict of name -> Tensor")

@@ -46,11 +46,9 @@ class Step(Protocol):
 
     def ready(self, model: nn.Module) -> bool:
         """True while the step still fits ``model`` and the EMAs (it may read the model here)."""
-        ...
 
     def apply(self, decays: Sequence[float | Tensor], weights: Sequence[float | Tensor]) -> None:
         """``e += weight * (m - e)`` for every EMA, then the counters."""
-        ...
 
 
 def lerp_pairs(
