@@ -63,9 +63,8 @@ def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tenso
 
 
 def weight_of(decay: float | Tensor) -> float | Tensor:
-    """The lerp weight of a checked decay, ``1 - decay``: a float in double precision, or a 0-dim tensor
-    clamped to [0, 1] on its device, NaN taken as 0 (a bad tensor decay keeps the EMA within what it has
-    seen and never poisons it; refusing it would need its value on the host: a sync per update)."""
+    """``1 - decay`` of a checked decay: a float, or a 0-dim tensor clamped to [0, 1] on its device, NaN as 0
+    (refusing a bad one would need its value on the host: a sync per update)."""
     if isinstance(decay, Tensor):
         return (1.0 - decay).nan_to_num_(0.0).clamp_(0.0, 1.0)
     return 1.0 - decay

@@ -258,10 +258,8 @@ class BaseEMA(RankDuties):
         return {**self.__dict__, "_step": None}
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(decay={self.schedule!r}, updates={self.updates}, every={self.every}, "
-            f"strategy={self.strategy!r}, cuda_graph={self.cuda_graph})"
-        )
+        args = f"decay={self.schedule!r}, updates={self.updates}, every={self.every}"
+        return f"{type(self).__name__}({args}, strategy={self.strategy!r}, cuda_graph={self.cuda_graph})"
 
 
 class ModelEMA(BaseEMA):

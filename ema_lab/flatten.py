@@ -157,24 +157,6 @@ def _flatten(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
     return buffers
 
 
-def _unflatten(named: Sequence[tuple[str, Tensor]]) -> None:
-    """Give each tensor that shares its storage, or fills part of it, memory of its own: all or nothing."""
-    movable = [(name, t) for name, t in named if _refusal(t) is None]  # the others have their own memory
-    on_storage = _by_storage(movable)
-    moves = []
-    with torch.inference_mode(False), torch.no_grad():  # normal tensors, as in _flatten
-        for _, t in movable:
-            shared = len(on_storage[_storage_key(t)]) > 1
-            part = t.untyped_storage().nbytes() != t.numel() * t.element_size()
-            if shared or part or not t.untyped_storage().resizable():  # not resizable: a slice (an EMA's)
-                new = torch.empty_strided(  # dense (checked): its strides (channels_last) and pinning kept
-                    t.shape, t.stride(), dtype=t.dtype, device=t.device, pin_memory=t.is_pinned()
-                )
-                new.copy_(t)
-                moves.append((t, new))
-        _assign(moves)
-
-
 def _model_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
     """Every parameter and buffer of ``model`` once, under its first name (tied weights once)."""
     return unique([*model.named_parameters(), *model.named_buffers()], lambda item: item[1])
@@ -206,7 +188,21 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
 def unflatten_model(model: nn.Module) -> None:
     """Give every parameter and buffer of ``model`` that shares a buffer its own memory again (undoes
     :func:`flatten_model`, all or nothing); whatever still holds the buffers keeps the old memory."""
-    _unflatten(_model_tensors(model))
+    # Each tensor that shares its storage, or fills part of it; the others have their own memory.
+    movable = [(name, t) for name, t in _model_tensors(model) if _refusal(t) is None]
+    on_storage = _by_storage(movable)
+    moves = []
+    with torch.inference_mode(False), torch.no_grad():  # normal tensors, as in _flatten
+        for _, t in movable:
+            shared = len(on_storage[_storage_key(t)]) > 1
+            part = t.untyped_storage().nbytes() != t.numel() * t.element_size()
+            if shared or part or not t.untyped_storage().resizable():  # not resizable: a slice (an EMA's)
+                new = torch.empty_strided(  # dense (checked): its strides (channels_last) and pinning kept
+                    t.shape, t.stride(), dtype=t.dtype, device=t.device, pin_memory=t.is_pinned()
+                )
+                new.copy_(t)
+                moves.append((t, new))
+        _assign(moves)
     for m in model.modules():
         for key in _hooks(m):
             del m._state_dict_hooks[key]

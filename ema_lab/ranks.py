@@ -65,8 +65,8 @@ class RankDuties:
             dist._broadcast_coalesced(dist.group.WORLD if group is None else group, buffers, size, src)
 
     def _warn_unsynced(self, model: nn.Module) -> None:
-        """Warn, once, in a default group of several ranks, when a rank-local float buffer (not
-        SyncBatchNorm's) differs from the model's: a forward changed it, so the ranks' EMAs differ."""
+        """Warn, once, when a rank-local float buffer (not SyncBatchNorm's) differs from the model's: the
+        ranks' EMAs then differ."""
         self.ranks_checked = True
         if world_size() == 1:
             return

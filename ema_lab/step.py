@@ -1,11 +1,6 @@
-"""What every cached EMA step is: the contract (:class:`Step`) that ``ModelEMA`` relies on, the options it is
-built with, and the parts every kind of step shares (:class:`Watch`, :func:`lerp_pairs`, :class:`Counters`).
-
-A step is built once per model layout over the matched entries (:mod:`ema_lab.pairs`) and moves every EMA
-from one read of the model, through detached aliases (no autograd, nothing that makes ``swap_tensors``
-refuse); its :class:`Watch` says when it no longer fits. The kinds, and how to add one: docs/api.md, "The
-files".
-"""
+"""What every cached EMA step is (:class:`Step`), the options it is built with, and the parts every kind of
+step shares: a step moves every EMA from one read of the model, through detached aliases (nothing that makes
+``swap_tensors`` refuse), until its :class:`Watch` says it no longer fits."""
 
 from __future__ import annotations
 
@@ -100,11 +95,10 @@ def install_hooks() -> None:
 
 
 class Watch:
-    """Whether ``model`` is still the one a step was built for, nothing was registered on ``modules`` since
-    (torch's global registration hooks), and each slot holds the same memory: one ``data_ptr()`` per slot and
-    update, as torch has no hook for ``p.data = x`` or ``swap_tensors``, and a reference count cannot tell a
-    kept reference (``kept = ema.ema.state_dict()``) from the slot's own. The flat step's watch skips the
-    model slots its gather reads live (its small contiguous tensors)."""
+    """Whether ``model`` is still the one a step was built for, nothing was registered on ``modules`` since,
+    and each slot holds the same memory: one ``data_ptr()`` per slot and update, as torch has no hook for
+    ``p.data = x`` or ``swap_tensors`` (and a reference count cannot tell a kept reference from the slot's
+    own)."""
 
     def __init__(
         self, model: nn.Module, slots: list[Slot], modules: Iterable[nn.Module] = (), sharded: bool = False
