@@ -51,7 +51,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 def _name(schedule: Schedule) -> str:
     """A schedule as a checkpoint names it; a ValueError naming the fix for one whose name another function
-    could share (a lambda, a nested function, a callable object)."""
+    could share (a lambda)."""
     if is_dataclass(schedule):
         return repr(schedule)
     if isinstance(schedule, partial):
@@ -81,9 +81,9 @@ def _unfit(saved: object, mine: Tensor) -> str | None:
 
 
 class BaseEMA(RankDuties):
-    """What ``ModelEMA``, ``ShardedModelEMA`` and ``PostHocEMA`` share: each says only how it holds an EMA
-    (``_average_of(model)``) and whether it is ``sharded``. It keeps one EMA of the model per schedule
-    (``.emas``, ``.schedules``; ``.ema`` and ``.schedule`` are the first), all moved by one cached step."""
+    """What ``ModelEMA``, ``ShardedModelEMA`` and ``PostHocEMA`` share: one EMA per schedule (``.emas``;
+    ``.ema`` the first) moved by one cached step; each says only how it holds one (``_average_of``) and if it
+    is ``sharded``."""
 
     sharded = False  # ShardedModelEMA: the EMA stays in DTensor shards, so its step must update in place
 
@@ -265,16 +265,11 @@ class BaseEMA(RankDuties):
 class ModelEMA(BaseEMA):
     """Exponential moving average of a model's weights, with the ramp ``decay * (1 - exp(-n / tau))``.
 
-    Compatible with ``ultralytics.utils.torch_utils.ModelEMA``: ``.ema`` (a deep copy in eval mode, no
-    grad), ``.updates``, ``.decay(n)``, ``.update(model)``, ``.update_attr(model)``, ``.enabled``. Unlike it,
-    the pairs are collected once into a step rebuilt when a tensor is replaced (``.to()``, ``.half()``,
-    ``p.data = ...``, ``swap_tensors``, a new parameter), non-float entries are copied, tied weights averaged
-    once, and a failed update changes nothing. It holds no view of a module tensor (``swap_tensors`` works).
-
-    ``decay``, "flat"'s buffers, checkpoints and DDP: docs/api.md. ``cat_max_numel``: smaller model tensors
-    are gathered by ``torch.cat``; ``cuda_graph=True`` (one CUDA device, "flat"): each update replays a CUDA
-    graph (:mod:`ema_lab.graph_step`). Not thread-safe: one ``update()`` at a time (use a lock), and read
-    ``.ema`` between updates.
+    Compatible with ``ultralytics.utils.torch_utils.ModelEMA`` (``.ema``, ``.updates``, ``.decay(n)``,
+    ``.update(model)``, ``.update_attr(model)``, ``.enabled``). Unlike it, the pairs are collected once into a
+    step rebuilt when a tensor is replaced, non-float entries are copied, tied weights averaged once, and a
+    failed update changes nothing. The arguments: docs/api.md (``cat_max_numel``: smaller model tensors are
+    gathered by ``torch.cat``). Not thread-safe: one ``update()`` at a time.
     """
 
     def _average_of(self, model: nn.Module) -> nn.Module:

@@ -34,16 +34,14 @@ DENSE_WEIGHT_NUMEL = 1 << 20
 
 
 def fused_foreach_devices() -> list[str]:
-    """The device types whose ``_foreach_lerp_`` has a fused kernel, as torch (2.1 on) lists them. There it
-    takes a tensor weight only as one tensor shaped like each target: with a 0-dim weight per target it
-    launches one kernel per tensor."""
+    """The device types whose ``_foreach_lerp_`` has a fused kernel (torch's own table): there a 0-dim tensor
+    weight per target launches one kernel per tensor, one tensor shaped like each target does not."""
     return _foreach_utils._get_foreach_kernels_supported_devices()
 
 
 class _OneLerpGroup:
-    """One ``lerp_`` over each EMA's whole buffer: ``fused`` (the model's tensors tile one storage; one
-    cast-copy into scratch first if the dtypes differ) or ``cast`` (another dtype: one ``_foreach_copy_``
-    casts the model into scratch)."""
+    """One ``lerp_`` over each EMA's whole buffer: ``fused`` (the model's tensors tile one storage; cast into
+    scratch first if the dtypes differ) or ``cast`` (one ``_foreach_copy_`` casts the model into scratch)."""
 
     def __init__(self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], fused: bool) -> None:
         order = sorted(range(len(model)), key=lambda i: model[i].storage_offset()) if fused else None
@@ -69,10 +67,9 @@ class _OneLerpGroup:
 
 
 class _SameDtypeGroup:
-    """Same dtype: the small tensors (first in the buffer) gathered by ``torch.cat`` runs, the large read as
-    they are. The small ones are read live from their slots, unwatched (one ``cat`` per trailing shape along
-    dim 0, one ``stack`` of the 0-dim ones): a slot that holds another size, dtype or device fails the
-    gather, before anything is written; only the large ones' slots are watched."""
+    """Same dtype: the small tensors (first in the buffer) gathered from their slots by ``torch.cat`` runs (a
+    ``stack`` of the 0-dim ones), the large read as they are. Only the large ones' slots are watched: a small
+    one's slot that holds another size, dtype or device fails the gather, before anything is written."""
 
     def __init__(
         self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], cat_max_numel: int
@@ -135,9 +132,9 @@ class _SameDtypeGroup:
         self.sources = gathered + self.large
 
     def lerp(self, k: int, weight: float | Tensor) -> None:
-        """``e += weight * (m - e)`` over EMA ``k``'s targets: one ``_foreach_lerp_`` (off the gate, one
-        ``lerp_`` each). Where foreach is fused, a tensor weight goes as views of one buffer filled with it
-        (one kernel, no sync), and the targets above ``DENSE_WEIGHT_NUMEL`` one by one."""
+        """One ``_foreach_lerp_`` over EMA ``k``'s targets (off the gate, one ``lerp_`` each); where foreach
+        is fused, a tensor weight as views of one buffer filled with it (no sync), the targets above
+        ``DENSE_WEIGHT_NUMEL`` one by one."""
         targets, sources = self.targets[k], self.sources
         if not self.dense or isinstance(weight, float):
             lerp_pairs(targets, sources, weight, self.foreach)
@@ -173,7 +170,7 @@ def _runs(numels: list[int], limit: int) -> list[range]:
 class FlatStep:
     """``"flat"``, each group in a mode: ``fused`` (the model's tensors tile one storage, as after
     ``flatten_model``), ``cast`` (another dtype), ``cat``, ``foreach`` or ``cat+foreach`` (small tensors
-    gathered by ``torch.cat``, large ones read as they are)."""
+    gathered)."""
 
     tensor_decay = True  # apply() takes 0-dim tensor decays (no host sync)
     in_place = False  # the EMAs' tensors move into the groups' buffers (ShardedModelEMA needs in place)
@@ -213,8 +210,7 @@ class FlatStep:
 
     def ready(self, model: nn.Module) -> bool:
         """True while every EMA slot and every model slot not read live holds the memory it was built over,
-        once every group has gathered the model (False if a live slot holds None or another size, dtype or
-        device): :meth:`apply` updates from what this gathered."""
+        and every group gathered the live ones: :meth:`apply` updates from that."""
         if not self.watch.current(model):
             return False
         try:

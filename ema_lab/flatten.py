@@ -86,10 +86,10 @@ def _check_held_outside(named: Sequence[tuple[str, Tensor]], on_storage: dict[in
 
 
 def _copies_of_views(owner: int, module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
-    """``state_dict`` post-hook of a flattened module (``owner``, its ``id``): each of its own entries that is
-    a view of part of a larger storage replaced by a copy; ``keep_vars=True`` entries (its own tensors) left
-    as they are. Inert in a deep or pickled copy: an EMA that writes into its ``deepcopy(model).state_dict()``
-    (ultralytics', timm's) must reach its module."""
+    """``state_dict`` post-hook of a flattened module (``owner``, its ``id``): each of its own entries that
+    views part of a larger storage replaced by a copy (``keep_vars=True`` entries left as they are). Inert in
+    a deep or pickled copy: an EMA that writes into its ``deepcopy(model).state_dict()`` must reach its
+    module."""
     if id(module) != owner:
         return
     for name, t in (*module._parameters.items(), *module._buffers.items()):
@@ -168,13 +168,10 @@ def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
 
 
 def flatten_model(model: nn.Module) -> list[Tensor]:
-    """Move the model's parameters and buffers into one buffer per (device, dtype); return the buffers.
-
-    Every tensor keeps its object, value, shape, strides and ``requires_grad``; ``model.state_dict()`` then
-    returns copies. Flatten before building the optimizer and the EMA. All is checked first (what is refused:
-    docs/beyond_foreach_details.md), and a failure while moving puts every tensor back. Later, ``.to()``,
-    ``.half()`` or a new parameter give tensors their own memory again (correct, no longer one ``lerp_``).
-    """
+    """Move the model's parameters and buffers into one buffer per (device, dtype); return the buffers. Every
+    tensor keeps its object, value, strides and ``requires_grad``; ``model.state_dict()`` then returns copies.
+    Flatten before building the optimizer and the EMA; all or nothing (what is refused, what it costs:
+    docs/beyond_foreach_details.md)."""
     buffers = _flatten(_model_tensors(model))
     # accelerate's save_model/save_state keep one entry per storage; safetensors' save_model/load_model refuse
     # one that does not cover its storage: each module's state_dict() gives copies (at save time only), a

@@ -1,10 +1,6 @@
-"""``ModelEMA(..., cuda_graph=True)``: the flat step recorded once in a CUDA graph, then replayed per update.
-
-On a GPU the arithmetic of an update is nearly free; what remains is host work per kernel launch, which one
-``replay()`` replaces. What it costs: docs/beyond_foreach_details.md, "CUDA graphs". A float16 or bfloat16 EMA
-reads the weight rounded to its dtype (within 0.4 % of each step); a failed recording raises before anything
-is written.
-"""
+"""``ModelEMA(..., cuda_graph=True)``: the flat step recorded once in a CUDA graph, then replayed per update:
+one ``replay()`` for the host work of every kernel launch (what it costs: docs/beyond_foreach_details.md). A
+float16 or bfloat16 EMA reads the weight rounded to its dtype (within 0.4 % of each step)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Post-hoc EMA (Karras et al. 2024, "Analyzing and Improving the Training Dynamics of Diffusion Models").
-
-Track power-function EMAs of a few lengths in training, save their snapshots every N updates
+"""Post-hoc EMA (Karras et al. 2024, "Analyzing and Improving the Training Dynamics of Diffusion Models"):
+track power-function EMAs of a few lengths in training, save their snapshots every N updates
 (:mod:`ema_lab.snapshots`), and afterwards :func:`synthesize` the EMA of any length ``sigma_rel`` from them,
-as EDM2's ``training/phema.py`` does (ema-pytorch's ``PostHocEMA`` leaves the weights unscaled).
-"""
+as EDM2's ``training/phema.py`` does (ema-pytorch's ``PostHocEMA`` leaves the weights unscaled)."""
 
 from __future__ import annotations
 
@@ -165,9 +163,9 @@ class PostHocEMA(ModelEMA):
             raise
 
     def save(self) -> None:
-        """Save every EMA's snapshot of this update as one step, complete or none; refused where another run
-        saved a later update in the folder. This run's own later steps (saved after the checkpoint it
-        resumed from) are removed first."""
+        """Save every EMA's snapshot of this update as one step, complete or none, after removing this run's
+        own later steps (saved after the checkpoint it resumed from); refused where another run saved a later
+        one."""
         later = [s for s in list_snapshots(self.folder) if s.step > self.saved]
         if others := [s.step for s in later if read_snapshot(s)["run"] != self.run]:
             why = f"after run {self.run}'s last save ({self.saved}): another run writes there"

@@ -1,9 +1,7 @@
 """The peers' decay schedules: callables of the update number ``n`` (1 for the first update) -> the decay.
-
 Each matches its peer's code (docs/schedules.md names the calls, ``benchmarks/peer_schedules.py`` checks
-them). Started late (``after``), timm, diffusers and ema-pytorch give decay 0 (a copy) while
-``s = n - after - 1 <= 0``, whatever ``min_decay``.
-"""
+them). Started late (``after``), timm, diffusers and ema-pytorch give decay 0 (a copy) while ``s = n - after -
+1 <= 0``, whatever ``min_decay``."""
 
 from __future__ import annotations
 

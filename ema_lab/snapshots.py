@@ -97,9 +97,8 @@ def save_step(
 ) -> Path:
     """Save every profile of update ``step`` (gamma -> the EMA's tensors, moved to the CPU), each naming
     ``run``, as ``folder/step-<step>/``, complete or not at all; returns that path. A saved step is never
-    replaced (a second save raises ValueError: in a run of several processes only rank 0 saves, or each to
-    its own folder); a failed one leaves no trace to a reader (a killed one a hidden ``.step-*.tmp`` folder,
-    which :func:`check_folder` removes). A subset of views of one storage stores all of it: clone it first."""
+    replaced (several processes: only rank 0 saves). A subset of views of one storage stores all of it: clone
+    it first."""
     check_step("step", step)
     if not (isinstance(states, Mapping) and states):
         raise ValueError(f"states must be a non-empty dict of gamma -> tensors, got {type(states).__name__}")

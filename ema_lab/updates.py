@@ -1,8 +1,6 @@
 """The EMA update strategies as pure functions over lists of (EMA, model) tensor pairs, and their cached step.
-
-Each computes ``ema = decay * ema + (1 - decay) * model`` per pair, in place, and validates the whole input
-first (a failed ``_foreach_lerp_`` is not atomic): a bad pair raises ``ValueError`` with the EMA unchanged.
-"""
+Each validates the whole input first (a failed ``_foreach_lerp_`` is not atomic): a bad pair raises
+``ValueError`` with the EMA unchanged."""
 
 from __future__ import annotations
 
@@ -96,8 +94,7 @@ def gated_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, nam
 
 
 class ListStep:
-    """``"loop"``, ``"foreach"`` or ``"gated"`` over detached aliases of the pairs, one update per EMA, then
-    the counters."""
+    """``"loop"``, ``"foreach"`` or ``"gated"`` over detached aliases of the pairs, then the counters."""
 
     tensor_decay = False  # a 0-dim tensor decay needs the flat step
     in_place = True  # the EMA's tensors keep their storage (ShardedModelEMA's DTensors rely on it)
@@ -114,8 +111,8 @@ class ListStep:
         self.watch = Watch(model, pairs.slots(), pairs.modules, sharded=pairs.sharded)
 
     def ready(self, model: nn.Module) -> bool:
-        """True while the model's and the EMAs' slots hold the memory this step was built over (the update
-        reads the model through its aliases: nothing to gather)."""
+        """True while every slot holds the memory this step was built over (it reads the model through
+        aliases)."""
         return self.watch.current(model)
 
     def apply(self, decays: Sequence[float], weights: Sequence[float]) -> None:
