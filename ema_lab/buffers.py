@@ -41,8 +41,7 @@ def empty_flat(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu
 
 
 def is_dense(t: Tensor) -> bool:
-    """True when ``t`` fills ``t.numel()`` consecutive places of its storage in some dimension order (no gap,
-    no place read twice)."""
+    """True when ``t`` fills ``t.numel()`` consecutive places of its storage in some dimension order."""
     if t.numel() == 0:
         return True
     expected = 1
@@ -59,9 +58,7 @@ def view_like(part: Tensor, t: Tensor) -> Tensor:
 
 
 def into_one_buffer(tensors: Sequence[Tensor], like: Sequence[Tensor] | None = None) -> Tensor:
-    """A new 1-D buffer holding ``tensors`` back to back in ``like``'s dtype and device (default: their own);
-    each becomes a view of its part laid out as its ``like``, on a storage of its own (a slice of the
-    buffer's)."""
+    """A new 1-D buffer of ``tensors`` back to back, each now a view of its part laid out as its ``like``."""
     like = tensors if like is None else like
     buf = empty_flat(sum(t.numel() for t in tensors), like[0].dtype, like[0].device)
     storage, size, off = buf.untyped_storage(), buf.element_size(), buf.storage_offset()

@@ -1,5 +1,4 @@
-"""The argument checks of the core, the schedules and the post-hoc EMA: one place for each rule. Each raises a
-one-line ``ValueError`` (``TypeError`` for a wrong kind of object) naming the argument and the value."""
+"""The argument checks, one place for each rule: a one-line ``ValueError`` (``TypeError``: a wrong kind)."""
 
 from __future__ import annotations
 
@@ -81,8 +80,7 @@ def validate_pairs(
     *,
     same_dtype: bool = False,
 ) -> None:
-    """Raise ``ValueError`` naming the first bad pair, touching nothing: equal lengths, floating tensors of
-    equal shapes and devices (and dtypes, when ``same_dtype``), no EMA tensor twice (decayed twice)."""
+    """Raise ``ValueError`` naming the first bad pair, touching nothing (``same_dtype``: dtypes equal too)."""
     if len(ema) != len(model):
         raise ValueError(f"got {len(ema)} EMA tensors but {len(model)} model tensors")
     if names is not None and len(names) != len(ema):

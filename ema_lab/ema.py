@@ -29,8 +29,7 @@ STRATEGIES = (*STEPS, "auto")
 
 
 def resolve_strategy(strategy: str, tensors: Sequence[Tensor], in_place: bool = False) -> str:
-    """``"auto"``: "flat" (a superset of "gated"'s fast paths) unless a tensor cannot be a view of a flat
-    buffer (sparse, meta or otherwise not strided) or the EMA's tensors must stay ``in_place``: "gated"."""
+    """``"auto"``: "flat", or "gated" where a tensor is not strided or must stay ``in_place``."""
     if strategy != "auto":
         return strategy
     movable = all(t.layout == torch.strided and t.device.type != "meta" for t in tensors)
@@ -50,8 +49,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def _name(schedule: Schedule) -> str:
-    """A schedule as a checkpoint names it; a ValueError naming the fix for one whose name another function
-    could share (a lambda)."""
+    """A schedule as a checkpoint names it, or a ValueError naming the fix (a lambda has no name)."""
     if is_dataclass(schedule):
         return repr(schedule)
     if isinstance(schedule, partial):
@@ -81,9 +79,7 @@ def _unfit(saved: object, mine: Tensor) -> str | None:
 
 
 class BaseEMA(RankDuties):
-    """What ``ModelEMA``, ``ShardedModelEMA`` and ``PostHocEMA`` share: one EMA per schedule (``.emas``;
-    ``.ema`` the first) moved by one cached step; each says only how it holds one (``_average_of``) and if it
-    is ``sharded``."""
+    """What the EMAs share: an EMA per schedule (``.emas``), all moved by one cached step."""
 
     sharded = False  # ShardedModelEMA: the EMA stays in DTensor shards, so its step must update in place
 
@@ -184,9 +180,8 @@ class BaseEMA(RankDuties):
         return step
 
     def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:
-        """Move every EMA one step towards ``model`` (DDP, DataParallel and torch.compile wrappers unwrapped);
-        with ``every=k`` only every k-th call, by the product of the k decays. ``decay`` overrides the
-        schedules for this step (with "flat", a 0-dim tensor too: never read on the host, no sync)."""
+        """Move every EMA one step towards ``model`` (wrappers unwrapped), with ``every=k`` every k-th call by
+        the product of the k decays; ``decay`` overrides the schedules ("flat": a 0-dim tensor too)."""
         if not self.enabled:
             return
         if not isinstance(model, nn.Module):
@@ -218,15 +213,13 @@ class BaseEMA(RankDuties):
         self.updates = n
 
     def state_dict(self) -> dict:
-        """What a resumed run needs to continue bit for bit: each EMA module's ``state_dict()``, the update
-        count, and what :meth:`load_state_dict` checks (the schedules by name, ``every``)."""
+        """What a resumed run needs to continue bit for bit: the EMAs, the count, the schedules, ``every``."""
         schedules = [_name(s) for s in self.schedules]
         emas = [e.state_dict() for e in self.emas]
         return {"emas": emas, "updates": self.updates, "schedules": schedules, "every": self.every}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state`` (:meth:`state_dict`'s), copied in place; a checkpoint that does not fit is
-        refused with a one-line ValueError before anything changes."""
+        """Continue from ``state`` in place; one that does not fit is refused before anything changes."""
         self._check_state(state)
         for ema, saved in zip(self.emas, state["emas"]):
             ema.load_state_dict(saved)  # in place: the cached step keeps its tensors
@@ -265,11 +258,8 @@ class BaseEMA(RankDuties):
 class ModelEMA(BaseEMA):
     """Exponential moving average of a model's weights, with the ramp ``decay * (1 - exp(-n / tau))``.
 
-    Compatible with ``ultralytics.utils.torch_utils.ModelEMA`` (``.ema``, ``.updates``, ``.decay(n)``,
-    ``.update(model)``, ``.update_attr(model)``, ``.enabled``). Unlike it, the pairs are collected once into a
-    step rebuilt when a tensor is replaced, non-float entries are copied, tied weights averaged once, and a
-    failed update changes nothing. The arguments: docs/api.md (``cat_max_numel``: smaller model tensors are
-    gathered by ``torch.cat``). Not thread-safe: one ``update()`` at a time.
+    A drop-in for ``ultralytics.utils.torch_utils.ModelEMA`` (docs/api.md) that collects the pairs once into a
+    cached step; ``cat_max_numel``: smaller model tensors are gathered by ``torch.cat``. Not thread-safe.
     """
 
     def _average_of(self, model: nn.Module) -> nn.Module:
@@ -287,8 +277,7 @@ class ModelEMA(BaseEMA):
     def update_attr(
         self, model: nn.Module, include: tuple = (), exclude: tuple = ("process_group", "reducer")
     ) -> None:
-        """Copy the model's plain attributes (not starting with ``_``: names, strides) to the EMA module, as
-        ultralytics does; a DataParallel or DistributedDataParallel model is unwrapped first."""
+        """Copy the model's plain attributes (not starting with ``_``) to the EMA, as ultralytics does."""
         if self.enabled:
             for k, v in unwrap_model(model).__dict__.items():
                 if not ((include and k not in include) or k.startswith("_") or k in exclude):

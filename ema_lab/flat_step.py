@@ -34,14 +34,12 @@ DENSE_WEIGHT_NUMEL = 1 << 20
 
 
 def fused_foreach_devices() -> list[str]:
-    """The device types whose ``_foreach_lerp_`` has a fused kernel (torch's own table): there a 0-dim tensor
-    weight per target launches one kernel per tensor, one tensor shaped like each target does not."""
+    """The device types whose ``_foreach_lerp_`` has a fused kernel, as torch (2.1 on) lists them."""
     return _foreach_utils._get_foreach_kernels_supported_devices()
 
 
 class _OneLerpGroup:
-    """One ``lerp_`` over each EMA's whole buffer: ``fused`` (the model's tensors tile one storage; cast into
-    scratch first if the dtypes differ) or ``cast`` (one ``_foreach_copy_`` casts the model into scratch)."""
+    """One ``lerp_`` over each EMA's whole buffer: ``fused`` (the model tiles one storage) or ``cast``."""
 
     def __init__(self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], fused: bool) -> None:
         order = sorted(range(len(model)), key=lambda i: model[i].storage_offset()) if fused else None
@@ -67,9 +65,8 @@ class _OneLerpGroup:
 
 
 class _SameDtypeGroup:
-    """Same dtype: the small tensors (first in the buffer) gathered from their slots by ``torch.cat`` runs (a
-    ``stack`` of the 0-dim ones), the large read as they are. Only the large ones' slots are watched: a small
-    one's slot that holds another size, dtype or device fails the gather, before anything is written."""
+    """Same dtype: the small tensors gathered live from their slots by ``torch.cat`` runs (a bad slot fails
+    the gather before anything is written), the large read as they are, their slots watched."""
 
     def __init__(
         self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], cat_max_numel: int
@@ -132,9 +129,7 @@ class _SameDtypeGroup:
         self.sources = gathered + self.large
 
     def lerp(self, k: int, weight: float | Tensor) -> None:
-        """One ``_foreach_lerp_`` over EMA ``k``'s targets (off the gate, one ``lerp_`` each); where foreach
-        is fused, a tensor weight as views of one buffer filled with it (no sync), the targets above
-        ``DENSE_WEIGHT_NUMEL`` one by one."""
+        """``e += weight * (m - e)`` over EMA ``k``'s targets (a tensor weight: ``DENSE_WEIGHT_NUMEL``)."""
         targets, sources = self.targets[k], self.sources
         if not self.dense or isinstance(weight, float):
             lerp_pairs(targets, sources, weight, self.foreach)
@@ -150,8 +145,7 @@ class _SameDtypeGroup:
 
 
 def _buffers(emas: list[list[Tensor]], order: Sequence[int]) -> list[Tensor]:
-    """Each EMA's tensors (``emas[k][i]``) moved, in ``order``, into a new buffer laid out like the first
-    EMA's (its dtype, device and memory formats): the same element at the same offset in every buffer."""
+    """Each EMA's tensors moved, in ``order``, into a new buffer laid out like the first EMA's."""
     first = [emas[0][i] for i in order]
     return [into_one_buffer(first), *(into_one_buffer([e[i] for i in order], like=first) for e in emas[1:])]
 
@@ -168,9 +162,7 @@ def _runs(numels: list[int], limit: int) -> list[range]:
 
 
 class FlatStep:
-    """``"flat"``, each group in a mode: ``fused`` (the model's tensors tile one storage, as after
-    ``flatten_model``), ``cast`` (another dtype), ``cat``, ``foreach`` or ``cat+foreach`` (small tensors
-    gathered)."""
+    """``"flat"``, each group in a mode: ``fused``, ``cast``, ``cat``, ``foreach`` or ``cat+foreach``."""
 
     tensor_decay = True  # apply() takes 0-dim tensor decays (no host sync)
     in_place = False  # the EMAs' tensors move into the groups' buffers (ShardedModelEMA needs in place)
@@ -209,8 +201,7 @@ class FlatStep:
         self.watch = Watch(model, checked, pairs.modules)
 
     def ready(self, model: nn.Module) -> bool:
-        """True while every EMA slot and every model slot not read live holds the memory it was built over,
-        and every group gathered the live ones: :meth:`apply` updates from that."""
+        """True while every watched slot holds its memory and every group gathered its live ones."""
         if not self.watch.current(model):
             return False
         try:

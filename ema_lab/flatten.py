@@ -86,10 +86,8 @@ def _check_held_outside(named: Sequence[tuple[str, Tensor]], on_storage: dict[in
 
 
 def _copies_of_views(owner: int, module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
-    """``state_dict`` post-hook of a flattened module (``owner``, its ``id``): each of its own entries that
-    views part of a larger storage replaced by a copy (``keep_vars=True`` entries left as they are). Inert in
-    a deep or pickled copy: an EMA that writes into its ``deepcopy(model).state_dict()`` must reach its
-    module."""
+    """``state_dict`` hook of a flattened module (``owner``: its ``id``, so a deep or pickled copy's is
+    inert): its own entries that view part of a larger storage replaced by copies."""
     if id(module) != owner:
         return
     for name, t in (*module._parameters.items(), *module._buffers.items()):
@@ -106,8 +104,7 @@ def _hooks(model: nn.Module) -> list[int]:
 
 
 def _assign(moves: Sequence[tuple[Tensor, Tensor]]) -> None:
-    """Point each tensor at its new memory (``.data``, so optimizers, hooks and module slots keep the
-    object); if one fails, every tensor already pointed is put back."""
+    """Point each tensor at its new memory through ``.data`` (the object kept); if one fails, put all back."""
     done: list[tuple[Tensor, Tensor]] = []
     try:
         for t, new in moves:
@@ -168,10 +165,10 @@ def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
 
 
 def flatten_model(model: nn.Module) -> list[Tensor]:
-    """Move the model's parameters and buffers into one buffer per (device, dtype); return the buffers. Every
-    tensor keeps its object, value, strides and ``requires_grad``; ``model.state_dict()`` then returns copies.
-    Flatten before building the optimizer and the EMA; all or nothing (what is refused, what it costs:
-    docs/beyond_foreach_details.md)."""
+    """Move the model's parameters and buffers into one buffer per (device, dtype); return the buffers.
+
+    Flatten before building the optimizer and the EMA; what it refuses and costs:
+    docs/beyond_foreach_details.md."""
     buffers = _flatten(_model_tensors(model))
     # accelerate's save_model/save_state keep one entry per storage; safetensors' save_model/load_model refuse
     # one that does not cover its storage: each module's state_dict() gives copies (at save time only), a
@@ -183,8 +180,7 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
 
 
 def unflatten_model(model: nn.Module) -> None:
-    """Give every parameter and buffer of ``model`` that shares a buffer its own memory again (undoes
-    :func:`flatten_model`, all or nothing); whatever still holds the buffers keeps the old memory."""
+    """Give every parameter and buffer that shares a buffer its own memory again (undoes flatten_model)."""
     # Each tensor that shares its storage, or fills part of it; the others have their own memory.
     movable = [(name, t) for name, t in _model_tensors(model) if _refusal(t) is None]
     on_storage = _by_storage(movable)

@@ -1,9 +1,6 @@
-"""When may an EMA update use ``torch._foreach_lerp_``? A pure function of (torch version, device type).
-
-As ultralytics PR #25315 and its follow-up gate it: not before torch 2.0 (``_foreach_lerp_`` does not exist
-yet); on ``mps`` from 2.4 (the PR's gate: "on MPS, torch>=2.4"); never on ``npu`` (excluded for Ascend NPU by
-a later version of the gate); on any other device yes (unknown backends use ATen's per-tensor path).
-"""
+"""When may an EMA update use ``torch._foreach_lerp_``? A pure function of (torch version, device type), as
+ultralytics PR #25315 and its follow-up gate it: from torch 2.0, on ``mps`` from 2.4 (the PR's gate), never on
+``npu`` (excluded for Ascend NPU by a later version of the gate)."""
 
 from __future__ import annotations
 

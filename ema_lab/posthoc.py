@@ -1,7 +1,6 @@
-"""Post-hoc EMA (Karras et al. 2024, "Analyzing and Improving the Training Dynamics of Diffusion Models"):
-track power-function EMAs of a few lengths in training, save their snapshots every N updates
-(:mod:`ema_lab.snapshots`), and afterwards :func:`synthesize` the EMA of any length ``sigma_rel`` from them,
-as EDM2's ``training/phema.py`` does (ema-pytorch's ``PostHocEMA`` leaves the weights unscaled)."""
+"""Post-hoc EMA (Karras et al. 2024): power-function EMAs of a few lengths saved as snapshots, and the EMA of
+any length ``sigma_rel`` synthesized from them afterwards, as EDM2's ``training/phema.py`` does (ema-pytorch's
+``PostHocEMA`` leaves the weights unscaled)."""
 
 from __future__ import annotations
 
@@ -38,9 +37,8 @@ def solve_weights(
     target_gamma: float | None = None,
     target_sigma_rel: float | None = None,
 ) -> Tensor:
-    """The float64 weights of the snapshots whose sum best fits the power profile of the target: Algorithm
-    3's Gram system solved by ``torch.linalg.lstsq`` (which copes with a singular one: a step saved twice),
-    then scaled to sum 1 as EDM2 does, so that weights that never move are reproduced exactly."""
+    """The float64 weights of the snapshots whose sum best fits the target profile: Algorithm 3 by ``lstsq``
+    (a singular Gram matrix too), scaled to sum 1 as EDM2 does (weights that never move come out exact)."""
     one_of("target_gamma", target_gamma, "target_sigma_rel", target_sigma_rel)
     sizes = (len(snapshot_gammas), len(snapshot_steps))
     require(sizes[0] == sizes[1] > 0, "the snapshot gammas and steps", sizes, "as many, at least one")
@@ -65,9 +63,8 @@ def synthesize(
     gamma: float | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, Tensor]:
-    """The EMA of length ``sigma_rel`` (or exponent ``gamma``) at ``step`` (default: the last snapshot's),
-    combined from the snapshots of one run saved up to ``step``, read one at a time (memory-mapped): float
-    tensors summed with their weights in ``dtype``, other entries (integer counters) the last snapshot's."""
+    """The EMA of length ``sigma_rel`` (or ``gamma``) at ``step`` (default: the last), from one run's
+    snapshots read one at a time: floats summed in ``dtype``, other entries the last snapshot's."""
     one_of("sigma_rel", sigma_rel, "gamma", gamma)
     require(dtype in (torch.float32, torch.float64), "dtype", dtype, "torch.float32 or torch.float64")
     if not (snapshots := list_snapshots(folder)):
@@ -105,9 +102,8 @@ def synthesize(
 
 
 class PostHocEMA(ModelEMA):
-    """Power-function EMAs (Karras et al. 2024) of one model, one per length in ``sigma_rels`` (EDM2's two by
-    default), moved by one step and saved in ``folder`` every ``snapshot_every`` updates; ``updates=N``
-    resumes from the snapshots of update N, then :meth:`load_state_dict` from a checkpoint (docs/api.md)."""
+    """Power-function EMAs (Karras et al. 2024), one per length in ``sigma_rels``, moved by one step and saved
+    in ``folder`` every ``snapshot_every`` updates; ``updates=N`` resumes (docs/api.md)."""
 
     def __init__(
         self,
@@ -163,9 +159,8 @@ class PostHocEMA(ModelEMA):
             raise
 
     def save(self) -> None:
-        """Save every EMA's snapshot of this update as one step, complete or none, after removing this run's
-        own later steps (saved after the checkpoint it resumed from); refused where another run saved a later
-        one."""
+        """Save every EMA's snapshot of this update as one step, after removing this run's own later steps;
+        refused where another run saved a later one."""
         later = [s for s in list_snapshots(self.folder) if s.step > self.saved]
         if others := [s.step for s in later if read_snapshot(s)["run"] != self.run]:
             why = f"after run {self.run}'s last save ({self.saved}): another run writes there"

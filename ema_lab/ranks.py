@@ -65,8 +65,7 @@ class RankDuties:
             dist._broadcast_coalesced(dist.group.WORLD if group is None else group, buffers, size, src)
 
     def _warn_unsynced(self, model: nn.Module) -> None:
-        """Warn, once, when a rank-local float buffer (not SyncBatchNorm's) differs from the model's: the
-        ranks' EMAs then differ."""
+        """Warn, once, when a rank-local float buffer (not SyncBatchNorm's) differs from the model's."""
         self.ranks_checked = True
         if world_size() == 1:
             return

@@ -1,7 +1,6 @@
-"""The peers' decay schedules: callables of the update number ``n`` (1 for the first update) -> the decay.
-Each matches its peer's code (docs/schedules.md names the calls, ``benchmarks/peer_schedules.py`` checks
-them). Started late (``after``), timm, diffusers and ema-pytorch give decay 0 (a copy) while ``s = n - after -
-1 <= 0``, whatever ``min_decay``."""
+"""The peers' decay schedules: callables of the update number ``n`` (1 for the first update) -> the decay,
+each matching its peer's code (docs/schedules.md). Started late (``after``), the peers give decay 0 (a copy)
+while ``s = n - after - 1 <= 0``, whatever ``min_decay``."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ class _Schedule:
 
 @dataclass(frozen=True, repr=False)
 class Ramp(_Schedule):
-    """ultralytics' ramp ``decay * (1 - exp(-n / tau))``, what ``ModelEMA(decay=<a number>, tau)`` runs:
-    ``ultralytics.utils.torch_utils.ModelEMA(model, decay, tau)``'s ``ema.decay(n)``, bit for bit."""
+    """ultralytics' ramp ``decay * (1 - exp(-n / tau))``: its ``ModelEMA(model, decay, tau).decay(n)``."""
 
     decay: float = 0.9999
     tau: float = 2000
@@ -112,8 +110,7 @@ class Constant(_Schedule):
 
 @dataclass(frozen=True, repr=False)
 class Harmonic(_Schedule):
-    """``(1 + s) / (10 + s)`` in [min_decay, decay], ``s = n - after - 1``: diffusers
-    ``EMAModel(use_ema_warmup=False, decay, min_decay, update_after_step=after)``."""
+    """diffusers' ``(1 + s) / (10 + s)`` in [min_decay, decay], ``s = n - after - 1`` (no warm-up)."""
 
     decay: float = 0.9999
     min_decay: float = 0.0
@@ -152,10 +149,8 @@ ramp, warmup, constant, harmonic = Ramp, Warmup, Constant, Harmonic
 
 
 def power(gamma: float | None = None, *, sigma_rel: float | None = None) -> Power:
-    """Karras et al. 2024's power-function EMA ``(1 - 1 / n) ** (gamma + 1)``, by gamma or sigma_rel: EDM2's
-    ``power_function_beta(std=sigma_rel, t_next=n, t_delta=1)``; ema-pytorch ``KarrasEMA(gamma=gamma,
-    update_every=1)`` applies its value at ``n + 1`` on its n-th call (its counter starts at 0 after a copy).
-    Updated every k steps, :func:`decay_over` (``((n - k) / n) ** (gamma + 1)``) keeps the profile."""
+    """Karras et al.'s power-function EMA ``(1 - 1 / n) ** (gamma + 1)`` by gamma or sigma_rel (EDM2's
+    ``power_function_beta``); updated every k steps, :func:`decay_over` keeps the profile."""
     one_of("gamma", gamma, "sigma_rel", sigma_rel)
     return Power(sigma_rel_to_gamma(sigma_rel) if gamma is None else gamma)
 

@@ -19,9 +19,8 @@ __all__ = ["ShardedModelEMA"]
 
 
 class ShardedModelEMA(BaseEMA):
-    """EMA of an FSDP2 model (sharded DTensor parameters): this rank's shards, no communication, with
-    ``ModelEMA``'s constructor, schedules and update. Call :meth:`update` after ``optimizer.step()`` (FSDP has
-    resharded); only in-place strategies run ("auto" runs "gated")."""
+    """EMA of an FSDP2 model: this rank's shards, no communication. Call :meth:`update` after
+    ``optimizer.step()`` (FSDP has resharded); only in-place strategies run ("auto" runs "gated")."""
 
     sharded = True
 

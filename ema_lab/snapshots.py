@@ -95,10 +95,8 @@ def _hidden(folder: Path, step: int) -> Path:
 def save_step(
     folder: str | os.PathLike, step: int, states: Mapping[float, Mapping[str, Tensor]], run: str | None = None
 ) -> Path:
-    """Save every profile of update ``step`` (gamma -> the EMA's tensors, moved to the CPU), each naming
-    ``run``, as ``folder/step-<step>/``, complete or not at all; returns that path. A saved step is never
-    replaced (several processes: only rank 0 saves). A subset of views of one storage stores all of it: clone
-    it first."""
+    """Save every profile of update ``step`` (gamma -> the EMA's tensors) as ``folder/step-<step>/``, complete
+    or not at all, never replacing a saved step; returns that path (clone views of one storage first)."""
     check_step("step", step)
     if not (isinstance(states, Mapping) and states):
         raise ValueError(f"states must be a non-empty dict of gamma -> tensors, got {type(states).__name__}")
@@ -145,8 +143,7 @@ def save_step(
 
 
 def remove_step(folder: str | os.PathLike, step: int) -> None:
-    """Remove ``folder/step-<step>/`` as a reader sees it, in one call (renamed to a hidden temporary, then
-    deleted: a killed removal leaves a temporary that :func:`check_folder` removes)."""
+    """Remove ``folder/step-<step>/`` in one rename (a killed removal leaves a temporary)."""
     check_step("step", step)
     folder = Path(folder)
     tmp = _hidden(folder, step)

@@ -1,6 +1,5 @@
-"""What every cached EMA step is (:class:`Step`), the options it is built with, and the parts every kind of
-step shares: a step moves every EMA from one read of the model, through detached aliases (nothing that makes
-``swap_tensors`` refuse), until its :class:`Watch` says it no longer fits."""
+"""What every cached EMA step is (:class:`Step`), its options, and the parts every kind shares: a step moves
+every EMA from one read of the model until its :class:`Watch` says it no longer fits."""
 
 from __future__ import annotations
 
@@ -95,10 +94,8 @@ def install_hooks() -> None:
 
 
 class Watch:
-    """Whether ``model`` is still the one a step was built for, nothing was registered on ``modules`` since,
-    and each slot holds the same memory: one ``data_ptr()`` per slot and update, as torch has no hook for
-    ``p.data = x`` or ``swap_tensors`` (and a reference count cannot tell a kept reference from the slot's
-    own)."""
+    """Whether ``model`` is the one a step was built for, nothing was registered on ``modules`` since, and
+    each slot holds its memory (``data_ptr()``: torch has no hook for ``p.data = x`` or ``swap_tensors``)."""
 
     def __init__(
         self, model: nn.Module, slots: list[Slot], modules: Iterable[nn.Module] = (), sharded: bool = False
@@ -128,9 +125,8 @@ class Watch:
 
 
 class Counters:
-    """The non-float entries, copied from the model: one ``torch.cat`` per (device, EMA dtype, model dtype)
-    group into a buffer the EMAs' are views of (one ``copy_`` where the model's tile one storage in the same
-    order, as after ``flatten_model``); strided ones by ``_foreach_copy_``."""
+    """The non-float entries, copied from the model: one ``torch.cat`` (or ``copy_``) per group into a buffer
+    the EMAs' are views of; strided ones by ``_foreach_copy_``."""
 
     def __init__(self, pairs: Pairs) -> None:
         ema = [e.emas[k] for k in range(pairs.count) for e in pairs.counters]

@@ -1,6 +1,5 @@
-"""The EMA update strategies as pure functions over lists of (EMA, model) tensor pairs, and their cached step.
-Each validates the whole input first (a failed ``_foreach_lerp_`` is not atomic): a bad pair raises
-``ValueError`` with the EMA unchanged."""
+"""The update strategies as pure functions over lists of (EMA, model) tensor pairs, and their cached step;
+each checks the whole input first (a failed ``_foreach_lerp_`` is not atomic)."""
 
 from __future__ import annotations
 
@@ -111,8 +110,7 @@ class ListStep:
         self.watch = Watch(model, pairs.slots(), pairs.modules, sharded=pairs.sharded)
 
     def ready(self, model: nn.Module) -> bool:
-        """True while every slot holds the memory this step was built over (it reads the model through
-        aliases)."""
+        """True while every slot holds the memory this step was built over."""
         return self.watch.current(model)
 
     def apply(self, decays: Sequence[float], weights: Sequence[float]) -> None:
