@@ -23,7 +23,6 @@ from .updates import LIST_STRATEGIES, ListStep
 
 __all__ = ["ModelEMA", "BaseEMA", "STRATEGIES", "unwrap_model"]
 
-#: Each strategy's step; "auto" (:func:`resolve_strategy`) picks one of them per model.
 STEPS: dict[str, type[Step]] = {**dict.fromkeys(LIST_STRATEGIES, ListStep), "flat": FlatStep}
 STRATEGIES = (*STEPS, "auto")
 
@@ -165,7 +164,6 @@ class BaseEMA(RankDuties):
         return [] if self._step is None else self._step.modes
 
     def _collect(self, model: nn.Module) -> Pairs:
-        """The entries of the EMAs and the model a new step is built over."""
         return collect_pairs(self.emas, model)
 
     def _rebuild(self, model: nn.Module) -> Step:
@@ -226,7 +224,6 @@ class BaseEMA(RankDuties):
         self.updates = state["updates"]
 
     def _check_state(self, state: dict) -> None:
-        """Raise the one-line ValueError of :meth:`load_state_dict` where ``state`` cannot be loaded."""
         own = self.state_dict()
         if not isinstance(state, dict) or state.keys() != own.keys():
             raise ValueError(f"not a {type(self).__name__} state_dict: expected a dict of {sorted(own)}")
@@ -258,12 +255,10 @@ class BaseEMA(RankDuties):
 class ModelEMA(BaseEMA):
     """Exponential moving average of a model's weights, with the ramp ``decay * (1 - exp(-n / tau))``.
 
-    A drop-in for ``ultralytics.utils.torch_utils.ModelEMA`` (docs/api.md) that collects the pairs once into a
-    cached step; ``cat_max_numel``: smaller model tensors are gathered by ``torch.cat``. Not thread-safe.
-    """
+    A drop-in for ultralytics' ``ModelEMA`` (docs/api.md) that collects the pairs once into a cached step;
+    ``cat_max_numel``: smaller model tensors are gathered by ``torch.cat``. Not thread-safe."""
 
     def _average_of(self, model: nn.Module) -> nn.Module:
-        """A deep copy of ``model`` in eval mode, without grad."""
         if is_fully_sharded(model):
             raise TypeError(
                 "model is sharded with FSDP2 (fully_shard): a deep copy of it is not possible; "

@@ -1,5 +1,4 @@
-"""The ``"flat"`` step: each EMA in one buffer per (device, EMA dtype, model dtype) group, moved by one
-``lerp_`` or ``_foreach_lerp_`` per group."""
+"""The ``"flat"`` step: each EMA in one buffer per group, moved by one ``lerp_`` or ``_foreach_lerp_``."""
 
 from __future__ import annotations
 
@@ -27,9 +26,9 @@ CAT_MAX_NUMEL = 2048
 #: a step built at 2+ threads gathers in runs under it (benchmarks/cat_runs.py).
 CAT_RUN_NUMEL = 32768
 
-#: Where foreach is fused (torch's own table: :func:`fused_foreach_devices`) a tensor weight goes as views
-#: of one buffer filled with it; a target above this many elements gets its own ``lerp_`` instead (one
-#: launch is small beside its bytes): the buffer stays near 4 MiB.
+#: Where foreach is fused (:func:`fused_foreach_devices`) a 0-dim tensor weight launches a kernel per tensor,
+#: so it goes as views of one buffer filled with it; a target above this many elements gets its own ``lerp_``
+#: (one launch is small beside its bytes), so the buffer stays near 4 MiB.
 DENSE_WEIGHT_NUMEL = 1 << 20
 
 
@@ -50,9 +49,8 @@ class _OneLerpGroup:
         self.source = self.model if same else empty_flat(first.numel(), first.dtype, first.device)
         off = [0, *accumulate(m.numel() for m in model)]
         # The model cast into scratch laid out as the EMA (its memory format): one lerp_ pairs their elements.
-        self.views = (
-            [] if fused else [view_like(self.source[a:b], e) for a, b, e in zip(off, off[1:], emas[0])]
-        )
+        parts = zip(off, off[1:], emas[0])
+        self.views = [] if fused else [view_like(self.source[a:b], e) for a, b, e in parts]
 
     def read(self) -> None:
         if self.mode == "cast":
@@ -90,11 +88,8 @@ class _SameDtypeGroup:
         threaded = device.type == "cpu" and torch.get_num_threads() > 1
         runs = []
         for same in group(small, lambda i: model[i].shape[1:] if model[i].dim() else None):
-            numels = [model[i].numel() for i in same]
-            runs += [
-                [same[k] for k in r]
-                for r in (_runs(numels, CAT_RUN_NUMEL) if threaded else [range(len(same))])
-            ]
+            cuts = _runs([model[i].numel() for i in same], CAT_RUN_NUMEL) if threaded else [range(len(same))]
+            runs += [[same[k] for k in r] for r in cuts]
         self.emas = _buffers(emas, [i for run in runs for i in run] + large)
         ends = [0, *accumulate(sum(model[i].numel() for i in run) for run in runs)]
         self.runs = []  # (its slots' dicts, keys, the gather (cat or stack), the shape it gathers to)
@@ -103,7 +98,6 @@ class _SameDtypeGroup:
             first = model[run[0]]
             shape = (sum(model[i].shape[0] for i in run), *first.shape[1:]) if first.dim() else (len(run),)
             self.runs.append((dicts, keys, torch.cat if first.dim() else torch.stack, torch.Size(shape)))
-        # Each EMA's targets: its buffer's slice per run, then its large tensors (views of its buffer).
         self.targets = [
             [buffer[a:b] for a, b in zip(ends, ends[1:])] + [e[i].detach() for i in large]
             for buffer, e in zip(self.emas, emas)
@@ -117,7 +111,6 @@ class _SameDtypeGroup:
         self.dense_views: list[Tensor] = []
 
     def read(self) -> None:
-        """Gather the small tensors from their slots; raises if one no longer fits."""
         gathered = []
         ema = self.emas[0]
         for dicts, keys, gather, shape in self.runs:

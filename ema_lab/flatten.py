@@ -1,5 +1,5 @@
-"""``flatten_model``: the model's tensors moved into one buffer per (device, dtype), so that an EMA update is
-one ``lerp_`` per buffer; opt-in and checked (docs/beyond_foreach_details.md says what it costs)."""
+"""``flatten_model``: the model's tensors in one buffer per (device, dtype), so an EMA update is one
+``lerp_``."""
 
 from __future__ import annotations
 
@@ -155,7 +155,6 @@ def _flatten(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
 
 
 def _model_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
-    """Every parameter and buffer of ``model`` once, under its first name (tied weights once)."""
     return unique([*model.named_parameters(), *model.named_buffers()], lambda item: item[1])
 
 
@@ -170,9 +169,8 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
     Flatten before building the optimizer and the EMA; what it refuses and costs:
     docs/beyond_foreach_details.md."""
     buffers = _flatten(_model_tensors(model))
-    # accelerate's save_model/save_state keep one entry per storage; safetensors' save_model/load_model refuse
-    # one that does not cover its storage: each module's state_dict() gives copies (at save time only), a
-    # submodule's or an unwrapped one's too.
+    # Each module's state_dict() gives copies (at save time only), for accelerate's save_model/save_state keep
+    # one entry per storage and safetensors refuses one that does not cover its storage.
     for m in model.modules():
         if not any(m._state_dict_hooks[k].args == (id(m),) for k in _hooks(m)):
             m._register_state_dict_hook(partial(_copies_of_views, id(m)))  # torch 2.1 has no public name

@@ -25,8 +25,8 @@ def parse_version(version: str) -> tuple[int, int]:
 
 
 def foreach_lerp_supported(torch_version: str | None = None, device_type: str = "cpu") -> bool:
-    """True when ``torch._foreach_lerp_`` may be used for tensors on ``device_type`` under ``torch_version``
-    (default: the installed torch; pure otherwise, so every branch is testable on a CPU-only machine)."""
+    """True when ``torch._foreach_lerp_`` may run on ``device_type`` under ``torch_version`` (default:
+    installed)."""
     version = parse_version(torch.__version__ if torch_version is None else torch_version)
     if version < FOREACH_MIN:
         return False

@@ -1,6 +1,5 @@
-"""``ModelEMA(..., cuda_graph=True)``: the flat step recorded once in a CUDA graph, then replayed per update:
-one ``replay()`` for the host work of every kernel launch (what it costs: docs/beyond_foreach_details.md). A
-float16 or bfloat16 EMA reads the weight rounded to its dtype (within 0.4 % of each step)."""
+"""``ModelEMA(..., cuda_graph=True)``: the flat step recorded once in a CUDA graph, one ``replay()`` per
+update (costs: docs/beyond_foreach_details.md); a float16 or bfloat16 EMA reads the weight in its dtype."""
 
 from __future__ import annotations
 
@@ -55,7 +54,6 @@ class GraphStep(FlatStep):
         # Before the flat step moves any EMA tensor; counters too: a host copy would run once, at recording.
         device = self.check_devices([t for e in (*pairs.floats, *pairs.counters) for t in e.emas])
         super().__init__(pairs, model, replace(options, cat_max_numel=0))
-        # What every replay reads: each EMA's weight.
         self.weights = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(pairs.count)]
         self.replay: Callable[[], None] | None = None  # set when the graph is recorded
         self.warm = False  # the first update runs eagerly

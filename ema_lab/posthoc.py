@@ -176,8 +176,8 @@ class PostHocEMA(ModelEMA):
         return {**super().state_dict(), "run": self.run, "saved": self.saved}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state`` (:meth:`ModelEMA.load_state_dict`) and its run: the one resumed, if any.
-        The steps that run saved after ``state``'s last save are replaced as it saves again (:meth:`save`)."""
+        """Continue from ``state`` and its run, whose steps after ``state``'s last save are replaced as it
+        saves."""
         if isinstance(state, dict) and "saved" not in state:  # a state saved before it held "saved": as then
             state = {**state, "saved": self.saved}
         super().load_state_dict(state)

@@ -20,7 +20,6 @@ Schedule = Callable[[int], float]
 # Karras et al.'s length of the power profile at gamma = 0 (the running mean): the longest it can be.
 MAX_SIGMA_REL = 1 / math.sqrt(12)
 
-# The largest update number float arithmetic takes (int / float overflows past it).
 _LARGEST_N = int(sys.float_info.max)
 
 
@@ -36,7 +35,6 @@ class _Schedule:
     first_n = 1  # the first update number a schedule is defined for
 
     def __call__(self, n: int) -> float:
-        """The decay of update ``n`` (an int >= ``first_n``)."""
         # Inline, not check_int: an update reaches torch in three frames (tests/core/test_call_depth.py).
         if isinstance(n, bool) or not isinstance(n, Integral) or n < self.first_n:
             raise ValueError(f"n must be an int >= {self.first_n}, got {n!r}")

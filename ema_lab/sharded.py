@@ -1,7 +1,6 @@
-"""``ShardedModelEMA``: the EMA of an FSDP2 (``fully_shard``) model, kept as this rank's shards only. A
-sharded module refuses a deep copy, and a full copy per rank would cost the memory FSDP saves. The EMA is
-elementwise, so each rank averages the shard it owns, with no communication, in ``.ema``: DTensor parameters
-with the model's mesh, placements and names, which torch's state-dict tools treat like the model."""
+"""``ShardedModelEMA``: the EMA of an FSDP2 (``fully_shard``) model as this rank's shards. A sharded module
+refuses a deep copy, and a full copy per rank would cost the memory FSDP saves; the EMA is elementwise, so
+each rank averages its own shard, as DTensors that torch's state-dict tools treat like the model's."""
 
 from __future__ import annotations
 

@@ -156,8 +156,7 @@ def remove_step(folder: str | os.PathLike, step: int) -> None:
 
 
 def list_snapshots(folder: str | os.PathLike) -> list[Snapshot]:
-    """The snapshots in ``folder`` (complete steps only: a step is published whole), by step then gamma; a
-    name like a snapshot's that is no regular file is refused (a FIFO would block its reader)."""
+    """The snapshots in ``folder`` (complete steps only), by step then gamma."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"no snapshot folder at {str(folder)!r}")
@@ -174,7 +173,7 @@ def list_snapshots(folder: str | os.PathLike) -> list[Snapshot]:
                 raise ValueError(f"{p} is named like a saved step but is not a folder")
             for f in p.iterdir():
                 if g := _FILE.fullmatch(f.name):
-                    if not f.is_file():
+                    if not f.is_file():  # a FIFO would block its reader
                         raise ValueError(f"{f} is named like a snapshot but is not a regular file")
                     found.append(Snapshot(f, int(m[1]), float(g[1])))
     except OSError as e:  # the folder deleted or changed while listed

@@ -28,8 +28,8 @@ class StepOptions:
 
 
 class Step(Protocol):
-    """A cached update of one model's EMAs. Its class says what it can do; ``ready(model)`` (False: rebuild
-    it) and ``apply(decays, weights)`` (``weight = 1 - decay``, once per EMA) run under ``no_grad``."""
+    """A cached update of one model's EMAs: ``ready(model)`` (False: rebuild it), then ``apply(decays,
+    weights)``."""
 
     tensor_decay: ClassVar[bool]  # apply() takes 0-dim tensor decays (no host sync)
     in_place: ClassVar[bool]  # the EMAs' tensors keep their storage (ShardedModelEMA needs it)
@@ -48,9 +48,8 @@ class Step(Protocol):
 def lerp_pairs(
     ema: list[Tensor], model: list[Tensor], weight: float | Tensor | list[Tensor], foreach: bool = True
 ) -> None:
-    """``e += weight * (m - e)`` for every pair: one ``torch._foreach_lerp_``, or one ``lerp_`` per pair.
-
-    ``weight``: a number, a 0-dim tensor, or (foreach only) one tensor shaped like each pair's."""
+    """``e += weight * (m - e)`` per pair: one ``_foreach_lerp_`` (``weight`` may be a list), or a ``lerp_``
+    each."""
     if not foreach:
         for e, m in zip(ema, model):
             e.lerp_(m, weight)

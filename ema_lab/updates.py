@@ -55,13 +55,11 @@ def _prepare_gated(ema: list[Tensor], model: list[Tensor]) -> Update:
     return update
 
 
-#: Each list strategy's builder of its update over checked lists.
 LIST_STRATEGIES = {"loop": _prepare_loop, "foreach": _prepare_foreach, "gated": _prepare_gated}
 
 
 def prepare(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, names: Names = None) -> Update:
-    """Validate the pairs once and return ``update(decay, weight)`` that applies ``strategy`` unchecked (call
-    it under ``torch.no_grad()`` where a tensor requires grad)."""
+    """Validate the pairs once; return ``update(decay, weight)`` that applies ``strategy`` unchecked."""
     if strategy not in LIST_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(LIST_STRATEGIES)}")
     # One _foreach_lerp_ takes pairs of one dtype; the others promote per pair.
