@@ -96,7 +96,6 @@ class BaseEMA(RankDuties):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        # A number is ultralytics' ramp (decay, tau); a callable is the schedule itself; a list, one EMA each.
         schedules = list(decay) if isinstance(decay, (list, tuple)) else [decay]
         schedules = [s if callable(s) else ramp(check_decay(s), tau) for s in schedules]
         check_int("updates", updates, 0)

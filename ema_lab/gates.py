@@ -1,6 +1,5 @@
-"""When may an EMA update use ``torch._foreach_lerp_``? A pure function of (torch version, device type), as
-ultralytics PR #25315 and its follow-up gate it: from torch 2.0, on ``mps`` from 2.4 (the PR's gate), never on
-``npu`` (excluded for Ascend NPU by a later version of the gate)."""
+"""When may an EMA update use ``torch._foreach_lerp_``? As ultralytics PR #25315 and its follow-up gate it:
+from torch 2.0, on ``mps`` from 2.4, never on ``npu`` (Ascend, excluded by a later version of the gate)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The (EMA, model) pairs a step is built over: every entry matched once by state_dict key, tied weights once.
-A step reads the model through the *slots* that hold its tensors (a module's ``_parameters`` or ``_buffers``
-dict and a name): what a slot holds now is what the model uses now."""
+"""The (EMA, model) pairs a step is built over, matched by state_dict key, tied weights once. A step reads the
+model through the *slots* that hold its tensors (a module dict and a name): what the model uses now."""
 
 from __future__ import annotations
 

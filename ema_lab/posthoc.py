@@ -1,6 +1,5 @@
-"""Post-hoc EMA (Karras et al. 2024): power-function EMAs of a few lengths saved as snapshots, and the EMA of
-any length ``sigma_rel`` synthesized from them afterwards, as EDM2's ``training/phema.py`` does (ema-pytorch's
-``PostHocEMA`` leaves the weights unscaled)."""
+"""Post-hoc EMA (Karras et al. 2024): power-function EMAs saved as snapshots, and the EMA of any length
+synthesized from them, as EDM2's ``training/phema.py`` does (ema-pytorch leaves the weights unscaled)."""
 
 from __future__ import annotations
 
@@ -159,8 +158,7 @@ class PostHocEMA(ModelEMA):
             raise
 
     def save(self) -> None:
-        """Save every EMA's snapshot of this update as one step, after removing this run's own later steps;
-        refused where another run saved a later one."""
+        """Save every EMA's snapshot of this update as one step, after removing this run's own later steps."""
         later = [s for s in list_snapshots(self.folder) if s.step > self.saved]
         if others := [s.step for s in later if read_snapshot(s)["run"] != self.run]:
             why = f"after run {self.run}'s last save ({self.saved}): another run writes there"

@@ -42,9 +42,8 @@ class RankDuties:
         return [t for t in found if t.is_floating_point() and not hasattr(t, "placements")]
 
     def sync_buffers(self, src: int = 0, group: object = None) -> None:
-        """Overwrite every rank's EMA float buffers with rank ``src``'s (of ``group``, default the world): a
-        collective, on every rank before evaluating or saving (each rank's BatchNorm sees its own batch); not
-        in ``update()``, where it would hang an EMA kept on one rank. A no-op on one rank."""
+        """Overwrite every rank's EMA float buffers with rank ``src``'s (of ``group``): a collective, on every
+        rank before evaluating or saving; not in ``update()``, where it would hang an EMA kept on one rank."""
         if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
             got = type(group).__name__
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {got}")

@@ -1,6 +1,5 @@
-"""The peers' decay schedules: callables of the update number ``n`` (1 for the first update) -> the decay,
-each matching its peer's code (docs/schedules.md). Started late (``after``), the peers give decay 0 (a copy)
-while ``s = n - after - 1 <= 0``, whatever ``min_decay``."""
+"""The peers' decay schedules: callables of the update number ``n`` (1 for the first) -> the decay, each its
+peer's code (docs/schedules.md); started late, the peers give decay 0 (a copy) whatever ``min_decay``."""
 
 from __future__ import annotations
 
@@ -186,8 +185,7 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
 
 
 def decay_over(schedule: Callable[[int], float], n: int, k: int) -> float:
-    """The decay of updates ``n - k + 1 .. n`` applied at once, the product of the schedule's k decays: an EMA
-    updated every k-th step by it weighs the models it reads as the schedule would, reading each k times."""
+    """The decay of updates ``n - k + 1 .. n`` applied at once: the product of the schedule's k decays."""
     check_int("n", n, 1)
     require(is_int(k) and 1 <= k <= n, "k", k, f"an int in [1, n={n}]")
     return math.prod(schedule(i) for i in range(n - k + 1, n + 1))

@@ -18,14 +18,13 @@ __all__ = ["ShardedModelEMA"]
 
 
 class ShardedModelEMA(BaseEMA):
-    """EMA of an FSDP2 model: this rank's shards, no communication. Call :meth:`update` after
-    ``optimizer.step()`` (FSDP has resharded); only in-place strategies run ("auto" runs "gated")."""
+    """EMA of an FSDP2 model as this rank's shards (in-place strategies); update it after
+    ``optimizer.step()``."""
 
     sharded = True
 
     def _average_of(self, model: nn.Module) -> nn.Module:
-        """A bare module tree holding a clone of every entry of ``model`` (a DTensor's local shard) under its
-        dotted name; an entry under several names (tied weights) is cloned once and registered under each."""
+        """A bare module tree of clones of ``model``'s entries (a DTensor's local shard), tied ones once."""
         if not torch.distributed.is_available():
             raise RuntimeError("ShardedModelEMA needs DTensor, and this torch build has no torch.distributed")
         entries = {key: getitem(*slot) for key, slot in module_entries(model)}

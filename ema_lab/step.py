@@ -1,5 +1,4 @@
-"""What every cached EMA step is (:class:`Step`), its options, and the parts every kind shares: a step moves
-every EMA from one read of the model until its :class:`Watch` says it no longer fits."""
+"""What every cached EMA step is (:class:`Step`), its options, and the parts every kind of step shares."""
 
 from __future__ import annotations
 
@@ -124,8 +123,7 @@ class Watch:
 
 
 class Counters:
-    """The non-float entries, copied from the model: one ``torch.cat`` (or ``copy_``) per group into a buffer
-    the EMAs' are views of; strided ones by ``_foreach_copy_``."""
+    """The non-float entries, copied: one ``torch.cat`` or ``copy_`` per group, strided ones by a foreach."""
 
     def __init__(self, pairs: Pairs) -> None:
         ema = [e.emas[k] for k in range(pairs.count) for e in pairs.counters]

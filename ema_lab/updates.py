@@ -1,5 +1,4 @@
-"""The update strategies as pure functions over lists of (EMA, model) tensor pairs, and their cached step;
-each checks the whole input first (a failed ``_foreach_lerp_`` is not atomic)."""
+"""The update strategies as pure functions over lists of (EMA, model) tensor pairs, and their cached step."""
 
 from __future__ import annotations
 
