@@ -18,8 +18,7 @@ __all__ = ["ShardedModelEMA"]
 
 
 class ShardedModelEMA(BaseEMA):
-    """EMA of an FSDP2 model as this rank's shards (in-place strategies); update it after
-    ``optimizer.step()``."""
+    """An FSDP2 model's EMA as this rank's shards (in-place strategies); update after ``optimizer.step()``."""
 
     sharded = True
 
