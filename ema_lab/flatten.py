@@ -1,5 +1,4 @@
-"""``flatten_model``: the model's tensors in one buffer per (device, dtype), so an EMA update is one
-``lerp_``."""
+"""``flatten_model``: a model's tensors in one buffer per (device, dtype), so an EMA update is a ``lerp_``."""
 
 from __future__ import annotations
 

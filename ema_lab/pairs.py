@@ -1,5 +1,5 @@
 """The (EMA, model) pairs a step is built over, matched by state_dict key, tied weights once. A step reads the
-model through the *slots* that hold its tensors (a module dict and a name): what the model uses now."""
+model through the *slots* (a module dict and a name) that hold what it uses now."""
 
 from __future__ import annotations
 
