@@ -1,10 +1,6 @@
 """ema_lab: an EMA of model weights updated with one batched ``torch._foreach_lerp_`` (or one flat ``lerp_``).
 
-The core needs torch alone: ``ModelEMA`` (:mod:`ema_lab.ema`) keeps one cached step (:mod:`ema_lab.step`) over
-the matched entries (:mod:`ema_lab.pairs`), ``PostHocEMA`` (:mod:`ema_lab.posthoc`) several EMAs in that step,
-each decay a schedule (:mod:`ema_lab.schedules`); the subpackages ``bench`` and ``lessons`` need extras.
-Where each piece lives: docs/api.md, "The files".
-"""
+The core needs torch alone; where each piece lives: docs/api.md, "The files"."""
 
 from .ema import STRATEGIES, ModelEMA
 from .flatten import flatten_model, flatten_tensors, unflatten_model

@@ -41,8 +41,7 @@ def empty_flat(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu
 
 
 def is_dense(t: Tensor) -> bool:
-    """True when ``t`` fills ``t.numel()`` consecutive places of its storage in some dimension order
-    (contiguous, channels_last, transposed): no gap, no place read twice."""
+    """True when ``t`` fills ``t.numel()`` consecutive places of its storage in some dimension order."""
     if t.numel() == 0:
         return True
     expected = 1
@@ -54,15 +53,12 @@ def is_dense(t: Tensor) -> bool:
 
 
 def view_like(part: Tensor, t: Tensor) -> Tensor:
-    """``part`` (1-D, ``t.numel()`` long) as ``t``'s shape, in ``t``'s strides where they are dense (its
-    memory format: channels_last stays so), else contiguous."""
+    """``part`` (1-D) as ``t``'s shape, in ``t``'s strides where they are dense (channels_last stays so)."""
     return part.as_strided(t.shape, t.stride()) if is_dense(t) else part.view(t.shape)
 
 
 def into_one_buffer(tensors: Sequence[Tensor], like: Sequence[Tensor] | None = None) -> Tensor:
-    """A new 1-D buffer holding ``tensors`` back to back in the dtype and device of ``like`` (default: the
-    tensors themselves, of one dtype and device); each becomes a view of its part, laid out as its ``like``
-    (:func:`view_like`), on a storage of its own: a slice of the buffer's, which keeps the buffer alive."""
+    """A new 1-D buffer of ``tensors`` back to back, each now a view of its part laid out as its ``like``."""
     like = tensors if like is None else like
     buf = empty_flat(sum(t.numel() for t in tensors), like[0].dtype, like[0].device)
     storage, size, off = buf.untyped_storage(), buf.element_size(), buf.storage_offset()
@@ -86,8 +82,7 @@ def whole_storage(t: Tensor) -> Tensor:
 
 
 def tiles_in_order(tensors: Sequence[Tensor], dense: Callable[[Tensor], bool] = Tensor.is_contiguous) -> bool:
-    """True when the tensors are ``dense`` (contiguous, by default), lie back to back in list order and cover
-    one whole storage."""
+    """True when the tensors are ``dense``, lie back to back in list order and cover one whole storage."""
     if not tensors:
         return False
     first, end = tensors[0], 0

@@ -1,7 +1,4 @@
-"""The argument checks of the core, the schedules and the post-hoc EMA: one place for each rule. Each raises a
-one-line ``ValueError`` (``TypeError`` for a wrong kind of object) naming the argument and the value, before
-any change.
-"""
+"""The argument checks, one place for each rule: a one-line ``ValueError`` (``TypeError``: a wrong kind)."""
 
 from __future__ import annotations
 
@@ -55,9 +52,8 @@ def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tenso
             why = "only update(model, decay=...) of an EMA whose step is 'flat' takes a 0-dim tensor"
             raise TypeError(f"decay must be a Python number here ({why}), got a {type(decay).__name__}")
         if decay.dim() != 0 or not decay.is_floating_point():
-            raise ValueError(
-                f"a tensor decay must be a 0-dim floating tensor, got {decay.shape} {decay.dtype}"
-            )
+            got = f"{decay.shape} {decay.dtype}"
+            raise ValueError(f"a tensor decay must be a 0-dim floating tensor, got {got}")
         return decay
     # Inline, not is_real/require: every update runs it (tests/core/test_call_depth.py).
     if not (isinstance(decay, Real) and not isinstance(decay, bool) and 0.0 <= decay <= 1.0):
@@ -66,9 +62,8 @@ def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tenso
 
 
 def weight_of(decay: float | Tensor) -> float | Tensor:
-    """The lerp weight of a checked decay, ``1 - decay``: a float in double precision, or a 0-dim tensor
-    clamped to [0, 1] on its device, NaN taken as 0 (a bad tensor decay keeps the EMA within what it has
-    seen and never poisons it; refusing it would need its value on the host: a sync per update)."""
+    """``1 - decay`` of a checked decay: a float, or a 0-dim tensor clamped to [0, 1] on its device, NaN as 0
+    (refusing a bad one would need its value on the host: a sync per update)."""
     if isinstance(decay, Tensor):
         return (1.0 - decay).nan_to_num_(0.0).clamp_(0.0, 1.0)
     return 1.0 - decay
@@ -78,10 +73,6 @@ def _label(i: int, names: Sequence[str] | None) -> str:
     return f"entry {i} ({names[i]!r})" if names is not None else f"entry {i}"
 
 
-def _describe(t: Tensor) -> str:
-    return f"shape {tuple(t.shape)}, {t.dtype}, {t.device}"
-
-
 def validate_pairs(
     ema: Sequence[Tensor],
     model: Sequence[Tensor],
@@ -89,8 +80,7 @@ def validate_pairs(
     *,
     same_dtype: bool = False,
 ) -> None:
-    """Raise ``ValueError`` naming the first bad pair, touching nothing: equal lengths, floating tensors of
-    equal shapes and devices (and dtypes, when ``same_dtype``), no EMA tensor twice (decayed twice)."""
+    """Raise ``ValueError`` naming the first bad pair, touching nothing (``same_dtype``: dtypes equal too)."""
     if len(ema) != len(model):
         raise ValueError(f"got {len(ema)} EMA tensors but {len(model)} model tensors")
     if names is not None and len(names) != len(ema):
@@ -104,7 +94,8 @@ def validate_pairs(
             dtypes = f"got EMA {e.dtype} and model {m.dtype}"
             raise ValueError(f"{_label(i, names)}: EMA and model tensors must be floating point, {dtypes}")
         if e.shape != m.shape or e.device != m.device or (same_dtype and e.dtype != m.dtype):
-            raise ValueError(f"{_label(i, names)}: EMA {_describe(e)} does not match model {_describe(m)}")
+            mine, theirs = (f"shape {tuple(t.shape)}, {t.dtype}, {t.device}" for t in (e, m))
+            raise ValueError(f"{_label(i, names)}: EMA {mine} does not match model {theirs}")
         if e.is_meta:  # every meta tensor's data_ptr() is 0: without this, "tied weights?" below
             raise ValueError(
                 f"{_label(i, names)} is on the meta device (no values): build the EMA once the model's "

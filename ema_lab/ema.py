@@ -23,14 +23,12 @@ from .updates import LIST_STRATEGIES, ListStep
 
 __all__ = ["ModelEMA", "BaseEMA", "STRATEGIES", "unwrap_model"]
 
-#: Each strategy's step; "auto" (:func:`resolve_strategy`) picks one of them per model.
 STEPS: dict[str, type[Step]] = {**dict.fromkeys(LIST_STRATEGIES, ListStep), "flat": FlatStep}
 STRATEGIES = (*STEPS, "auto")
 
 
 def resolve_strategy(strategy: str, tensors: Sequence[Tensor], in_place: bool = False) -> str:
-    """``"auto"``: "flat" (a superset of "gated"'s fast paths) unless a tensor cannot be a view of a flat
-    buffer (sparse, meta or otherwise not strided) or the EMA's tensors must stay ``in_place``: "gated"."""
+    """``"auto"``: "flat", or "gated" where a tensor is not strided or must stay ``in_place``."""
     if strategy != "auto":
         return strategy
     movable = all(t.layout == torch.strided and t.device.type != "meta" for t in tensors)
@@ -50,9 +48,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def _name(schedule: Schedule) -> str:
-    """A schedule as a checkpoint names it: the call that makes it (a dataclass's repr, a ``partial`` of a
-    named function with plain values), or a function's qualified name; a ValueError naming the fix for one
-    whose name another function could share (a lambda, a nested function, a callable object)."""
+    """A schedule as a checkpoint names it, or a ValueError naming the fix (a lambda has no name)."""
     if is_dataclass(schedule):
         return repr(schedule)
     if isinstance(schedule, partial):
@@ -82,9 +78,7 @@ def _unfit(saved: object, mine: Tensor) -> str | None:
 
 
 class BaseEMA(RankDuties):
-    """What ``ModelEMA``, ``ShardedModelEMA`` and ``PostHocEMA`` share: each says only how it holds an EMA
-    (``_average_of(model)``) and whether it is ``sharded``. It keeps one EMA of the model per schedule
-    (``.emas``, ``.schedules``; ``.ema`` and ``.schedule`` are the first), all moved by one cached step."""
+    """What the EMAs share: an EMA per schedule (``.emas``), all moved by one cached step."""
 
     sharded = False  # ShardedModelEMA: the EMA stays in DTensor shards, so its step must update in place
 
@@ -102,7 +96,6 @@ class BaseEMA(RankDuties):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        # A number is ultralytics' ramp (decay, tau); a callable is the schedule itself; a list, one EMA each.
         schedules = list(decay) if isinstance(decay, (list, tuple)) else [decay]
         schedules = [s if callable(s) else ramp(check_decay(s), tau) for s in schedules]
         check_int("updates", updates, 0)
@@ -161,9 +154,8 @@ class BaseEMA(RankDuties):
         try:
             return check_decay(d)
         except (TypeError, ValueError):
-            raise ValueError(
-                f"the schedule {schedule!r} gave decay {d!r} at update {n}, not a number in [0, 1]"
-            ) from None
+            why = f"gave decay {d!r} at update {n}, not a number in [0, 1]"
+            raise ValueError(f"the schedule {schedule!r} {why}") from None
 
     @property
     def modes(self) -> list[str]:
@@ -171,7 +163,6 @@ class BaseEMA(RankDuties):
         return [] if self._step is None else self._step.modes
 
     def _collect(self, model: nn.Module) -> Pairs:
-        """The entries of the EMAs and the model a new step is built over."""
         return collect_pairs(self.emas, model)
 
     def _rebuild(self, model: nn.Module) -> Step:
@@ -186,11 +177,8 @@ class BaseEMA(RankDuties):
         return step
 
     def update(self, model: nn.Module, decay: float | Tensor | None = None) -> None:
-        """Move every EMA one step towards ``model`` (DDP, DataParallel and torch.compile wrappers unwrapped).
-        With ``every=k`` only every k-th call updates, by the product of the k decays (the others only count).
-        ``decay`` overrides the schedules for this step (with ``every=k``: for the k steps together); with
-        "flat" it may be a 0-dim tensor on the model's device, never read on the host (no sync, no
-        recompiles): used clamped to [0, 1], NaN as 1 (the EMA keeps its weights)."""
+        """Move every EMA one step towards ``model`` (wrappers unwrapped), with ``every=k`` every k-th call by
+        the product of the k decays; ``decay`` overrides the schedules ("flat": a 0-dim tensor too)."""
         if not self.enabled:
             return
         if not isinstance(model, nn.Module):
@@ -222,24 +210,19 @@ class BaseEMA(RankDuties):
         self.updates = n
 
     def state_dict(self) -> dict:
-        """What a resumed run needs to continue bit for bit: each EMA module's ``state_dict()`` (views, as
-        torch's), the update count, and what :meth:`load_state_dict` checks (the schedules, ``every``); a
-        ValueError for a schedule without a name of its own (a lambda), which a checkpoint cannot check."""
+        """What a resumed run needs to continue bit for bit: the EMAs, the count, the schedules, ``every``."""
         schedules = [_name(s) for s in self.schedules]
         emas = [e.state_dict() for e in self.emas]
         return {"emas": emas, "updates": self.updates, "schedules": schedules, "every": self.every}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state`` (:meth:`state_dict`'s, loaded with ``torch.load(weights_only=True)``):
-        copied into the EMA's tensors in place; a checkpoint of another schedule, ``every`` or model, or an
-        entry torch could not copy, is refused with a one-line ValueError before anything changes."""
+        """Continue from ``state`` in place; one that does not fit is refused before anything changes."""
         self._check_state(state)
         for ema, saved in zip(self.emas, state["emas"]):
             ema.load_state_dict(saved)  # in place: the cached step keeps its tensors
         self.updates = state["updates"]
 
     def _check_state(self, state: dict) -> None:
-        """Raise the one-line ValueError of :meth:`load_state_dict` where ``state`` cannot be loaded."""
         own = self.state_dict()
         if not isinstance(state, dict) or state.keys() != own.keys():
             raise ValueError(f"not a {type(self).__name__} state_dict: expected a dict of {sorted(own)}")
@@ -253,9 +236,8 @@ class BaseEMA(RankDuties):
             shape = {k: getattr(v, "shape", None) for k, v in saved.items()}  # a non-tensor: None
             diff = [k for k in {**shape, **mine} if shape.get(k) != getattr(mine.get(k), "shape", None)]
             if diff:
-                raise ValueError(
-                    f"the checkpoint is another model's: entries {diff[:3]} differ in name or shape"
-                )
+                why = f"entries {diff[:3]} differ in name or shape"
+                raise ValueError(f"the checkpoint is another model's: {why}")
             for key, value in saved.items():  # torch would copy the entries before it, then raise
                 if why := _unfit(value, mine[key]):
                     raise ValueError(f"the checkpoint's entry {key!r} is {why}: nothing was loaded")
@@ -265,32 +247,17 @@ class BaseEMA(RankDuties):
         return {**self.__dict__, "_step": None}
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(decay={self.schedule!r}, updates={self.updates}, every={self.every}, "
-            f"strategy={self.strategy!r}, cuda_graph={self.cuda_graph})"
-        )
+        args = f"decay={self.schedule!r}, updates={self.updates}, every={self.every}"
+        return f"{type(self).__name__}({args}, strategy={self.strategy!r}, cuda_graph={self.cuda_graph})"
 
 
 class ModelEMA(BaseEMA):
     """Exponential moving average of a model's weights, with the ramp ``decay * (1 - exp(-n / tau))``.
 
-    Compatible with ``ultralytics.utils.torch_utils.ModelEMA``: ``.ema`` (a deep copy in eval mode, no
-    grad), ``.updates``, ``.decay(n)``, ``.update(model)``, ``.update_attr(model)``, ``.enabled``. Unlike it,
-    the pairs are collected once into a step rebuilt when a tensor is replaced (``.to()``, ``.half()``,
-    ``p.data = ...``, ``swap_tensors``, a new parameter), non-float entries are copied, tied weights averaged
-    once, and a failed update changes nothing. It holds no view of a module tensor (``swap_tensors`` works).
-
-    ``decay``: a number in [0, 1] (ultralytics' ramp, with ``tau``), a schedule (:mod:`ema_lab.schedules`) or
-    a list of them (one EMA each). With "flat" (what "auto" picks for ordinary tensors) the EMA's tensors are
-    views of one buffer per group, each in its memory format (channels_last stays so) and on a storage of its
-    own (accelerate and safetensors save every entry). ``cat_max_numel``: smaller model tensors are gathered
-    by ``torch.cat``; ``cuda_graph=True`` (one CUDA device, "flat"): each update replays a CUDA graph
-    (:mod:`ema_lab.graph_step`). Under DDP call ``ema.sync_buffers()`` on every rank before evaluating or
-    saving. Not thread-safe: one ``update()`` at a time (use a lock), and read ``.ema`` between updates.
-    """
+    A drop-in for ultralytics' ``ModelEMA`` (docs/api.md) that collects the pairs once into a cached step;
+    ``cat_max_numel``: smaller model tensors are gathered by ``torch.cat``. Not thread-safe."""
 
     def _average_of(self, model: nn.Module) -> nn.Module:
-        """A deep copy of ``model`` in eval mode, without grad."""
         if is_fully_sharded(model):
             raise TypeError(
                 "model is sharded with FSDP2 (fully_shard): a deep copy of it is not possible; "
@@ -304,8 +271,7 @@ class ModelEMA(BaseEMA):
     def update_attr(
         self, model: nn.Module, include: tuple = (), exclude: tuple = ("process_group", "reducer")
     ) -> None:
-        """Copy the model's plain attributes (not starting with ``_``: names, strides) to the EMA module, as
-        ultralytics does; a DataParallel or DistributedDataParallel model is unwrapped first."""
+        """Copy the model's plain attributes (not starting with ``_``) to the EMA, as ultralytics does."""
         if self.enabled:
             for k, v in unwrap_model(model).__dict__.items():
                 if not ((include and k not in include) or k.startswith("_") or k in exclude):

@@ -1,5 +1,4 @@
-"""The ``"flat"`` step: each EMA in one buffer per (device, EMA dtype, model dtype) group, moved by one
-``lerp_`` or ``_foreach_lerp_`` per group."""
+"""The ``"flat"`` step: each EMA in one buffer per group, moved by one ``lerp_`` or ``_foreach_lerp_``."""
 
 from __future__ import annotations
 
@@ -27,23 +26,19 @@ CAT_MAX_NUMEL = 2048
 #: a step built at 2+ threads gathers in runs under it (benchmarks/cat_runs.py).
 CAT_RUN_NUMEL = 32768
 
-#: Where foreach is fused (torch's own table: :func:`fused_foreach_devices`) a tensor weight goes as views
-#: of one buffer filled with it; a target above this many elements gets its own ``lerp_`` instead (one
-#: launch is small beside its bytes): the buffer stays near 4 MiB.
+#: Where foreach is fused (:func:`fused_foreach_devices`) a 0-dim tensor weight launches a kernel per tensor,
+#: so it goes as views of one buffer filled with it; a target above this many elements gets its own ``lerp_``
+#: (one launch is small beside its bytes), so the buffer stays near 4 MiB.
 DENSE_WEIGHT_NUMEL = 1 << 20
 
 
 def fused_foreach_devices() -> list[str]:
-    """The device types whose ``_foreach_lerp_`` has a fused kernel, as torch (2.1 on) lists them. There it
-    takes a tensor weight only as one tensor shaped like each target: with a 0-dim weight per target it
-    launches one kernel per tensor."""
+    """The device types whose ``_foreach_lerp_`` has a fused kernel, as torch (2.1 on) lists them."""
     return _foreach_utils._get_foreach_kernels_supported_devices()
 
 
 class _OneLerpGroup:
-    """One ``lerp_`` over each EMA's whole buffer: ``fused`` (the model's tensors tile one storage; one
-    cast-copy into scratch first if the dtypes differ) or ``cast`` (another dtype: one ``_foreach_copy_``
-    casts the model into scratch)."""
+    """One ``lerp_`` over each EMA's whole buffer: ``fused`` (the model tiles one storage) or ``cast``."""
 
     def __init__(self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], fused: bool) -> None:
         order = sorted(range(len(model)), key=lambda i: model[i].storage_offset()) if fused else None
@@ -54,9 +49,8 @@ class _OneLerpGroup:
         self.source = self.model if same else empty_flat(first.numel(), first.dtype, first.device)
         off = [0, *accumulate(m.numel() for m in model)]
         # The model cast into scratch laid out as the EMA (its memory format): one lerp_ pairs their elements.
-        self.views = (
-            [] if fused else [view_like(self.source[a:b], e) for a, b, e in zip(off, off[1:], emas[0])]
-        )
+        parts = zip(off, off[1:], emas[0])
+        self.views = [] if fused else [view_like(self.source[a:b], e) for a, b, e in parts]
 
     def read(self) -> None:
         if self.mode == "cast":
@@ -65,15 +59,12 @@ class _OneLerpGroup:
             self.source.copy_(self.model)
 
     def lerp(self, k: int, weight: float | Tensor) -> None:
-        """``e += weight * (m - e)`` over EMA ``k``'s whole buffer: one ``lerp_``."""
         self.emas[k].lerp_(self.source, weight)
 
 
 class _SameDtypeGroup:
-    """Same dtype: the small tensors (first in the buffer) gathered by ``torch.cat`` runs, the large read as
-    they are. The small ones are read live from their slots, unwatched (one ``cat`` per trailing shape along
-    dim 0, one ``stack`` of the 0-dim ones): a slot that holds another size, dtype or device fails the
-    gather, before anything is written; only the large ones' slots are watched."""
+    """Same dtype: the small tensors gathered live from their slots by ``torch.cat`` runs (a bad slot fails
+    the gather before anything is written), the large read as they are, their slots watched."""
 
     def __init__(
         self, emas: list[list[Tensor]], model: list[Tensor], slots: list[Slot], cat_max_numel: int
@@ -94,16 +85,11 @@ class _SameDtypeGroup:
         self.checked_slots = [slots[i] for i in large]
         self.mode = "cat+foreach" if small and large else "cat" if small else "foreach"
         device = model[0].device
-        # One gather per trailing shape at one thread (or off the CPU); at 2+ threads in runs under
-        # CAT_RUN_NUMEL (see above).
         threaded = device.type == "cpu" and torch.get_num_threads() > 1
         runs = []
         for same in group(small, lambda i: model[i].shape[1:] if model[i].dim() else None):
-            numels = [model[i].numel() for i in same]
-            runs += [
-                [same[k] for k in r]
-                for r in (_runs(numels, CAT_RUN_NUMEL) if threaded else [range(len(same))])
-            ]
+            cuts = _runs([model[i].numel() for i in same], CAT_RUN_NUMEL) if threaded else [range(len(same))]
+            runs += [[same[k] for k in r] for r in cuts]
         self.emas = _buffers(emas, [i for run in runs for i in run] + large)
         ends = [0, *accumulate(sum(model[i].numel() for i in run) for run in runs)]
         self.runs = []  # (its slots' dicts, keys, the gather (cat or stack), the shape it gathers to)
@@ -112,7 +98,6 @@ class _SameDtypeGroup:
             first = model[run[0]]
             shape = (sum(model[i].shape[0] for i in run), *first.shape[1:]) if first.dim() else (len(run),)
             self.runs.append((dicts, keys, torch.cat if first.dim() else torch.stack, torch.Size(shape)))
-        # Each EMA's targets: its buffer's slice per run, then its large tensors (views of its buffer).
         self.targets = [
             [buffer[a:b] for a, b in zip(ends, ends[1:])] + [e[i].detach() for i in large]
             for buffer, e in zip(self.emas, emas)
@@ -120,14 +105,12 @@ class _SameDtypeGroup:
         self.large = [model[i] for i in large]
         self.sources: list[Tensor] = []  # the runs' gathered values, then the large tensors: set by read()
         self.foreach = len(self.targets[0]) > 1 and foreach_lerp_supported(None, device.type)
-        # Where foreach is fused, a tensor weight goes as views of one buffer (made on first use).
         self.packed = len(self.runs) + sum(model[i].numel() <= DENSE_WEIGHT_NUMEL for i in large)
         self.dense = self.foreach and self.packed > 0 and device.type in fused_foreach_devices()
         self.dense_buffer: Tensor | None = None
         self.dense_views: list[Tensor] = []
 
     def read(self) -> None:
-        """Gather the small tensors from their slots; raises if one no longer fits."""
         gathered = []
         ema = self.emas[0]
         for dicts, keys, gather, shape in self.runs:
@@ -139,9 +122,7 @@ class _SameDtypeGroup:
         self.sources = gathered + self.large
 
     def lerp(self, k: int, weight: float | Tensor) -> None:
-        """``e += weight * (m - e)`` over EMA ``k``'s targets: one ``_foreach_lerp_`` (off the gate, one
-        ``lerp_`` each). Where foreach is fused, a tensor weight goes as views of one buffer filled with it
-        (one kernel, no sync), and the targets above ``DENSE_WEIGHT_NUMEL`` one by one."""
+        """``e += weight * (m - e)`` over EMA ``k``'s targets (a tensor weight: ``DENSE_WEIGHT_NUMEL``)."""
         targets, sources = self.targets[k], self.sources
         if not self.dense or isinstance(weight, float):
             lerp_pairs(targets, sources, weight, self.foreach)
@@ -157,8 +138,7 @@ class _SameDtypeGroup:
 
 
 def _buffers(emas: list[list[Tensor]], order: Sequence[int]) -> list[Tensor]:
-    """Each EMA's tensors (``emas[k][i]``) moved, in ``order``, into a new buffer laid out like the first
-    EMA's (its dtype, device and memory formats): the same element at the same offset in every buffer."""
+    """Each EMA's tensors moved, in ``order``, into a new buffer laid out like the first EMA's."""
     first = [emas[0][i] for i in order]
     return [into_one_buffer(first), *(into_one_buffer([e[i] for i in order], like=first) for e in emas[1:])]
 
@@ -175,12 +155,7 @@ def _runs(numels: list[int], limit: int) -> list[range]:
 
 
 class FlatStep:
-    """``"flat"``: each EMA in one buffer per (device, EMA dtype, model dtype) group, one ``lerp_`` or
-    ``_foreach_lerp_`` each, in a mode: ``fused`` (the model's tensors tile one storage, as after
-    ``flatten_model``), ``cast`` (another dtype), ``cat``, ``foreach`` or ``cat+foreach`` (small tensors
-    gathered by ``torch.cat``, large ones read as they are). A step's class says what it can do;
-    ``ready(model)`` (False: rebuild) and ``apply(decays, weights)`` (``weight = 1 - decay``; a 0-dim tensor
-    weight: no host sync) run under ``no_grad``."""
+    """``"flat"``, each group in a mode: ``fused``, ``cast``, ``cat``, ``foreach`` or ``cat+foreach``."""
 
     tensor_decay = True  # apply() takes 0-dim tensor decays (no host sync)
     in_place = False  # the EMAs' tensors move into the groups' buffers (ShardedModelEMA needs in place)
@@ -219,9 +194,7 @@ class FlatStep:
         self.watch = Watch(model, checked, pairs.modules)
 
     def ready(self, model: nn.Module) -> bool:
-        """True while every EMA slot and every model slot not read live holds the memory it was built over,
-        once every group has gathered the model (False if a live slot holds None or another size, dtype or
-        device): :meth:`apply` updates from what this gathered."""
+        """True while every watched slot holds its memory and every group gathered its live ones."""
         if not self.watch.current(model):
             return False
         try:

@@ -1,5 +1,4 @@
-"""``flatten_model``: the model's tensors moved into one buffer per (device, dtype), so that an EMA update is
-one ``lerp_`` per buffer; opt-in and checked (docs/beyond_foreach_details.md says what it costs)."""
+"""``flatten_model``: a model's tensors in one buffer per (device, dtype), so an EMA update is a ``lerp_``."""
 
 from __future__ import annotations
 
@@ -86,10 +85,8 @@ def _check_held_outside(named: Sequence[tuple[str, Tensor]], on_storage: dict[in
 
 
 def _copies_of_views(owner: int, module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
-    """``state_dict`` post-hook of a flattened module (``owner``, its ``id``): each of its own entries that is
-    a view of part of a larger storage replaced by a copy; ``keep_vars=True`` entries (its own tensors) left
-    as they are. Inert in a deep or pickled copy: an EMA that writes into its ``deepcopy(model).state_dict()``
-    (ultralytics', timm's) must reach its module."""
+    """``state_dict`` hook of a flattened module (``owner``: its ``id``, so a deep or pickled copy's is
+    inert): its own entries that view part of a larger storage replaced by copies."""
     if id(module) != owner:
         return
     for name, t in (*module._parameters.items(), *module._buffers.items()):
@@ -106,8 +103,7 @@ def _hooks(model: nn.Module) -> list[int]:
 
 
 def _assign(moves: Sequence[tuple[Tensor, Tensor]]) -> None:
-    """Point each tensor at its new memory (``.data``, so optimizers, hooks and module slots keep the
-    object); if one fails, every tensor already pointed is put back."""
+    """Point each tensor at its new memory through ``.data`` (the object kept); if one fails, put all back."""
     done: list[tuple[Tensor, Tensor]] = []
     try:
         for t, new in moves:
@@ -157,9 +153,33 @@ def _flatten(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
     return buffers
 
 
-def _unflatten(named: Sequence[tuple[str, Tensor]]) -> None:
-    """Give each tensor that shares its storage, or fills part of it, memory of its own: all or nothing."""
-    movable = [(name, t) for name, t in named if _refusal(t) is None]  # the others have their own memory
+def _model_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
+    return unique([*model.named_parameters(), *model.named_buffers()], lambda item: item[1])
+
+
+def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """:func:`flatten_model` for a list of tensors (named by their place in it); returns the buffers."""
+    return _flatten(unique([(f"tensors[{i}]", t) for i, t in enumerate(tensors)], lambda item: item[1]))
+
+
+def flatten_model(model: nn.Module) -> list[Tensor]:
+    """Move the model's parameters and buffers into one buffer per (device, dtype); return the buffers.
+
+    Flatten before building the optimizer and the EMA; what it refuses and costs:
+    docs/beyond_foreach_details.md."""
+    buffers = _flatten(_model_tensors(model))
+    # Each module's state_dict() gives copies (at save time only), for accelerate's save_model/save_state keep
+    # one entry per storage and safetensors refuses one that does not cover its storage.
+    for m in model.modules():
+        if not any(m._state_dict_hooks[k].args == (id(m),) for k in _hooks(m)):
+            m._register_state_dict_hook(partial(_copies_of_views, id(m)))  # torch 2.1 has no public name
+    return buffers
+
+
+def unflatten_model(model: nn.Module) -> None:
+    """Give every parameter and buffer that shares a buffer its own memory again (undoes flatten_model)."""
+    # Each tensor that shares its storage, or fills part of it; the others have their own memory.
+    movable = [(name, t) for name, t in _model_tensors(model) if _refusal(t) is None]
     on_storage = _by_storage(movable)
     moves = []
     with torch.inference_mode(False), torch.no_grad():  # normal tensors, as in _flatten
@@ -173,53 +193,6 @@ def _unflatten(named: Sequence[tuple[str, Tensor]]) -> None:
                 new.copy_(t)
                 moves.append((t, new))
         _assign(moves)
-
-
-def _model_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
-    """Every parameter and buffer of ``model`` once, under its first name (tied weights once)."""
-    return unique([*model.named_parameters(), *model.named_buffers()], lambda item: item[1])
-
-
-def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """:func:`flatten_model` for a list of tensors (named by their place in it); returns the buffers."""
-    return _flatten(unique([(f"tensors[{i}]", t) for i, t in enumerate(tensors)], lambda item: item[1]))
-
-
-def flatten_model(model: nn.Module) -> list[Tensor]:
-    """Move the model's parameters and buffers into one buffer per (device, dtype); return the buffers.
-
-    Every tensor keeps its object (optimizers, hooks and module slots still hold it), value, shape, strides
-    (channels_last stays so) and ``requires_grad``; tied weights move once; ``model.state_dict()`` then
-    returns copies, which accelerate and safetensors save whole (write through ``state_dict(keep_vars=True)``,
-    the parameters or ``load_state_dict``; a deep or pickled copy of the model returns views until
-    ``flatten_model`` of it). Flatten before building the optimizer and the EMA. All is checked first, and a
-    failure while moving (out of memory) puts every tensor back. Refused, with a ``ValueError`` naming the
-    tensor: a sparse, nested, quantized, meta, lazy or wrapper-subclass (DTensor) tensor, or strides with gaps
-    or overlaps; two tensors whose memory overlaps (each would get its own copy); a tensor whose storage more
-    tensors hold than the model's (a ``.data`` or view kept by an optimizer or an earlier EMA would keep the
-    old memory; checked where torch has ``_storage_Use_Count``). A group that already fills one buffer is not
-    moved; pinned memory stays pinned; the buffers are normal tensors even under inference_mode. Later,
-    ``.to()``, ``.half()`` or a new parameter give tensors their own memory again (correct, no longer one
-    ``lerp_``), and a channels_last group is correct but not one ``lerp_``. The tensors lie back to back, not
-    on a fresh tensor's 64-byte boundary: a kernel that rounds by alignment (some CPUs' BLAS matrix-vector
-    product) can differ in the last bit.
-    """
-    buffers = _flatten(_model_tensors(model))
-    # accelerate's save_model/save_state keep one entry per storage; safetensors' save_model/load_model refuse
-    # one that does not cover its storage: each module's state_dict() gives copies (at save time only), a
-    # submodule's or an unwrapped one's too.
-    for m in model.modules():
-        if not any(m._state_dict_hooks[k].args == (id(m),) for k in _hooks(m)):
-            m._register_state_dict_hook(partial(_copies_of_views, id(m)))  # torch 2.1 has no public name
-    return buffers
-
-
-def unflatten_model(model: nn.Module) -> None:
-    """Give every parameter and buffer of ``model`` that shares a buffer its own memory again (undoes
-    :func:`flatten_model`; strides kept; all or nothing; overlapping tensors refused as there). Whatever
-    still holds the buffers (what flatten_model returned, an EMA's step) keeps the old memory;
-    ``state_dict()`` returns views again."""
-    _unflatten(_model_tensors(model))
     for m in model.modules():
         for key in _hooks(m):
             del m._state_dict_hooks[key]

@@ -1,17 +1,5 @@
-"""When may an EMA update use ``torch._foreach_lerp_``? A pure function of (torch version, device type).
-
-The table, as ultralytics PR #25315 and its follow-up gate it:
-
-=============  ==========  ==================================================================
-torch          device      foreach?
-=============  ==========  ==================================================================
-< 2.0          any         no: ``torch._foreach_lerp_`` does not exist yet
->= 2.0, < 2.4  ``mps``     no: the PR's gate ("on MPS, torch>=2.4")
->= 2.4         ``mps``     yes
->= 2.0         ``npu``     no: excluded for Ascend NPU by a later version of the gate
->= 2.0         any other   yes (cpu, cuda, xpu, ...; unknown backends use ATen's per-tensor path)
-=============  ==========  ==================================================================
-"""
+"""When may an EMA update use ``torch._foreach_lerp_``? As ultralytics PR #25315 and its follow-up gate it:
+from torch 2.0, on ``mps`` from 2.4, never on ``npu`` (Ascend, excluded by a later version of the gate)."""
 
 from __future__ import annotations
 
@@ -36,8 +24,8 @@ def parse_version(version: str) -> tuple[int, int]:
 
 
 def foreach_lerp_supported(torch_version: str | None = None, device_type: str = "cpu") -> bool:
-    """True when ``torch._foreach_lerp_`` may be used for tensors on ``device_type`` under ``torch_version``
-    (default: the installed torch; pure otherwise, so every branch is testable on a CPU-only machine)."""
+    """True when ``torch._foreach_lerp_`` may run on ``device_type`` under ``torch_version`` (default:
+    installed)."""
     version = parse_version(torch.__version__ if torch_version is None else torch_version)
     if version < FOREACH_MIN:
         return False

@@ -1,13 +1,5 @@
-"""``ModelEMA(..., cuda_graph=True)``: the flat step recorded once in a CUDA graph, then replayed per update.
-
-On a GPU the arithmetic of an update is nearly free; what remains is host work per kernel launch, which one
-``replay()`` replaces. Its costs: fixed addresses (the step is rebuilt and recorded again whenever the watch
-says a slot moved, and built with ``cat_max_numel=0``: no live ``torch.cat`` reads); the weight on the device
-(each update ``fill_``s ``1 - decay`` into a 0-dim float32 tensor the graph reads: no host sync; a float16 or
-bfloat16 EMA reads it rounded to its dtype, within 0.4 % of each step); recording (the first update after a
-build runs eagerly, the second records on a side stream, then replays; a failed recording raises before
-anything is written); memory (the graph's pool keeps what the update allocates: benchmarks/peers.py).
-"""
+"""``ModelEMA(..., cuda_graph=True)``: the flat step recorded once in a CUDA graph, one ``replay()`` per
+update (costs: docs/beyond_foreach_details.md); a float16 or bfloat16 EMA reads the weight in its dtype."""
 
 from __future__ import annotations
 
@@ -62,7 +54,6 @@ class GraphStep(FlatStep):
         # Before the flat step moves any EMA tensor; counters too: a host copy would run once, at recording.
         device = self.check_devices([t for e in (*pairs.floats, *pairs.counters) for t in e.emas])
         super().__init__(pairs, model, replace(options, cat_max_numel=0))
-        # What every replay reads: each EMA's weight.
         self.weights = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(pairs.count)]
         self.replay: Callable[[], None] | None = None  # set when the graph is recorded
         self.warm = False  # the first update runs eagerly

@@ -1,8 +1,5 @@
-"""The (EMA, model) pairs a step is built over: every entry matched once by state_dict key, tied weights once.
-
-A step reads the model through the *slots* that hold its tensors (a module's ``_parameters`` or ``_buffers``
-dict and a name): what a slot holds now is what the model uses now.
-"""
+"""The (EMA, model) pairs a step is built over, matched by state_dict key, tied weights once. A step reads the
+model through the *slots* (a module dict and a name) that hold what it uses now."""
 
 from __future__ import annotations
 
@@ -33,8 +30,7 @@ class Entry:
 
 @dataclass(frozen=True)
 class Pairs:
-    """What a step is built over: the float entries (averaged), the counters (copied), and every module
-    of the model and the EMAs (whose registrations the step's watch listens to)."""
+    """What a step is built over: the float entries (averaged), the counters (copied), the modules."""
 
     floats: list[Entry]
     counters: list[Entry]  # non-float entries (BatchNorm's num_batches_tracked): copied, not averaged
@@ -83,8 +79,7 @@ def module_entries(module: nn.Module) -> Iterator[tuple[str, Slot]]:
 
 
 def collect_pairs(emas: Sequence[nn.Module], model: nn.Module) -> Pairs:
-    """Match every parameter and persistent buffer of each EMA module with ``model``'s by key (else a clear
-    error); the EMAs after the first must hold tensors shaped like the first's."""
+    """Match every parameter and persistent buffer of each EMA module with ``model``'s by key."""
     first = dict(module_entries(emas[0]))
     model_slots = dict(module_entries(model))
     if first.keys() != model_slots.keys():

@@ -1,11 +1,5 @@
-"""Post-hoc EMA (Karras et al. 2024, "Analyzing and Improving the Training Dynamics of Diffusion Models").
-
-Track power-function EMAs of a few lengths in training, save their snapshots every N updates
-(:mod:`ema_lab.snapshots`), and afterwards :func:`synthesize` the EMA of any length ``sigma_rel`` as the sum
-of the snapshots whose profiles ``t ** gamma`` best fit it in least squares (Algorithm 3, closed-form inner
-products; as EDM2's ``training/phema.py``, weights scaled to sum 1; ema-pytorch's ``PostHocEMA`` solves it
-unscaled).
-"""
+"""Post-hoc EMA (Karras et al. 2024): power-function EMAs saved as snapshots, and the EMA of any length
+synthesized from them, as EDM2's ``training/phema.py`` does (ema-pytorch leaves the weights unscaled)."""
 
 from __future__ import annotations
 
@@ -42,9 +36,8 @@ def solve_weights(
     target_gamma: float | None = None,
     target_sigma_rel: float | None = None,
 ) -> Tensor:
-    """The float64 weights of the snapshots whose sum best fits the power profile of the target: Algorithm
-    3's Gram system solved by ``torch.linalg.lstsq`` (which copes with a singular one: a step saved twice),
-    then scaled to sum 1 as EDM2 does, so that weights that never move are reproduced exactly."""
+    """The float64 weights of the snapshots whose sum best fits the target profile: Algorithm 3 by ``lstsq``
+    (a singular Gram matrix too), scaled to sum 1 as EDM2 does (weights that never move come out exact)."""
     one_of("target_gamma", target_gamma, "target_sigma_rel", target_sigma_rel)
     sizes = (len(snapshot_gammas), len(snapshot_steps))
     require(sizes[0] == sizes[1] > 0, "the snapshot gammas and steps", sizes, "as many, at least one")
@@ -69,9 +62,8 @@ def synthesize(
     gamma: float | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, Tensor]:
-    """The EMA of length ``sigma_rel`` (or exponent ``gamma``) at ``step`` (default: the last snapshot's),
-    combined from the snapshots of one run saved up to ``step``, read one at a time (memory-mapped): float
-    tensors summed with their weights in ``dtype``, other entries (integer counters) the last snapshot's."""
+    """The EMA of length ``sigma_rel`` (or ``gamma``) at ``step`` (default: the last), from one run's
+    snapshots read one at a time: floats summed in ``dtype``, other entries the last snapshot's."""
     one_of("sigma_rel", sigma_rel, "gamma", gamma)
     require(dtype in (torch.float32, torch.float64), "dtype", dtype, "torch.float32 or torch.float64")
     if not (snapshots := list_snapshots(folder)):
@@ -109,11 +101,8 @@ def synthesize(
 
 
 class PostHocEMA(ModelEMA):
-    """Power-function EMAs (Karras et al. 2024) of one model, one per length in ``sigma_rels`` (distinct, in
-    (0, 0.2887]; EDM2's two by default) as ``.emas`` and ``.schedules`` (``.ema`` the first), all moved by
-    one step from one read of the model and saved in ``folder`` every ``snapshot_every`` updates, each
-    snapshot naming ``.run``. ``updates=N`` resumes from the snapshots of update N (a folder holding later
-    ones, another run's, is refused), then :meth:`load_state_dict` continues from a checkpoint bit for bit."""
+    """Power-function EMAs (Karras et al. 2024), one per length in ``sigma_rels``, moved by one step and saved
+    in ``folder`` every ``snapshot_every`` updates; ``updates=N`` resumes (docs/api.md)."""
 
     def __init__(
         self,
@@ -169,9 +158,7 @@ class PostHocEMA(ModelEMA):
             raise
 
     def save(self) -> None:
-        """Save every EMA's snapshot of this update as one step, complete or none; refused where the folder
-        holds a later update than this run saved of another run (it writes there). This run's own later
-        steps were saved after the checkpoint it resumed from (:meth:`load_state_dict`): removed first."""
+        """Save every EMA's snapshot of this update as one step, after removing this run's own later steps."""
         later = [s for s in list_snapshots(self.folder) if s.step > self.saved]
         if others := [s.step for s in later if read_snapshot(s)["run"] != self.run]:
             why = f"after run {self.run}'s last save ({self.saved}): another run writes there"
@@ -187,8 +174,8 @@ class PostHocEMA(ModelEMA):
         return {**super().state_dict(), "run": self.run, "saved": self.saved}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state`` (:meth:`ModelEMA.load_state_dict`) and its run: the one resumed, if any.
-        The steps that run saved after ``state``'s last save are replaced as it saves again (:meth:`save`)."""
+        """Continue from ``state`` and its run, whose steps after ``state``'s last save are replaced as it
+        saves."""
         if isinstance(state, dict) and "saved" not in state:  # a state saved before it held "saved": as then
             state = {**state, "saved": self.saved}
         super().load_state_dict(state)
@@ -197,13 +184,11 @@ class PostHocEMA(ModelEMA):
     def _check_state(self, state: dict) -> None:
         super()._check_state(state)  # a dict of the keys of state_dict(), "updates" an int
         if self.saved and state["run"] != self.run:
-            raise ValueError(
-                f"the state is of run {state['run']!r}, the snapshots in {self.folder} of {self.run!r}"
-            )
+            why = f"the snapshots in {self.folder} of {self.run!r}"
+            raise ValueError(f"the state is of run {state['run']!r}, {why}")
         if not (is_int(state["saved"]) and 0 <= state["saved"] <= state["updates"]):
-            raise ValueError(
-                f"the state's saved is {state['saved']!r}: need an int in [0, {state['updates']}]"
-            )
+            why = f"need an int in [0, {state['updates']}]"
+            raise ValueError(f"the state's saved is {state['saved']!r}: {why}")
 
     def synthesize(self, sigma_rel: float, step: int | None = None) -> dict[str, Tensor]:
         """The state_dict of the EMA of length ``sigma_rel`` at ``step`` (default: the last snapshot)."""

@@ -1,5 +1,4 @@
-"""What an EMA does under torch.distributed: each rank's part of a tensor, the buffers ranks compute apart,
-and :meth:`RankDuties.sync_buffers`, which makes them equal."""
+"""What an EMA does under torch.distributed: rank-local tensors and :meth:`RankDuties.sync_buffers`."""
 
 from __future__ import annotations
 
@@ -38,19 +37,16 @@ class RankDuties:
     ranks_checked = False  # set by the first update() or sync_buffers(): no warning about unsynced buffers
 
     def rank_local_tensors(self) -> list[Tensor]:
-        """The EMAs' float tensors that ranks compute apart: buffers, and in a ``ShardedModelEMA`` (it holds
-        buffers as parameters) every tensor that is not a DTensor shard."""
+        """The EMAs' float tensors that ranks compute apart: buffers (a ShardedModelEMA's: all but shards)."""
         found = [t for e in self.emas for t in (*(e.parameters() if self.sharded else ()), *e.buffers())]
         return [t for t in found if t.is_floating_point() and not hasattr(t, "placements")]
 
     def sync_buffers(self, src: int = 0, group: object = None) -> None:
-        """Overwrite every rank's EMA float buffers with rank ``src``'s (of ``group``, default the world): a
-        collective, on every rank before evaluating or saving (each rank's BatchNorm sees its own batch); not
-        in ``update()``, where it would hang an EMA kept on one rank. A no-op on one rank."""
+        """Overwrite every rank's EMA float buffers with rank ``src``'s (of ``group``): a collective, on every
+        rank before evaluating or saving; not in ``update()``, where it would hang an EMA kept on one rank."""
         if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-            raise TypeError(
-                f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
-            )
+            got = type(group).__name__
+            raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {got}")
         world = world_size(group)
         if not (isinstance(src, int) and not isinstance(src, bool) and 0 <= src < world):
             raise ValueError(f"src must be a rank of the group, 0 to {world - 1}, got {src!r}")
@@ -65,8 +61,7 @@ class RankDuties:
             dist._broadcast_coalesced(dist.group.WORLD if group is None else group, buffers, size, src)
 
     def _warn_unsynced(self, model: nn.Module) -> None:
-        """Warn, once, in a default group of several ranks, when a rank-local float buffer (not
-        SyncBatchNorm's) differs from the model's: a forward changed it, so the ranks' EMAs differ."""
+        """Warn, once, when a rank-local float buffer (not SyncBatchNorm's) differs from the model's."""
         self.ranks_checked = True
         if world_size() == 1:
             return

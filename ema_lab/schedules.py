@@ -1,11 +1,5 @@
-"""The peers' decay schedules: callables of the update number ``n`` (1 for the first update) -> the decay.
-
-``ModelEMA(model, decay=schedule)`` calls ``schedule(n)`` once per update, as ultralytics calls
-``self.decay(self.updates)`` after ``self.updates += 1``. Each matches its peer's code with the arguments its
-docstring names (``benchmarks/peer_schedules.py``, docs/schedules.md). Started late (``after``), timm,
-diffusers and ema-pytorch give decay 0 (a copy) while ``s = n - after - 1 <= 0``, whatever ``min_decay``.
-Frozen dataclasses: picklable, comparable, their repr the call that makes them.
-"""
+"""The peers' decay schedules: callables of the update number ``n`` (1 for the first) -> the decay, each its
+peer's code (docs/schedules.md); started late, the peers give decay 0 (a copy) whatever ``min_decay``."""
 
 from __future__ import annotations
 
@@ -20,13 +14,11 @@ from .checks import check_decay, check_gamma, check_int, is_int, is_real, one_of
 __all__ = ["ramp", "warmup", "constant", "harmonic", "power", "sigma_rel_to_gamma", "gamma_to_sigma_rel"]
 __all__ += ["decay_over", "Ramp", "Warmup", "Constant", "Harmonic", "Power", "Schedule", "MAX_SIGMA_REL"]
 
-#: A decay schedule: the update number n (1 for the first update) -> the decay of that update.
 Schedule = Callable[[int], float]
 
 # Karras et al.'s length of the power profile at gamma = 0 (the running mean): the longest it can be.
 MAX_SIGMA_REL = 1 / math.sqrt(12)
 
-# The largest update number float arithmetic takes (int / float overflows past it).
 _LARGEST_N = int(sys.float_info.max)
 
 
@@ -42,7 +34,6 @@ class _Schedule:
     first_n = 1  # the first update number a schedule is defined for
 
     def __call__(self, n: int) -> float:
-        """The decay of update ``n`` (an int >= ``first_n``)."""
         # Inline, not check_int: an update reaches torch in three frames (tests/core/test_call_depth.py).
         if isinstance(n, bool) or not isinstance(n, Integral) or n < self.first_n:
             raise ValueError(f"n must be an int >= {self.first_n}, got {n!r}")
@@ -61,8 +52,7 @@ class _Schedule:
 
 @dataclass(frozen=True, repr=False)
 class Ramp(_Schedule):
-    """ultralytics' ramp ``decay * (1 - exp(-n / tau))``, what ``ModelEMA(decay=<a number>, tau)`` runs:
-    ``ultralytics.utils.torch_utils.ModelEMA(model, decay, tau)``'s ``ema.decay(n)``, bit for bit."""
+    """ultralytics' ramp ``decay * (1 - exp(-n / tau))``: its ``ModelEMA(model, decay, tau).decay(n)``."""
 
     decay: float = 0.9999
     tau: float = 2000
@@ -78,14 +68,8 @@ class Ramp(_Schedule):
 
 @dataclass(frozen=True, repr=False)
 class Warmup(_Schedule):
-    """The warm-up ``1 - (1 + s / gamma) ** -power`` in [min_decay, decay], ``s = n - after - 1``.
-
-    Matches timm ``ModelEmaV3(use_warmup=True, decay, warmup_gamma=gamma, warmup_power=power, min_decay,
-    update_after_step=after)`` updated with ``step=n``; diffusers ``EMAModel(use_ema_warmup=True, decay,
-    inv_gamma=gamma, power, min_decay, update_after_step=after)``; ema-pytorch ``EMA(beta=decay,
-    inv_gamma=gamma, power, min_value=min_decay, update_after_step=after, update_every=1)`` at its n-th
-    ``update()`` call (ema-pytorch computes it in float32: within 6e-8 of this float64 value).
-    """
+    """The warm-up ``1 - (1 + s / gamma) ** -power`` in [min_decay, decay], ``s = n - after - 1``: timm
+    ``ModelEmaV3(use_warmup=True)``, diffusers ``EMAModel(use_ema_warmup=True)``, ema-pytorch ``EMA``."""
 
     decay: float = 0.9999
     gamma: float = 1.0
@@ -123,8 +107,7 @@ class Constant(_Schedule):
 
 @dataclass(frozen=True, repr=False)
 class Harmonic(_Schedule):
-    """``(1 + s) / (10 + s)`` in [min_decay, decay], ``s = n - after - 1``: diffusers
-    ``EMAModel(use_ema_warmup=False, decay, min_decay, update_after_step=after)``."""
+    """diffusers' ``(1 + s) / (10 + s)`` in [min_decay, decay], ``s = n - after - 1`` (no warm-up)."""
 
     decay: float = 0.9999
     min_decay: float = 0.0
@@ -163,10 +146,8 @@ ramp, warmup, constant, harmonic = Ramp, Warmup, Constant, Harmonic
 
 
 def power(gamma: float | None = None, *, sigma_rel: float | None = None) -> Power:
-    """Karras et al. 2024's power-function EMA ``(1 - 1 / n) ** (gamma + 1)``, by gamma or sigma_rel: EDM2's
-    ``power_function_beta(std=sigma_rel, t_next=n, t_delta=1)``; ema-pytorch ``KarrasEMA(gamma=gamma,
-    update_every=1)`` applies its value at ``n + 1`` on its n-th call (its counter starts at 0 after a copy).
-    Updated every k steps, :func:`decay_over` (``((n - k) / n) ** (gamma + 1)``) keeps the profile."""
+    """Karras et al.'s power-function EMA ``(1 - 1 / n) ** (gamma + 1)`` by gamma or sigma_rel (EDM2's
+    ``power_function_beta``); updated every k steps, :func:`decay_over` keeps the profile."""
     one_of("gamma", gamma, "sigma_rel", sigma_rel)
     return Power(sigma_rel_to_gamma(sigma_rel) if gamma is None else gamma)
 
@@ -204,8 +185,7 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
 
 
 def decay_over(schedule: Callable[[int], float], n: int, k: int) -> float:
-    """The decay of updates ``n - k + 1 .. n`` applied at once, the product of the schedule's k decays: an EMA
-    updated every k-th step by it weighs the models it reads as the schedule would, reading each k times."""
+    """The decay of updates ``n - k + 1 .. n`` applied at once: the product of the schedule's k decays."""
     check_int("n", n, 1)
     require(is_int(k) and 1 <= k <= n, "k", k, f"an int in [1, n={n}]")
     return math.prod(schedule(i) for i in range(n - k + 1, n + 1))

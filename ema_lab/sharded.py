@@ -1,9 +1,6 @@
-"""``ShardedModelEMA``: the EMA of an FSDP2 (``fully_shard``) model, kept as this rank's shards only.
-
-A sharded module refuses a deep copy, and a full copy per rank would cost the memory FSDP saves. The EMA is
-elementwise, so each rank averages the shard it owns, with no communication, in ``.ema``: DTensor parameters
-with the model's mesh, placements and names, which torch's state-dict tools treat like the model.
-"""
+"""``ShardedModelEMA``: the EMA of an FSDP2 (``fully_shard``) model as this rank's shards. A sharded module
+refuses a deep copy, and a full copy per rank would cost the memory FSDP saves; the EMA is elementwise, so
+each rank averages its own shard, as DTensors that torch's state-dict tools treat like the model's."""
 
 from __future__ import annotations
 
@@ -20,40 +17,29 @@ from .ranks import local_tensor
 __all__ = ["ShardedModelEMA"]
 
 
-def _holder(entries: dict[str, Tensor]) -> nn.Module:
-    """A bare module tree holding a detached clone of each of ``entries`` under its dotted name; an entry
-    listed under several names (tied weights) is cloned once and registered under every name."""
-    root, made = nn.Module(), {}
-    for t in unique(entries.values()):
-        copy = t.detach().clone()  # a DTensor clones only its local shard
-        made[id(t)] = nn.Parameter(copy, requires_grad=False) if copy.is_floating_point() else copy
-    for key, t in entries.items():
-        *path, name = key.split(".")
-        mod = root
-        for part in path:
-            mod = mod._modules.setdefault(part, nn.Module())
-        value = made[id(t)]
-        (mod.register_parameter if isinstance(value, nn.Parameter) else mod.register_buffer)(name, value)
-    return root
-
-
 class ShardedModelEMA(BaseEMA):
-    """EMA of a model whose parameters are sharded DTensors (FSDP2): local shards, no communication.
-
-    ``ModelEMA``'s constructor, schedules and update; call :meth:`update` after ``optimizer.step()`` (FSDP
-    has resharded). Replicated tensors (buffers) are each rank's own: call ``sync_buffers()`` on every rank
-    before evaluating or saving. Only in-place strategies run ("auto" runs "gated"). To evaluate it,
-    :meth:`copy_to` loads it into an FSDP model; :meth:`full_state_dict` gathers it.
-    """
+    """An FSDP2 model's EMA as this rank's shards (in-place strategies); update after ``optimizer.step()``."""
 
     sharded = True
 
     def _average_of(self, model: nn.Module) -> nn.Module:
-        """A bare module holding a clone of every entry of ``model`` (each DTensor's local shard)."""
+        """A bare module tree of clones of ``model``'s entries (a DTensor's local shard), tied ones once."""
         if not torch.distributed.is_available():
             raise RuntimeError("ShardedModelEMA needs DTensor, and this torch build has no torch.distributed")
+        entries = {key: getitem(*slot) for key, slot in module_entries(model)}
+        root, made = nn.Module(), {}
         with torch.no_grad():
-            return _holder({key: getitem(*slot) for key, slot in module_entries(model)})
+            for t in unique(entries.values()):
+                copy = t.detach().clone()  # a DTensor clones only its local shard
+                made[id(t)] = nn.Parameter(copy, requires_grad=False) if copy.is_floating_point() else copy
+        for key, t in entries.items():
+            *path, name = key.split(".")
+            mod = root
+            for part in path:
+                mod = mod._modules.setdefault(part, nn.Module())
+            value = made[id(t)]
+            (mod.register_parameter if isinstance(value, nn.Parameter) else mod.register_buffer)(name, value)
+        return root
 
     def local_tensors(self) -> dict[str, Tensor]:
         """This rank's EMA tensors by state_dict key (shards of sharded entries), tied weights once."""

@@ -1,8 +1,5 @@
 """The post-hoc EMA's snapshot store: ``step-<step, 12 digits or more>/g<repr(gamma)>.pt``, each file a
-``torch.save`` of :data:`FIELDS` naming its run. :func:`save_step` writes a step under a hidden name, flushes
-it to disk, then renames it in one call: a reader sees it whole or not at all, and a saved step is never
-replaced (:func:`remove_step` removes one, also in one call).
-"""
+``torch.save`` of :data:`FIELDS` naming its run; a step is saved and removed in one rename."""
 
 from __future__ import annotations
 
@@ -98,11 +95,8 @@ def _hidden(folder: Path, step: int) -> Path:
 def save_step(
     folder: str | os.PathLike, step: int, states: Mapping[float, Mapping[str, Tensor]], run: str | None = None
 ) -> Path:
-    """Save every profile of update ``step`` (gamma -> the EMA's tensors, moved to the CPU), each naming
-    ``run``, as ``folder/step-<step>/``, complete or not at all; returns that path. A saved step is never
-    replaced (a second save raises ValueError: in a run of several processes only rank 0 saves, or each to
-    its own folder); a failed one leaves no trace to a reader (a killed one a hidden ``.step-*.tmp`` folder,
-    which :func:`check_folder` removes). A subset of views of one storage stores all of it: clone it first."""
+    """Save every profile of update ``step`` (gamma -> the EMA's tensors) as ``folder/step-<step>/``, complete
+    or not at all, never replacing a saved step; returns that path (clone views of one storage first)."""
     check_step("step", step)
     if not (isinstance(states, Mapping) and states):
         raise ValueError(f"states must be a non-empty dict of gamma -> tensors, got {type(states).__name__}")
@@ -149,23 +143,20 @@ def save_step(
 
 
 def remove_step(folder: str | os.PathLike, step: int) -> None:
-    """Remove ``folder/step-<step>/`` as a reader sees it, in one call (renamed to a hidden temporary, then
-    deleted: a killed removal leaves a temporary that :func:`check_folder` removes)."""
+    """Remove ``folder/step-<step>/`` in one rename (a killed removal leaves a temporary)."""
     check_step("step", step)
     folder = Path(folder)
     tmp = _hidden(folder, step)
     try:
         os.rename(folder / f"step-{step:012d}", tmp)
     except OSError as e:
-        raise OSError(
-            e.errno, f"step {step} not removed from {folder}: {e.strerror or _first_line(e)}"
-        ) from e
+        why = e.strerror or _first_line(e)
+        raise OSError(e.errno, f"step {step} not removed from {folder}: {why}") from e
     shutil.rmtree(tmp, ignore_errors=True)
 
 
 def list_snapshots(folder: str | os.PathLike) -> list[Snapshot]:
-    """The snapshots in ``folder`` (complete steps only: a step is published whole), by step then gamma; a
-    name like a snapshot's that is no regular file is refused (a FIFO would block its reader)."""
+    """The snapshots in ``folder`` (complete steps only), by step then gamma."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"no snapshot folder at {str(folder)!r}")
@@ -182,7 +173,7 @@ def list_snapshots(folder: str | os.PathLike) -> list[Snapshot]:
                 raise ValueError(f"{p} is named like a saved step but is not a folder")
             for f in p.iterdir():
                 if g := _FILE.fullmatch(f.name):
-                    if not f.is_file():
+                    if not f.is_file():  # a FIFO would block its reader
                         raise ValueError(f"{f} is named like a snapshot but is not a regular file")
                     found.append(Snapshot(f, int(m[1]), float(g[1])))
     except OSError as e:  # the folder deleted or changed while listed
@@ -209,9 +200,8 @@ def read_snapshot(snapshot: Snapshot) -> dict:
         if not isinstance(data[k], kind) or isinstance(data[k], bool):
             raise ValueError(f"{path} holds a {type(data[k]).__name__} as its {k}")
     if (data["step"], data["gamma"]) != (snapshot.step, snapshot.gamma):
-        raise ValueError(
-            f"{path} holds step {data['step']}, gamma {data['gamma']!r}; its name says step {snapshot.step}"
-        )
+        held = f"step {data['step']}, gamma {data['gamma']!r}"
+        raise ValueError(f"{path} holds {held}; its name says step {snapshot.step}")
     tensors = data["tensors"]
     if not (tensors and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in tensors.items())):
         raise ValueError(f"{path} does not hold a non-empty dict of name -> Tensor")

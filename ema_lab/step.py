@@ -1,13 +1,4 @@
-"""What every cached EMA step is: the contract (:class:`Step`) that ``ModelEMA`` relies on, the options it is
-built with, and the parts every kind of step shares (:class:`Watch`, :func:`lerp_pairs`, :class:`Counters`).
-
-A step is built once per model layout over the matched entries (:mod:`ema_lab.pairs`) and moves every EMA
-(``PostHocEMA`` keeps several) from one read of the model, through detached aliases (no autograd, nothing
-that makes ``swap_tensors`` refuse); its :class:`Watch` says when it no longer fits. The
-kinds: :class:`ema_lab.updates.ListStep` (``"loop"``, ``"foreach"``, ``"gated"``),
-:class:`ema_lab.flat_step.FlatStep` (``"flat"``) and :class:`ema_lab.graph_step.GraphStep` (the flat step in
-a CUDA graph). A new kind is its own file and one entry in ``ema_lab.ema.STEPS``.
-"""
+"""What every cached EMA step is (:class:`Step`), its options, and the parts every kind of step shares."""
 
 from __future__ import annotations
 
@@ -36,8 +27,8 @@ class StepOptions:
 
 
 class Step(Protocol):
-    """A cached update of one model's EMAs. Its class says what it can do; ``ready(model)`` (False: rebuild
-    it) and ``apply(decays, weights)`` (``weight = 1 - decay``, once per EMA) run under ``no_grad``."""
+    """A cached update of one model's EMAs: ``ready(model)`` (False: rebuild it), then ``apply(decays,
+    weights)``."""
 
     tensor_decay: ClassVar[bool]  # apply() takes 0-dim tensor decays (no host sync)
     in_place: ClassVar[bool]  # the EMAs' tensors keep their storage (ShardedModelEMA needs it)
@@ -48,19 +39,16 @@ class Step(Protocol):
 
     def ready(self, model: nn.Module) -> bool:
         """True while the step still fits ``model`` and the EMAs (it may read the model here)."""
-        ...
 
     def apply(self, decays: Sequence[float | Tensor], weights: Sequence[float | Tensor]) -> None:
         """``e += weight * (m - e)`` for every EMA, then the counters."""
-        ...
 
 
 def lerp_pairs(
     ema: list[Tensor], model: list[Tensor], weight: float | Tensor | list[Tensor], foreach: bool = True
 ) -> None:
-    """``e += weight * (m - e)`` for every pair: one ``torch._foreach_lerp_``, or one ``lerp_`` per pair.
-
-    ``weight``: a number, a 0-dim tensor, or (foreach only) one tensor shaped like each pair's."""
+    """``e += weight * (m - e)`` per pair: one ``_foreach_lerp_`` (``weight`` may be a list), or a ``lerp_``
+    each."""
     if not foreach:
         for e, m in zip(ema, model):
             e.lerp_(m, weight)
@@ -104,11 +92,8 @@ def install_hooks() -> None:
 
 
 class Watch:
-    """Whether ``model`` is still the one a step was built for, nothing was registered on ``modules`` since
-    (torch's global registration hooks), and each slot holds the same memory: one ``data_ptr()`` per slot and
-    update, as torch has no hook for ``p.data = x`` or ``swap_tensors``, and a reference count cannot tell a
-    kept reference (``kept = ema.ema.state_dict()``) from the slot's own. The flat step's watch skips the
-    model slots its gather reads live (its small contiguous tensors)."""
+    """Whether ``model`` is the one a step was built for, nothing was registered on ``modules`` since, and
+    each slot holds its memory (``data_ptr()``: torch has no hook for ``p.data = x`` or ``swap_tensors``)."""
 
     def __init__(
         self, model: nn.Module, slots: list[Slot], modules: Iterable[nn.Module] = (), sharded: bool = False
@@ -138,9 +123,7 @@ class Watch:
 
 
 class Counters:
-    """The non-float entries, copied from the model: one ``torch.cat`` per (device, EMA dtype, model dtype)
-    group into a buffer the EMAs' are views of (one ``copy_`` where the model's tile one storage in the same
-    order, as after ``flatten_model``); strided ones by ``_foreach_copy_``."""
+    """The non-float entries, copied: one ``torch.cat`` or ``copy_`` per group, strided ones by a foreach."""
 
     def __init__(self, pairs: Pairs) -> None:
         ema = [e.emas[k] for k in range(pairs.count) for e in pairs.counters]

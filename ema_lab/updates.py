@@ -1,10 +1,4 @@
-"""The EMA update strategies as pure functions over lists of (EMA, model) tensor pairs, and their cached step.
-
-Each computes ``ema = decay * ema + (1 - decay) * model`` per pair, in place: :func:`loop_update` as before
-ultralytics PR #25315, :func:`foreach_update` after it, :func:`gated_update` behind its torch-version/device
-gate. Each validates the whole input first (a failed ``_foreach_lerp_`` is not atomic): a bad pair raises
-``ValueError`` with the EMA unchanged. :class:`ListStep` caches what :func:`prepare` validated once.
-"""
+"""The update strategies as pure functions over lists of (EMA, model) tensor pairs, and their cached step."""
 
 from __future__ import annotations
 
@@ -60,19 +54,13 @@ def _prepare_gated(ema: list[Tensor], model: list[Tensor]) -> Update:
     return update
 
 
-#: Each list strategy's builder of its update over checked lists.
 LIST_STRATEGIES = {"loop": _prepare_loop, "foreach": _prepare_foreach, "gated": _prepare_gated}
 
 
 def prepare(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, names: Names = None) -> Update:
-    """Validate the pairs once and return ``update(decay, weight)`` that applies ``strategy`` unchecked (call
-    it under ``torch.no_grad()`` where a tensor requires grad)."""
+    """Validate the pairs once; return ``update(decay, weight)`` that applies ``strategy`` unchecked."""
     if strategy not in LIST_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(LIST_STRATEGIES)}")
-    return _build(strategy, ema_tensors, model_tensors, names)
-
-
-def _build(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, names: Names) -> Update:
     # One _foreach_lerp_ takes pairs of one dtype; the others promote per pair.
     validate_pairs(ema_tensors, model_tensors, names, same_dtype=strategy == "foreach")
     return LIST_STRATEGIES[strategy](list(ema_tensors), list(model_tensors))
@@ -102,8 +90,7 @@ def gated_update(ema_tensors: Tensors, model_tensors: Tensors, decay: float, nam
 
 
 class ListStep:
-    """``"loop"``, ``"foreach"`` or ``"gated"`` over detached aliases of the pairs, one update per EMA, then
-    the counters."""
+    """``"loop"``, ``"foreach"`` or ``"gated"`` over detached aliases of the pairs, then the counters."""
 
     tensor_decay = False  # a 0-dim tensor decay needs the flat step
     in_place = True  # the EMA's tensors keep their storage (ShardedModelEMA's DTensors rely on it)
@@ -113,15 +100,14 @@ class ListStep:
     def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None:
         names, mod = [e.key for e in pairs.floats], [m.detach() for m in pairs.model_floats()]
         self.updates = [
-            _build(options.strategy, [e.detach() for e in pairs.ema_floats(k)], mod, names)
+            prepare(options.strategy, [e.detach() for e in pairs.ema_floats(k)], mod, names)
             for k in range(pairs.count)
         ]
         self.counters = Counters(pairs)
         self.watch = Watch(model, pairs.slots(), pairs.modules, sharded=pairs.sharded)
 
     def ready(self, model: nn.Module) -> bool:
-        """True while the model's and the EMAs' slots hold the memory this step was built over (the update
-        reads the model through its aliases: nothing to gather)."""
+        """True while every slot holds the memory this step was built over."""
         return self.watch.current(model)
 
     def apply(self, decays: Sequence[float], weights: Sequence[float]) -> None:
