@@ -61,6 +61,10 @@ def prepare(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, names: 
     """Validate the pairs once; return ``update(decay, weight)`` that applies ``strategy`` unchecked."""
     if strategy not in LIST_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(LIST_STRATEGIES)}")
+    return _build(strategy, ema_tensors, model_tensors, names)
+
+
+def _build(strategy: str, ema_tensors: Tensors, model_tensors: Tensors, names: Names) -> Update:
     # One _foreach_lerp_ takes pairs of one dtype; the others promote per pair.
     validate_pairs(ema_tensors, model_tensors, names, same_dtype=strategy == "foreach")
     return LIST_STRATEGIES[strategy](list(ema_tensors), list(model_tensors))
@@ -100,7 +104,7 @@ class ListStep:
     def __init__(self, pairs: Pairs, model: nn.Module, options: StepOptions) -> None:
         names, mod = [e.key for e in pairs.floats], [m.detach() for m in pairs.model_floats()]
         self.updates = [
-            prepare(options.strategy, [e.detach() for e in pairs.ema_floats(k)], mod, names)
+            _build(options.strategy, [e.detach() for e in pairs.ema_floats(k)], mod, names)  # a known name
             for k in range(pairs.count)
         ]
         self.counters = Counters(pairs)
