@@ -187,7 +187,7 @@ print("same EMA losses, to 1e-5:", max(abs(a - b) for a, b in zip(avg, avg2)) < 
 print("same ramp:", all(packaged.decay(n) == ramp(n, 0.99, 50) for n in range(0, 5000, 7)))
 
 # %% [markdown]
-# ModelEMA also unwraps models wrapped for multi-GPU training (DDP) or by `torch.compile`, copies the
+# ModelEMA also unwraps models wrapped for multi-GPU training (DDP, notebook 06) or by `torch.compile`, copies the
 # integer BatchNorm counters, and applies the step in fewer ops, the subject of the next section.
 #
 # ## 3. Three ways to apply one step, and the gate
@@ -327,7 +327,8 @@ print(
 )
 
 # %% [markdown]
-# It follows the model (`rebuilds`: its first use, then after the conversion). Casting the EMA copy
+# It follows the model (`rebuilds` counts every build of its lists: the first, then one after the
+# conversion). Casting the EMA copy
 # itself, `ema.ema.half()`, breaks cached lists the same way; a [validator](../docs/glossary.md#validator)
 # (the code that scores the model on held-out data during training) may cast the copy like that.
 
@@ -349,6 +350,7 @@ print(
 #
 # **Exercise 1.** Train with `tau=5` instead of 50: `train(HandEMA, tau=5)`. *Predict* after which
 # steps the EMA's test loss is worse than the raw model's, and why; then compare its two lists of losses.
+# Hint: the weights of steps 1-20 keep the product of every later decay.
 
 # %%
 # Exercise 1: your code here

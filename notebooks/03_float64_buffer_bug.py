@@ -43,8 +43,8 @@ torch.set_num_threads(1)  # one thread: the values printed below are the same on
 print(f"torch {torch.__version__}, thop {version('thop')}, Python {platform.python_version()}")
 
 # %% [markdown]
-# PR #25315 also changed how ultralytics profiles layers with `thop`, a library that counts a model's
-# operations. A puzzle: profiling should only *read* a model.
+# PR #25315 also changed `_profile_one_layer`, where ultralytics profiles a layer with `thop`, a library
+# that counts a model's operations. A puzzle: profiling should only *read* a model.
 
 # %%
 net = nn.Sequential(nn.Conv2d(3, 16, 3), nn.SiLU())
@@ -331,7 +331,8 @@ print("EMA unchanged:", all(torch.equal(esd[k], start[k]) for k in esd))
 # %% [markdown]
 # `ema_lab.ModelEMA`'s default strategy accepts mixed pairs: it groups tensors by dtype and casts the
 # model's float64 values first (notebook 05 builds such groups). Check it against the PR's before-code
-# loop over ten training steps, both with notebook 02's ramp (decay 0.9, tau 3: every step counts):
+# loop over ten training steps, both with notebook 02's ramp (decay 0.9, tau 3: each step moves the EMA
+# at least a tenth of the way):
 
 # %% tags=["nbval-ignore-output"]
 from ema_lab import ModelEMA
@@ -367,8 +368,8 @@ torch.testing.assert_close({k: got[k] for k in floats}, {k: want[k] for k in flo
 # EMA that skipped steps, or copied the model, would show a near-zero gap.
 
 # %% [markdown]
-# **The fix in the PR: profile a deep copy.** `deepcopy(block)` gets its own `SiLU` (deepcopy copies
-# the module the instance points to), so thop can touch neither the block nor the shared activation.
+# **The fix in the PR (`_profile_one_layer`): profile a deep copy.** `deepcopy(block)` gets its own
+# `SiLU` (deepcopy copies the module the instance points to), so thop can touch neither the block nor the shared activation.
 # Clean section 1's leak first:
 
 # %%

@@ -158,9 +158,10 @@ for name, row in h200_costs["ms_per_update"].items():
     print(f"    ms per update: ultralytics {row['ultralytics']:.3f} vs ema_lab {row['default']:.3f}{counts}")
 
 # %% [markdown]
-# ultralytics' class was faster on all five, with more kernels where they were counted. The default (as
-# of these figures' date) spends host time checking that the model's tensors have not moved, gathering
-# the small ones, copying the counters; without that check, ultralytics' lists go stale (notebook 02).
+# ultralytics' class was faster on all five, with more kernels where they were counted. In these H200
+# figures the default spends host time checking that the model's tensors have not moved, gathering
+# tensors under 2,048 elements (notebook 05), copying the counters; without that check, ultralytics'
+# lists go stale (notebook 02).
 #
 # Three YOLO-shaped models appear in this course; only the zoo's `yolo` is timed on your machine:
 
@@ -298,10 +299,9 @@ for (name, r), c in zip(packaged.items(), checks):
     print(f"{apart:.2f} ms apart, {'within' if apart <= iqr else 'beyond'} its IQR ({iqr:.2f})")
 
 # %% [markdown]
-# Two instruments, two sets of calls. Where two medians lie further apart than the IQR, your computer
-# changed between the cells, or the instruments see different things: `blocked_autorange` repeats one
-# version, its data warm in the cache; `time_candidates` alternates them. Compare ratios from one
-# instrument and one run.
+# Where two medians lie further apart than the IQR, your computer changed between the cells, or the
+# instruments see different things: `blocked_autorange` repeats one version, its data warm in the cache;
+# `time_candidates` alternates them. Compare ratios from one instrument and one run.
 #
 # Does a second thread help? `torch.set_num_threads(n)` lets an op split its elements over n threads,
 # but ATen (PyTorch's C++ tensor library) splits an element-wise op only above 32,768 elements. Time
@@ -310,7 +310,7 @@ for (name, r), c in zip(packaged.items(), checks):
 # %% tags=["nbval-ignore-output"]
 import random
 
-GRAIN_SIZE = 32_768  # ATen's at::internal::GRAIN_SIZE (ATen/Parallel.h)
+GRAIN_SIZE = 32_768  # ATen's at::internal::GRAIN_SIZE (ATen/TensorIterator.h)
 print(f"ATen splits an element-wise op over threads only above {GRAIN_SIZE:,} elements")
 small = {"e": [torch.rand(136) for _ in range(2000)], "m": [torch.rand(136) for _ in range(2000)]}
 big = {"e": torch.rand(2_600_144), "m": torch.rand(2_600_144)}
@@ -334,8 +334,8 @@ for op, (stmt, g) in stmts.items():  # each op alone: the large one would evict 
 
 # %% [markdown]
 # A gain counts when it is much further from 1x than 1 thread against itself. Tiny tensors have nothing
-# to split. The large `lerp_` gains if the second core is free; if other work holds it, 2 threads can
-# be slower.
+# to split. In the printed run 2 threads made the large `lerp_` slower (0.32x), most likely as the
+# second core was busy. Where it is free, the split can gain: rerun the cell.
 
 # %% [markdown]
 # ## 4. How do two machines compare? By their speed-ups
@@ -424,10 +424,10 @@ for label, rec, device, n in shown:  # the dots above, as numbers
     print(f"{label:<44}", ", ".join(f"{t} {s[1]:.1f}x" for t, s in ratios.items() if s))
 
 # %% [markdown]
-# See the green rows far to the right of the others, and the CPU rows apart from each other.
-# The three plotted `linux-amd-epyc-2c` runs (the fourth timed 2 threads only) are the same kind of
-# 2-core VM, yet `foreach` gained 11.8x, 8.3x and 7.0x. Any run of yours comes below them in purple. Put
-# the two full runs of that VM side by side:
+# See the green rows (H200) far to the right, and the CPU rows (blue; orange: the reference) apart.
+# Of the four `linux-amd-epyc-2c` runs listed, one quick run timed 2 threads only; the three plotted are
+# the same kind of 2-core VM, yet `foreach` gained 11.8x, 8.3x and 7.0x. Put the two full runs of that
+# VM side by side:
 #
 # <details><summary>Which code</summary>
 #
@@ -531,7 +531,8 @@ for name, rec, device in [("CPU reference", reference, "cpu"), ("H200", h200_ful
 # ```
 #
 # gpt2 most (nearly all), then resnet50, yolo (under two thirds), tiny_tensors none: the same on any
-# machine. A second thread can split most of gpt2's elements, none of tiny_tensors'.
+# machine. ATen can split most of gpt2's elements over a second thread (a gain if that core is
+# free), none of tiny_tensors'.
 #
 # </details>
 

@@ -74,8 +74,7 @@ def ema_foreach() -> None:  # the PR's after-code: one call for all tensors
 
 
 # %% [markdown]
-# Time both with notebook 04's `time_candidates` (turns, medians, IQR), over 15 rounds (5 in quick mode,
-# `EMA_LAB_QUICK=1`):
+# Time both with notebook 04's `time_candidates` (turns, medians, IQR):
 
 # %% tags=["nbval-ignore-output"]
 from ema_lab.bench.timing import time_candidates
@@ -134,8 +133,7 @@ print("the module holds the same Parameter objects:", next(ema.parameters()) is 
 
 # %% [markdown]
 # The module did not notice: same objects, same values, new memory. The model's tensors are still
-# scattered; the obvious next step gathers them with `torch.cat` every update. Time it against foreach,
-# in turns:
+# scattered; the obvious next step gathers them with `torch.cat` every update. Time it against foreach:
 
 
 # %% tags=["nbval-ignore-output"]
@@ -229,8 +227,9 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
 # ## 5. What ema_lab packages
 #
 # `ema_lab.ModelEMA` packages sections 2-4: it flattens its EMA copy, checks before every update that
-# nothing it relies on moved (rebuilding if so), and casts a bf16 model into an fp32 EMA
-# (`ema.ema.float()`). `ema_lab.flatten_model` is our `flatten` for the model; `count_ops` (notebook 01's
+# nothing it relies on moved (rebuilding if so), and casts a bf16 model's values into an fp32 copy (its
+# copy has the model's dtype: call `ema.ema.float()`). `ema_lab.flatten_model` is our `flatten` for the
+# model; `count_ops` (notebook 01's
 # op counter) shows what an update calls:
 
 # %%
@@ -261,13 +260,14 @@ print(f"small float tensors (under 2,048 elements): {len(small)} of {len(float_t
 #
 # | mode | the model's tensors | one update |
 # |---|---|---|
-# | `cat+foreach` | scattered, small and large | a `cat` per shape of the small ones, one `_foreach_lerp_` |
+# | `cat+foreach` | scattered, small and large | one `cat` per group of small tensors that share every dimension but the first, one `_foreach_lerp_` |
 # | `fused` | flattened | one `lerp_` |
 # | `cast` | another dtype | one `_foreach_copy_` into fp32, one `lerp_` |
 #
 # *Small*: under 2,048 elements, read live from their *slots* (a module's entries, such as `conv.weight`)
-# by the `cat`s: they cannot go stale. Every other slot's address is checked: the EMA's, the model's large
-# ones, all of a flattened model's. `cat.out` and `copy_` copy BatchNorm's integer counters. Time all six
+# by the `cat`s: they cannot go stale. Every other slot's address is checked: all the EMA's, the model's
+# large ones and counters; of a flattened model, every slot (1,416 against 946). `cat.out` and `copy_`
+# copy BatchNorm's integer counters. Time all six
 # ways:
 
 # %% tags=["nbval-ignore-output"]
@@ -300,8 +300,8 @@ plt.show()
 print(f"ModelEMA default / bare foreach of section 1: {times['ModelEMA'] / times['foreach']:.2f}")
 
 # %% [markdown]
-# The flattened model's `ModelEMA` adds the counters' `copy_` and the check to the floor's `lerp_`: it
-# cannot beat the floor (overlapping IQR lines: noise).
+# The flattened model's `ModelEMA` adds the counters' `copy_` and the check of its 1,416 slots to the
+# floor's `lerp_`, so its bar is longer than the floor's.
 #
 # The ratio sets the default against section 1's bare `_foreach_lerp_` (under 1: the default is faster).
 # The default lerps fewer, larger pieces, but pays for its `cat`s and for checking every slot it does not
@@ -324,9 +324,8 @@ print(
 #
 # ## 6. On a GPU: host time, not bytes
 #
-# On CUDA the host queues kernels for each op (notebook 04). An NVIDIA H200 run with the ema_lab of
-# 2026-12-04 timed one update of this notebook's model and counted its kernels (notebook 04's 0.385 ms is
-# another model, the real yolo26n):
+# On CUDA the host queues kernels for each op (notebook 04). An NVIDIA H200 run (2026-12-04) timed one
+# update of this notebook's model and counted its kernels (notebook 04's 0.385 ms is the real yolo26n):
 
 # %%
 from ema_lab.bench.results import load, results_dir
@@ -352,8 +351,8 @@ for name, cand in [
 # `ModelEMA`'s "foreach" adds a `cat` for BatchNorm's counters, which the PR skips. The default took 32x
 # the floor's time for nearly the same bytes: host work. ultralytics' class, with more kernels and no
 # check, was faster on every model there ([H200 results, 2026-12-04](../docs/results/h200-update-costs-2026-12-04.md)).
-# A flattened model: 2 kernels, 4x the floor. That ema_lab checked a flattened model's buffer as a whole;
-# the one you run checks every slot (section 5): time it on your GPU (notebook 04).
+# A flattened model: 2 kernels, 4x the floor. These figures predate the per-slot check of
+# section 5: time yours (notebook 04).
 
 # %% [markdown]
 # A *CUDA graph* takes any number of launches down to one: record an update's kernels once
@@ -363,9 +362,9 @@ for name, cand in [
 #
 # A replay reuses the recorded addresses and numbers: check the addresses before each replay, and keep
 # the decay in a device tensor. `ModelEMA(model, cuda_graph=True)` does both; no published run has timed
-# it on a GPU. Captured by hand on the H200 ([results, 2026-12-04](../docs/results/h200-update-costs-2026-12-04.md)),
-# that date's default update of the real yolo26n replayed in 0.17 ms (0.385 ms eager), one
-# `_foreach_lerp_` in 0.070 ms (ultralytics, eager: 0.250 ms).
+# it. On the H200 ([results, 2026-12-04](../docs/results/h200-update-costs-2026-12-04.md)),
+# the default update of the real yolo26n, captured in a CUDA graph by hand, replayed in 0.17 ms (0.385 ms
+# eager); one captured `_foreach_lerp_` in 0.070 ms (ultralytics, eager: 0.250 ms).
 
 # %% [markdown]
 # ## Summary
@@ -373,7 +372,8 @@ for name, cand in [
 # - foreach removes Python's per-tensor ops; flat buffers make the whole update one `lerp_`.
 # - Views go stale after `model.half()` or `.to()`: `ModelEMA` checks them every update, at the price
 #   section 5 prints against bare foreach.
-# - Keep the EMA in fp32: at decay 0.9999 a bf16 EMA's steps round away.
+# - Keep the EMA in fp32: at decay 0.9999 a bf16 EMA's steps round away (`ModelEMA` copies the model's
+#   dtype: call `ema.ema.float()`).
 # - On a GPU the update is host work: on the H200 (2026-12-04) a flattened model took 2 kernels, 4x the floor.
 
 # %% [markdown]

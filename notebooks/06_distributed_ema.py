@@ -147,9 +147,9 @@ print(skip_reason() or torchrun(2, workdir / "sync_by_hand.py"))
 
 # %% [markdown]
 # Before: each rank's own statistics. After: rank 0's everywhere. `ema.sync_buffers()` packages this loop
-# for the float buffers, sending each dtype's buffers as
-# one flat tensor: one broadcast per EMA, not one per buffer. In a group of one rank there is no one to
-# send to, and it sends nothing.
+# for the float buffers, sending each dtype's buffers as one flat tensor: one broadcast per dtype (here
+# one per EMA), not one per buffer. In a group of one rank there is no one to send to, and it sends
+# nothing.
 
 # %% [markdown]
 # ## 3. One training script, DDP then FSDP2
@@ -432,7 +432,8 @@ plt.show()
 #
 # **Exercise 1.** Without running the script, work out the EMA bytes each of 3 ranks holds under
 # FSDP2: split the first dimension of each entry of the script's `make_model()` like `torch.chunk`,
-# keep the BatchNorm's buffers whole on every rank. *Predict* which rank holds the most.
+# keep the BatchNorm's buffers, the int64 `num_batches_tracked` included, whole on every rank.
+# *Predict* which rank holds the most.
 
 # %%
 # Exercise 1: your code here

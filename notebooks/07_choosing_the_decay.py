@@ -173,7 +173,7 @@ print(f"the first run, not annealed:    final raw {losses['raw'][-1]:.4f}, final
 
 # %% [markdown]
 # With `d = 0.999` the initial weights keep `0.999^n`: 99 % after 10 steps, 5 % after 3000. A warm-up
-# starts with a small decay and raises it (timm and diffusers, when asked).
+# starts with a small decay and raises it (timm and diffusers offer it, off by default).
 # So does Karras et al.'s [power function](../docs/glossary.md#power-function), `d(n) = (1 - 1/n)^(gamma
 # + 1)`, whose window never stops growing (section 4 picks its `gamma`). Ten steps, constant decay
 # against warm-up, both capped at 0.999:
@@ -181,6 +181,7 @@ print(f"the first run, not annealed:    final raw {losses['raw'][-1]:.4f}, final
 
 # %% tags=["nbval-ignore-output"]
 def warmup(n, decay=0.9999, gamma=1.0, power=2 / 3):  # timm, diffusers: opt-in; ema-pytorch: its default
+    # gamma: timm's scale on n, not the power function's exponent below
     return min(decay, 1 - (1 + (n - 1) / gamma) ** -power)
 
 
@@ -343,7 +344,7 @@ plt.show()
 
 # %% [markdown]
 # Snapshots 100 steps apart have almost the same profile, so rows of `G` almost repeat. Its *condition
-# number* says how much a small relative change in `b` can move `w`, relatively: the cell prints it.
+# number* bounds how many times larger the relative error in `w` can be than that in `b`.
 # `np.linalg.lstsq` solves it all the same. Two EMAs saved every 100 steps, fitted to lengths neither
 # tracked:
 
@@ -378,14 +379,15 @@ print(
 for s in [0.01, 0.02, 0.03, 0.07, 0.15, 0.2, 0.25, 0.28]:  # the error: |sum - wanted| / |wanted|
     print(f"sigma_rel {s:<4} (shares spread over ~{s * STEPS:.0f} steps)  profile error {fit(s)[1]:5.1%}")
 print(
-    f"the longest power EMA, gamma = 0 (the running mean): sigma_rel 1 / sqrt(12) = {1 / math.sqrt(12):.3f}"
+    "the longest power EMA with gamma >= 0 is gamma = 0 (the running mean):",
+    f"sigma_rel 1 / sqrt(12) = {1 / math.sqrt(12):.3f}",
 )
 
 # %% [markdown]
 # Large weights of both signs, as the condition number warns. The fit is close near the tracked lengths
 # and fails at 0.01, whose shares spread over about 30 steps, fewer than the 100 between snapshots.
-# Nothing is longer than 0.289: at `gamma = 0` every step gets the same share, spread evenly over the
-# run, and an even spread's standard deviation is `1 / sqrt(12)` of its width. For 0.03:
+# No power EMA with `gamma >= 0` is longer than 0.289: at `gamma = 0` every step gets the same share,
+# spread evenly over the run, and an even spread's standard deviation is `1 / sqrt(12)` of its width. For 0.03:
 
 # %%
 x = np.linspace(0.7, 1, 301)  # the last 30 % of the run, as a fraction of it
@@ -494,7 +496,8 @@ print("lengths that beat that checkpoint on the test set:", ", ".join(map(str, b
 # %% [markdown]
 # The chosen length beats even the raw weights' best checkpoint, and so do the lengths listed; the
 # longest do not. A rule of thumb turns the choice into a constant decay: its shares' standard deviation
-# is about `1 / (1 - d)` steps, so `d = 1 - 1 / (sigma_rel T)` after `T` steps. Three such decays, trained in one more run, against the curve:
+# is also about `1 / (1 - d)` steps, its window, so `d = 1 - 1 / (sigma_rel T)` after `T` steps. Three
+# such decays, trained in one more run, against the curve:
 
 # %% tags=["nbval-ignore-output"]
 constants = [0.02, 0.05, 0.15]
@@ -554,8 +557,8 @@ for s, e in zip(constants, constant_emas):
 
 # %% [markdown]
 # **Exercise 2.** Train with `ModelEMA(m)`, whose defaults (`decay=0.9999, tau=2000`) suit long runs;
-# print the raw weights' final and best test loss and the EMA's. *Predict*: nearer section 1's EMA or the
-# raw weights? Better than their best?
+# print the raw weights' final and best test loss and the EMA's. *Predict*: is its final loss nearer section 1's EMA's
+# or the raw weights'? Better than their best?
 
 # %%
 # Exercise 2: your code here
