@@ -186,7 +186,9 @@ def unflatten_model(model: nn.Module) -> None:
         for _, t in movable:
             shared = len(on_storage[_storage_key(t)]) > 1
             part = t.untyped_storage().nbytes() != t.numel() * t.element_size()
-            if shared or part or not t.untyped_storage().resizable():  # not resizable: a slice (an EMA's)
+            # Not resizable: a slice of another storage (an EMA's); a torch without resizable(): left as is.
+            slice_of = not getattr(t.untyped_storage(), "resizable", lambda: True)()
+            if shared or part or slice_of:
                 new = torch.empty_strided(  # dense (checked): its strides (channels_last) and pinning kept
                     t.shape, t.stride(), dtype=t.dtype, device=t.device, pin_memory=t.is_pinned()
                 )
