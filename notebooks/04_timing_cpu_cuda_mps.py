@@ -425,8 +425,8 @@ for label, rec, device, n in shown:  # the dots above, as numbers
 
 # %% [markdown]
 # See the green rows (H200) far to the right, and the CPU rows (blue; orange: the reference) apart.
-# Of the four `linux-amd-epyc-2c` runs listed, one quick run timed 2 threads only; the three plotted are
-# the same kind of 2-core VM, yet `foreach` gained 11.8x, 8.3x and 7.0x. Put the two full runs of that
+# Of the four runs listed, one quick run timed 2 threads only; the three plotted `linux-amd-epyc-2c` runs
+# are the same kind of 2-core VM, yet `foreach` gained 11.8x, 8.3x and 7.0x. Put the two full runs of that
 # VM side by side:
 #
 # <details><summary>Which code</summary>
