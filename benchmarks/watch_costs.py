@@ -2,16 +2,26 @@
 
     PYTHONPATH=. python benchmarks/watch_costs.py [--models yolo resnet50 gpt2 tiny_tensors] [--rounds 21]
 
-For each model, interleaved (:func:`ema_lab.bench.timing.time_candidates`, 1 thread): the default
-``ModelEMA`` update, its watch alone (``step.watch.current(model)``: one ``data_ptr()`` per watched slot),
-and the budget unit: ``list(map(Tensor.data_ptr, tensors)) == saved`` over the model's float tensors, one
-plain pointer read each. It prints the watched slots (the EMA's, the model's), each time, the watch's time per
-slot and its share of the update, and the watch over the budget unit.
+For each model, at 1 thread:
+
+- interleaved (:func:`ema_lab.bench.timing.time_candidates`): the default ``ModelEMA`` update; the same update
+  with the EMA's own slots left unchecked (an instrument, not a mode: its watch lists only the model's slots),
+  so their difference is what checking the EMA's slots costs inside an update; the watch alone
+  (``step.watch.current(model)``: one ``data_ptr()`` per watched slot); and the budget unit,
+  ``list(map(Tensor.data_ptr, tensors)) == saved`` over the model's float tensors, one plain pointer read each;
+- cold: the watch and the budget unit each timed right after a pass over 32 MiB of other memory, as they run
+  in training, where the forward and backward passes have left nothing of the EMA in the caches.
+
+It prints the watched slots (the EMA's, the model's), the times, and the cost per EMA slot warm, cold and
+inside the update.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -20,6 +30,32 @@ from ema_lab import ModelEMA
 from ema_lab.bench import models
 from ema_lab.bench.timing import time_candidates
 
+FLUSH_BYTES = 32 << 20  # beyond the last-level cache of the CPUs these runs use (8-32 MiB)
+
+
+def cold_seconds(fn: Callable[[], object], repeats: int = 101) -> float:
+    """Median time of ``fn()`` right after a pass over ``FLUSH_BYTES`` of other memory."""
+    other = torch.zeros(FLUSH_BYTES // 4)
+    times = []
+    for _ in range(repeats):
+        other.add_(1)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def with_ema_unchecked(model: torch.nn.Module) -> ModelEMA:
+    """A default ``ModelEMA`` whose watch checks only the model's slots (for measuring, never for use)."""
+    ema = ModelEMA(model)
+    ema.update(model)
+    watch = ema._step.watch
+    own = {id(t) for e in ema.emas for m in e.modules() for t in (m._parameters, m._buffers)}
+    kept = [(d, k) for d, k in zip(watch.dicts, watch.keys) if id(d) not in own]
+    watch.dicts, watch.keys = (tuple(x) for x in zip(*kept)) if kept else ((), ())
+    watch.ptrs = watch.data_ptrs()
+    return ema
+
 
 def costs(name: str, rounds: int) -> str:
     """One Markdown row for ``name``."""
@@ -27,25 +63,48 @@ def costs(name: str, rounds: int) -> str:
     ema = ModelEMA(model)
     for _ in range(2):
         ema.update(model)
+    unchecked = with_ema_unchecked(model)
     step = ema._step  # the cached step: its watch is this study's subject
     floats = [t.detach() for t in model.state_dict().values() if t.is_floating_point()]
     saved = list(map(Tensor.data_ptr, floats))
-    times = time_candidates(
-        {
-            "update": lambda: ema.update(model),
-            "watch": lambda: step.watch.current(model),
-            "budget": lambda: list(map(Tensor.data_ptr, floats)) == saved,
-        },
-        rounds=rounds,
-    )
-    ms = {k: r.median_s * 1e3 for k, r in times.items()}
+    fns = {
+        "update": lambda: ema.update(model),
+        "unchecked": lambda: unchecked.update(model),
+        "watch": lambda: step.watch.current(model),
+        "budget": lambda: list(map(Tensor.data_ptr, floats)) == saved,
+    }
+    ms = {k: r.median_s * 1e3 for k, r in time_candidates(fns, rounds=rounds).items()}
+    cold = {k: cold_seconds(fns[k]) * 1e3 for k in ("watch", "budget")}
     slots = len(step.watch.keys)
     own = sum(len(e.state_dict()) for e in ema.emas)
-    return (
-        f"| {name} | {len(floats)} | {own} + {slots - own} | {ms['update']:.3f} | {ms['watch']:.3f} | "
-        f"{ms['watch'] / slots * 1e6:.0f} | {ms['watch'] / ms['update']:.0%} | "
-        f"{ms['watch'] / ms['budget']:.2f} |"
-    )
+    ns = {  # per EMA slot, or per float tensor for the budget
+        "warm": ms["watch"] / slots * 1e6,
+        "cold": cold["watch"] / slots * 1e6,
+        "in update": (ms["update"] - ms["unchecked"]) / own * 1e6,
+        "budget": ms["budget"] / len(floats) * 1e6,
+        "budget cold": cold["budget"] / len(floats) * 1e6,
+    }
+    cells = [name, len(floats), f"{own} + {slots - own}", *(f"{ms[k]:.3f}" for k in ("update", "unchecked"))]
+    cells += [f"{ms['watch']:.3f}", f"{cold['watch']:.3f}", *(f"{v:.0f}" for v in ns.values())]
+    cells.append(f"{(ms['update'] - ms['unchecked']) / ms['update']:.0%}")
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+HEAD = [
+    "model",
+    "float tensors",
+    "watched slots (EMA + model)",
+    "update ms",
+    "update, EMA slots unchecked ms",
+    "watch ms (warm)",
+    "watch ms (cold)",
+    "ns per slot, warm",
+    "cold",
+    "ns per EMA slot inside the update",
+    "budget ns per tensor, warm",
+    "cold",
+    "EMA check / update",
+]
 
 
 def main() -> None:
@@ -55,9 +114,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, median of {args.rounds} interleaved rounds")
-    head = ["model", "float tensors", "watched slots (EMA + model)", "update ms", "watch ms", "ns per slot"]
-    print("| " + " | ".join([*head, "watch / update", "watch / budget"]) + " |")
-    print("|---" * 8 + "|")
+    print("| " + " | ".join(HEAD) + " |")
+    print("|---" * len(HEAD) + "|")
     for name in args.models:
         print(costs(name, args.rounds), flush=True)
 
