@@ -7,7 +7,8 @@ tar -x -C DIR && mv DIR/ema_lab DIR/ema_lab_main``), whose ``PostHocEMA`` runs b
 ``PostHocEMA`` (no snapshot in the run), ``ModelEMA`` per profile (``strategy="flat"``, a power schedule):
 what one EMA per profile costs, built from the public class. Each candidate has its own copy of the model,
 two warm-up updates; 1, 2 and 4 profiles; the table gives medians and the cost per extra profile,
-``(t4 - t1) / 3``.
+``(t4 - t1) / 3``, beside the floor of one profile's arithmetic: one ``lerp_`` over two flat buffers of the
+model's float elements, as ``benchmarks/peers.py`` times it, in the same rounds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 import tempfile
 from collections.abc import Callable
 from copy import deepcopy
+
+import torch
 
 from ema_lab import ModelEMA, PostHocEMA
 from ema_lab.bench import models
@@ -47,6 +50,9 @@ def candidates(base: object, folder: str, others: dict[str, type]) -> dict[str, 
                 for ema in emas:
                     ema.update(model)
             fns[label] = lambda emas=emas, model=model: [ema.update(model) for ema in emas]
+    n = sum(t.numel() for t in base.state_dict().values() if t.is_floating_point())
+    a, b = torch.randn(n), torch.randn(n)
+    fns["floor"] = lambda: a.lerp_(b, 1e-4)
     return fns
 
 
@@ -64,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, args.main)
         others["main: PostHocEMA"] = importlib.import_module("ema_lab_main").PostHocEMA
     rows = [
-        "| model | layout | 1 profile (ms) | 2 profiles | 4 profiles | per extra profile |",
-        "|---|---|---|---|---|---|",
+        "| model | layout | 1 profile (ms) | 2 profiles | 4 profiles | per extra profile | one lerp_ |",
+        "|---|---|---|---|---|---|---|",
     ]
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models:
@@ -73,10 +79,12 @@ def main(argv: list[str] | None = None) -> int:
                 candidates(models.build(name), folder, others), rounds=args.rounds, threads=1
             )
             ms = {label: 1e3 * t.median_s for label, t in timed.items()}
+            floor = ms.pop("floor")
             for layout in sorted({label.rsplit(", ", 1)[0] for label in ms}):
                 t = [ms[f"{layout}, {k}"] for k in PROFILES]
                 rows.append(
-                    f"| {name} | {layout} | {t[0]:.3f} | {t[1]:.3f} | {t[2]:.3f} | {(t[2] - t[0]) / 3:.3f} |"
+                    f"| {name} | {layout} | {t[0]:.3f} | {t[1]:.3f} | {t[2]:.3f} | {(t[2] - t[0]) / 3:.3f} | "
+                    f"{floor:.3f} |"
                 )
     print("\n".join(rows))
     return 0

@@ -7,8 +7,8 @@ For each model, at 1 thread:
 - interleaved (:func:`ema_lab.bench.timing.time_candidates`): the default ``ModelEMA`` update; the same update
   with the EMA's own slots left unchecked (an instrument, not a mode: its watch lists only the model's slots),
   so their difference is what checking the EMA's slots costs inside an update; the watch alone
-  (``step.watch.current(model)``: one ``data_ptr()`` per watched slot); and the budget unit,
-  ``list(map(Tensor.data_ptr, tensors)) == saved`` over the model's float tensors, one plain pointer read each;
+  (``step.watch.current(model)``: one ``data_ptr()`` per watched slot); and the budget unit, one plain
+  pointer read per float tensor of the model, ``list(map(Tensor.data_ptr, tensors)) == saved``;
 - cold: the watch and the budget unit each timed right after a pass over 32 MiB of other memory, as they run
   in training, where the forward and backward passes have left nothing of the EMA in the caches.
 
