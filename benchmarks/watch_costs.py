@@ -1,6 +1,7 @@
 """What the default step's staleness watch costs per update, per slot and against the issue's budget.
 
     PYTHONPATH=. python benchmarks/watch_costs.py [--models yolo resnet50 gpt2 tiny_tensors] [--rounds 21]
+        [--baseline FOLDER]
 
 For each model, at 1 thread:
 
@@ -9,6 +10,8 @@ For each model, at 1 thread:
   so their difference is what checking the EMA's slots costs inside an update; the watch alone
   (``step.watch.current(model)``: one ``data_ptr()`` per watched slot); and the budget unit, one plain
   pointer read per float tensor of the model, ``list(map(Tensor.data_ptr, tensors)) == saved``;
+- with ``--baseline FOLDER`` (another version's core package, as ``benchmarks/peers.py`` takes it), that
+  version's default update too, in the same rounds;
 - cold: the watch and the budget unit each timed right after a pass over 32 MiB of other memory, as they run
   in training, where the forward and backward passes have left nothing of the EMA in the caches.
 
@@ -22,8 +25,11 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import torch
+from peers import load_package
 from torch import Tensor
 
 from ema_lab import ModelEMA
@@ -57,7 +63,7 @@ def with_ema_unchecked(model: torch.nn.Module) -> ModelEMA:
     return ema
 
 
-def costs(name: str, rounds: int) -> str:
+def costs(name: str, rounds: int, baseline: ModuleType | None = None) -> str:
     """One Markdown row for ``name``."""
     model = models.build(name)
     ema = ModelEMA(model)
@@ -73,6 +79,10 @@ def costs(name: str, rounds: int) -> str:
         "watch": lambda: step.watch.current(model),
         "budget": lambda: list(map(Tensor.data_ptr, floats)) == saved,
     }
+    if baseline is not None:
+        old = baseline.ModelEMA(model)
+        old.update(model)
+        fns["baseline"] = lambda: old.update(model)
     ms = {k: r.median_s * 1e3 for k, r in time_candidates(fns, rounds=rounds).items()}
     cold = {k: cold_seconds(fns[k]) * 1e3 for k in ("watch", "budget")}
     slots = len(step.watch.keys)
@@ -87,6 +97,7 @@ def costs(name: str, rounds: int) -> str:
     cells = [name, len(floats), f"{own} + {slots - own}", *(f"{ms[k]:.3f}" for k in ("update", "unchecked"))]
     cells += [f"{ms['watch']:.3f}", f"{cold['watch']:.3f}", *(f"{v:.0f}" for v in ns.values())]
     cells.append(f"{(ms['update'] - ms['unchecked']) / ms['update']:.0%}")
+    cells += [f"{ms['baseline']:.3f}"] if baseline is not None else []
     return "| " + " | ".join(map(str, cells)) + " |"
 
 
@@ -111,13 +122,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["yolo", "resnet50", "gpt2", "tiny_tensors"])
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--baseline", type=Path, help="folder of another version's core package")
     args = parser.parse_args()
+    baseline = load_package(args.baseline.resolve()) if args.baseline else None
+    head = [*HEAD, "baseline's update ms"] if baseline else HEAD
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, median of {args.rounds} interleaved rounds")
-    print("| " + " | ".join(HEAD) + " |")
-    print("|---" * len(HEAD) + "|")
+    print("| " + " | ".join(head) + " |")
+    print("|---" * len(head) + "|")
     for name in args.models:
-        print(costs(name, args.rounds), flush=True)
+        print(costs(name, args.rounds, baseline), flush=True)
 
 
 if __name__ == "__main__":
