@@ -8,7 +8,6 @@ from copy import deepcopy
 from dataclasses import is_dataclass
 from functools import partial
 from itertools import zip_longest
-from operator import getitem
 
 import torch
 from torch import Tensor, nn
@@ -16,7 +15,7 @@ from torch import Tensor, nn
 from .checks import check_decay, check_int, weight_of
 from .flat_step import CAT_MAX_NUMEL, FlatStep
 from .graph_step import GraphStep
-from .pairs import Pairs, collect_pairs, module_entries
+from .pairs import Pairs, check_materialized, collect_pairs, module_entries
 from .ranks import RankDuties, is_fully_sharded
 from .schedules import Schedule, decay_over, ramp
 from .step import Step, StepOptions
@@ -109,10 +108,7 @@ class BaseEMA(RankDuties):
             raise ValueError(f"strategy {strategy!r} {why}: use one of {use}")
         if cuda_graph and self.sharded:
             raise ValueError("cuda_graph=True records one device's update; a sharded EMA cannot use it")
-        # A lazy module's entries have no shape yet: torch's own error (from a deep copy) runs to many lines.
-        if lazy := [k for k, s in module_entries(unwrap_model(model)) if nn.parameter.is_lazy(getitem(*s))]:
-            why = "run one forward pass with a batch before making the EMA"
-            raise ValueError(f"the model's {lazy[0]!r} is an uninitialized lazy parameter: {why}")
+        check_materialized(module_entries(unwrap_model(model)))
         with torch.inference_mode(False):  # built under inference_mode, the EMA would be read-only outside
             ema = self._average_of(unwrap_model(model))
             self.emas: list[nn.Module] = [ema, *(deepcopy(ema) for _ in schedules[1:])]

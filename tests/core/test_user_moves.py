@@ -8,20 +8,41 @@ from torch import Tensor, nn
 
 from ema_lab import ModelEMA, PostHocEMA, ShardedModelEMA
 
+STRATEGIES = ("auto", "flat", "gated", "foreach", "loop")
+LAZY = r"^the model's '1.weight' is an uninitialized lazy parameter: run one forward pass with a batch"
+
+
+def _lazy() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 3), nn.LazyLinear(4))
+
 
 @pytest.mark.parametrize("cls", [ModelEMA, PostHocEMA, ShardedModelEMA])
 def test_a_lazy_model_is_refused_in_one_line_naming_the_fix(cls: type, tmp_path) -> None:
-    model = nn.Sequential(nn.Linear(3, 3), nn.LazyLinear(4))
+    model = _lazy()
     args = (tmp_path,) if cls is PostHocEMA else ()
-    message = r"^the model's '1.weight' is an uninitialized lazy parameter: run one forward pass with a batch"
-    with pytest.raises(ValueError, match=message) as info:
+    with pytest.raises(ValueError, match=LAZY) as info:
         cls(model, *args)
     assert "\n" not in str(info.value)
     model(torch.randn(2, 3))  # initialized: the EMA is made
     assert torch.equal(cls(model, *args).ema.state_dict()["1.weight"], model[1].weight)
 
 
-STRATEGIES = ("auto", "flat", "gated", "foreach", "loop")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_update_from_a_lazy_model_made_anew_is_refused_in_one_line_and_changes_nothing(
+    strategy: str,
+) -> None:
+    """A model made again (a resumed run) before its first forward: torch's many-line error before."""
+    model = _lazy()
+    model(torch.randn(2, 3))
+    ema = ModelEMA(model, strategy=strategy)
+    ema.update(model)
+    kept = {k: v.clone() for k, v in ema.ema.state_dict().items()}
+    with pytest.raises(ValueError, match=LAZY + " before making or updating its EMA$"):
+        ema.update(_lazy())
+    assert ema.updates == 1
+    assert all(torch.equal(v, kept[k]) for k, v in ema.ema.state_dict().items())
+    ema.update(model, decay=0.0)  # the next valid update moves it
+    assert torch.equal(ema.ema[1].weight, model[1].weight)
 
 
 def _net() -> nn.Module:
