@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -56,8 +59,9 @@ def _train(model: nn.Module) -> None:
     model(torch.randn(2, 3, 6, 6)).square().mean().backward()
     with torch.no_grad():
         for p in model.parameters():
-            p -= 0.1 * p.grad
-            p.grad = None
+            if p.grad is not None:  # None: frozen
+                p -= 0.1 * p.grad
+                p.grad = None
 
 
 def _state(ema: ModelEMA) -> dict[str, Tensor]:
@@ -72,14 +76,17 @@ def _assert_same(ema: ModelEMA, kept: dict[str, Tensor]) -> None:
         assert now[k].dtype == v.dtype and torch.equal(now[k], v), k
 
 
-def _assert_follows(ema: ModelEMA, model: nn.Module, updates: int = 3) -> None:
+def _assert_follows(
+    ema: ModelEMA, model: nn.Module, updates: int = 3, context: Callable = nullcontext
+) -> None:
     """``updates`` more updates, each checked against a plain reference: ``e = d * e + (1 - d) * m`` per float
     entry (in float64), the counters copied."""
     ref = {k: v.double() if v.is_floating_point() else v for k, v in _state(ema).items()}
     for _ in range(updates):
         _train(model)
         d = ema.decay(ema.updates + 1)
-        ema.update(model)
+        with context():
+            ema.update(model)
         for k, m in model.state_dict().items():
             ref[k] = d * ref[k] + (1 - d) * m.double() if m.is_floating_point() else m.clone()
         for k, v in ema.ema.state_dict().items():
@@ -110,3 +117,72 @@ def test_an_ema_sharing_the_models_memory_is_refused_and_left_as_is(strategy: st
     assert ema.updates == updates
     ema.ema.load_state_dict(kept, assign=True)  # given a copy: it moves again
     _assert_follows(ema, model)
+
+
+def _freeze_conv(model: nn.Module) -> None:
+    model[0].requires_grad_(False)  # its entries stay in the EMA, now constant in the model
+
+
+def _replace_head(model: nn.Module) -> None:
+    model[3] = nn.Linear(64, 5)  # a fresh head of the same shape (a re-initialized classifier)
+
+
+MOVES = {
+    "frozen conv": _freeze_conv,
+    "frozen conv then unfrozen": lambda m: (_freeze_conv(m), _train(m), m[0].requires_grad_(True)),
+    "head replaced": _replace_head,
+    "channels_last": lambda m: m.to(memory_format=torch.channels_last),
+    "half() then float()": lambda m: m.half().float(),
+}
+
+
+@pytest.mark.parametrize("move", MOVES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_ema_follows_the_reference_through_a_move_mid_run(strategy: str, move: str) -> None:
+    model = _net()
+    ema = ModelEMA(model, strategy=strategy, tau=3)
+    _assert_follows(ema, model, 2)
+    MOVES[move](model)
+    _assert_follows(ema, model)
+
+
+def test_cumulative_batchnorm_is_averaged_with_its_counter_copied() -> None:
+    """momentum=None: BatchNorm's running stats are a cumulative mean driven by num_batches_tracked."""
+    model = _net()
+    model[1].momentum = None
+    ema = ModelEMA(model, tau=3)
+    _assert_follows(ema, model, 4)
+    assert ema.ema[1].num_batches_tracked.item() == 4
+
+
+CONTEXTS = {
+    "no_grad": torch.no_grad,
+    "inference_mode": torch.inference_mode,
+    "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_ema_made_and_updated_inside_a_context_follows_outside(strategy: str, context: str) -> None:
+    model = _net()
+    with CONTEXTS[context]():
+        ema = ModelEMA(model, strategy=strategy, tau=3)
+    _assert_follows(ema, model, 2, CONTEXTS[context])
+    assert all(v.dtype == torch.float32 for v in ema.ema.parameters())  # autocast casts no weight
+    _assert_follows(ema, model)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_fused_conv_bn_is_refused_in_one_line_and_changes_nothing(strategy: str) -> None:
+    """fuse_conv_bn_eval drops BatchNorm's entries: the EMA cannot follow that model, and says so."""
+    model = _net()
+    ema = ModelEMA(model, strategy=strategy, tau=3)
+    _assert_follows(ema, model, 2)
+    kept = _state(ema)
+    model.eval()
+    model[0], model[1] = torch.nn.utils.fusion.fuse_conv_bn_eval(model[0], model[1]), nn.Identity()
+    with pytest.raises(ValueError, match=r"^EMA and model do not hold the same entries: missing \['1.bias'"):
+        ema.update(model)
+    _assert_same(ema, kept)
+    assert ema.updates == 2
