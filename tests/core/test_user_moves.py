@@ -186,3 +186,27 @@ def test_a_fused_conv_bn_is_refused_in_one_line_and_changes_nothing(strategy: st
         ema.update(model)
     _assert_same(ema, kept)
     assert ema.updates == 2
+
+
+class _ValueEqual(nn.Module):
+    """A module compared by value (a loss, a frozen feature extractor): __eq__ leaves its class unhashable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ValueEqual)
+
+
+def test_modules_without_hash_can_still_be_built_and_changed_once_an_ema_watches_a_model() -> None:
+    """torch's registration hooks are global: the EMA's looked every module up by hash (before: TypeError)."""
+    model = _net()
+    ema = ModelEMA(model, tau=3)
+    _assert_follows(ema, model, 1)  # the step, its watch and the hooks are in place
+    other = _ValueEqual()
+    other.extra = nn.Parameter(torch.zeros(1))
+    other.register_buffer("seen", torch.ones(1))
+    assert [*other._parameters, *other._buffers, *other._modules] == ["extra", "seen", "lin"]
+    assert other.lin(torch.ones(1, 2)).shape == (1, 2)  # torch's named_modules() would need a hash itself
+    _assert_follows(ema, model)
