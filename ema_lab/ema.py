@@ -264,7 +264,9 @@ class ModelEMA(BaseEMA):
                 "model is sharded with FSDP2 (fully_shard): a deep copy of it is not possible; "
                 "use ema_lab.ShardedModelEMA, which keeps the EMA of the local shards"
             )
-        ema = deepcopy(model).eval()
+        # Pruning's (or the old weight_norm's) computed weight, a non-leaf that deepcopy refuses: detached.
+        held = (t for m in model.modules() for t in vars(m).values() if isinstance(t, Tensor))
+        ema = deepcopy(model, {id(t): t.detach().clone() for t in held if t.grad_fn}).eval()
         for p in ema.parameters():
             p.requires_grad_(False)
         return ema

@@ -8,6 +8,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import prune
 
 from ema_lab import ModelEMA, PostHocEMA, ShardedModelEMA
 
@@ -210,3 +211,34 @@ def test_modules_without_hash_can_still_be_built_and_changed_once_an_ema_watches
     assert [*other._parameters, *other._buffers, *other._modules] == ["extra", "seen", "lin"]
     assert other.lin(torch.ones(1, 2)).shape == (1, 2)  # torch's named_modules() would need a hash itself
     _assert_follows(ema, model)
+
+
+PRUNED = {
+    "pruned": lambda m: prune.l1_unstructured(m, "weight", amount=0.5),
+    "old weight_norm, after a forward": lambda m: torch.nn.utils.weight_norm(m),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*:FutureWarning")
+@pytest.mark.parametrize("how", PRUNED)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_model_holding_a_computed_weight_gets_an_ema_that_computes_its_own(strategy: str, how: str) -> None:
+    """Pruning and the old weight_norm keep ``weight`` as a non-leaf attribute, which deepcopy refuses
+    (before: torch's RuntimeError from ModelEMA()); the EMA holds it detached, its pre-hook computes it."""
+    model = _net()
+    PRUNED[how](model[3])
+    _train(model)
+    weight = model[3].weight
+    ema = ModelEMA(model, strategy=strategy, tau=3)
+    assert model[3].weight is weight and weight.grad_fn is not None  # the model's own is left alone
+    _assert_follows(ema, model)
+    ema.ema(torch.randn(2, 3, 6, 6))  # its pre-hook recomputes its weight from the EMA's entries
+    head = ema.ema[3]
+    assert head.weight is not weight and head.weight.grad_fn is None
+    torch.testing.assert_close(head.weight, PRUNED_WEIGHT[how](head), rtol=0, atol=0)
+
+
+PRUNED_WEIGHT = {
+    "pruned": lambda m: m.weight_orig * m.weight_mask,
+    "old weight_norm, after a forward": lambda m: torch._weight_norm(m.weight_v, m.weight_g, 0),
+}
