@@ -103,6 +103,9 @@ def validate_pairs(
             )
         if e.numel():
             ptr = e.data_ptr()
+            if ptr == m.data_ptr():  # e.g. one side loaded from the other's state_dict() with assign=True
+                why = "the EMA would only follow it; give it a copy (load_state_dict without assign=True)"
+                raise ValueError(f"{_label(i, names)}: the EMA's tensor is the model's own memory: {why}")
             if ptr in seen:
                 why = "(tied weights?): pass each EMA tensor once or it is decayed twice"
                 raise ValueError(f"{_label(i, names)} is the same memory as {_label(seen[ptr], names)} {why}")

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from .checks import check_decay, check_int, weight_of
 from .flat_step import CAT_MAX_NUMEL, FlatStep
 from .graph_step import GraphStep
-from .pairs import Pairs, collect_pairs
+from .pairs import Pairs, check_materialized, collect_pairs, module_entries
 from .ranks import RankDuties, is_fully_sharded
 from .schedules import Schedule, decay_over, ramp
 from .step import Step, StepOptions
@@ -108,6 +108,7 @@ class BaseEMA(RankDuties):
             raise ValueError(f"strategy {strategy!r} {why}: use one of {use}")
         if cuda_graph and self.sharded:
             raise ValueError("cuda_graph=True records one device's update; a sharded EMA cannot use it")
+        check_materialized(module_entries(unwrap_model(model)))
         with torch.inference_mode(False):  # built under inference_mode, the EMA would be read-only outside
             ema = self._average_of(unwrap_model(model))
             self.emas: list[nn.Module] = [ema, *(deepcopy(ema) for _ in schedules[1:])]
@@ -263,7 +264,9 @@ class ModelEMA(BaseEMA):
                 "model is sharded with FSDP2 (fully_shard): a deep copy of it is not possible; "
                 "use ema_lab.ShardedModelEMA, which keeps the EMA of the local shards"
             )
-        ema = deepcopy(model).eval()
+        # Pruning's (or the old weight_norm's) computed weight, a non-leaf that deepcopy refuses: detached.
+        held = (t for m in model.modules() for t in vars(m).values() if isinstance(t, Tensor))
+        ema = deepcopy(model, {id(t): t.detach().clone() for t in held if t.grad_fn}).eval()
         for p in ema.parameters():
             p.requires_grad_(False)
         return ema

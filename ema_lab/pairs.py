@@ -11,6 +11,7 @@ from typing import TypeVar
 from torch import Tensor, nn
 
 __all__ = ["Slot", "Entry", "Pairs", "unique", "key_diff", "module_entries", "collect_pairs"]
+__all__ += ["check_materialized"]
 
 _T = TypeVar("_T")
 
@@ -78,10 +79,18 @@ def module_entries(module: nn.Module) -> Iterator[tuple[str, Slot]]:
                 yield dot + name, (mod._buffers, name)
 
 
+def check_materialized(entries: Iterable[tuple[str, Slot]]) -> None:
+    """Refuse an uninitialized lazy entry in one line (torch's error, raised later, runs to many lines)."""
+    if lazy := [key for key, slot in entries if nn.parameter.is_lazy(getitem(*slot))]:
+        why = "run one forward pass with a batch before making or updating its EMA"
+        raise ValueError(f"the model's {lazy[0]!r} is an uninitialized lazy parameter: {why}")
+
+
 def collect_pairs(emas: Sequence[nn.Module], model: nn.Module) -> Pairs:
     """Match every parameter and persistent buffer of each EMA module with ``model``'s by key."""
     first = dict(module_entries(emas[0]))
     model_slots = dict(module_entries(model))
+    check_materialized(model_slots.items())  # a model made anew, its first forward not run yet
     if first.keys() != model_slots.keys():
         raise ValueError(f"EMA and model do not hold the same entries: {key_diff(first, model_slots)}")
     others = [dict(module_entries(ema)) for ema in emas[1:]]

@@ -64,8 +64,8 @@ _hooks: list = []
 
 def _count_registrations(table: str) -> Callable[[nn.Module, str, object], None]:
     def hook(module: nn.Module, name: str, value: object) -> None:
-        # One dict lookup for a module no EMA watches (a loss, a metric, another model): nothing to do.
-        watches = _listeners.get(module)
+        # One lookup for a module no EMA watches (a loss, a metric); one with __eq__ but no __hash__ is none.
+        watches = _listeners.get(module) if type(module).__hash__ else None
         if not watches:
             return
         # No replacement: the same object re-registered (``self.step += 1`` on a buffer, as AveragedModel and
