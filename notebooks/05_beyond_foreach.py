@@ -93,7 +93,7 @@ print(f"foreach over loop: {first['loop'] / first['foreach']:.1f}x")
 
 # %% [markdown]
 # Here the lists are built once; the PR's code rebuilds them from two `state_dict()` walks per call
-# (notebook 01 measures the cost). And on a CPU `_foreach_lerp_` still runs one `lerp_` per tensor inside.
+# (notebook 01 measures that). On a CPU `_foreach_lerp_` still runs one `lerp_` per tensor inside.
 
 # %% [markdown]
 # ## 2. One buffer, many views
@@ -147,7 +147,7 @@ print(f"flat EMA + cat / foreach: {cat_ms['flat EMA + cat'] / cat_ms['foreach']:
 
 # %% [markdown]
 # The gather costs more than it saves: `cat` copies all 2.6 million model elements every update. So
-# flatten the model too: one `lerp_` over two buffers, which must equal foreach to the bit:
+# flatten the model too: one `lerp_` over two buffers, equal to foreach to the bit:
 
 
 # %% tags=["nbval-ignore-output"]
@@ -172,7 +172,7 @@ flat_ms = timed({"foreach": ema_foreach, "one lerp_": ema_one_lerp})
 
 # %% [markdown]
 # Bitwise equal: the same formula on the same elements, in one call instead of 594 inside one.
-# Times can move from cell to cell (notebook 04's drift): compare within one cell.
+# Times drift between cells (notebook 04): compare within one cell.
 
 # %% [markdown]
 # ## 3. Views go stale
@@ -303,9 +303,10 @@ print(f"ModelEMA default / bare foreach of section 1: {times['ModelEMA'] / times
 # The flattened model's `ModelEMA` adds the counters' `copy_` and the check of its 1,416 slots to the
 # floor's `lerp_`, so its bar is longer than the floor's.
 #
-# The ratio sets the default against section 1's bare `_foreach_lerp_` (under 1: the default is faster).
+# The ratio: the default over section 1's bare `_foreach_lerp_` (under 1: faster).
 # The default lerps fewer, larger pieces, but pays for its `cat`s and for checking every slot it does not
-# read live; the bare lists check nothing. The check is the cost of being safe.
+# read live (946 here, each cold after a training step: [measured](../docs/results/watch-costs-2026-12-07-cold.md));
+# the bare lists check nothing. The check is the cost of being safe.
 #
 # The check, packaged: make the flattened model fp16, update once with decay 0; the EMA must equal it:
 
