@@ -248,26 +248,33 @@ def test_the_second_ema_follows_its_own_tensors_being_replaced(tmp_path) -> None
         assert torch.equal(v, want[k]), k
 
 
+def _run(runs: tuple[tuple[torch.nn.Module, PostHocEMA], ...], steps: range) -> None:
+    """Each step: train every model, then update its EMA."""
+    for step in steps:
+        for model, ema in runs:
+            _train_step(model, step)
+            ema.update(model)
+
+
+def _assert_same_emas(mine: PostHocEMA, other: PostHocEMA) -> None:
+    """Every profile's EMA bitwise equal to the other run's."""
+    for a, b in zip(mine.emas, other.emas, strict=True):
+        want = b.state_dict()
+        for k, v in a.state_dict().items():
+            assert torch.equal(v, want[k]), k
+
+
 def test_a_run_resumed_from_its_snapshots_equals_one_that_never_stopped(tmp_path) -> None:
     model, again = models.build("tiny_cnn"), models.build("tiny_cnn")
     whole = PostHocEMA(model, tmp_path / "whole", snapshot_every=4)
     first = PostHocEMA(again, tmp_path / "resumed", snapshot_every=4)
-    for step in range(1, 9):
-        for m, ema in ((model, whole), (again, first)):
-            _train_step(m, step)
-            ema.update(m)
+    _run(((model, whole), (again, first)), range(1, 9))
     with pytest.raises(ValueError, match="holds snapshots up to update 8: resume with updates="):
         PostHocEMA(again, tmp_path / "resumed", snapshot_every=4)
     resumed = PostHocEMA(again, tmp_path / "resumed", snapshot_every=4, updates=8)
-    for step in range(9, 13):
-        for m, ema in ((model, whole), (again, resumed)):
-            _train_step(m, step)
-            ema.update(m)
+    _run(((model, whole), (again, resumed)), range(9, 13))
     assert resumed.updates == whole.updates == 12
-    for mine, other in ((resumed.ema, whole.ema), (resumed.emas[1], whole.emas[1])):
-        want = other.state_dict()
-        for k, v in mine.state_dict().items():
-            assert torch.equal(v, want[k]), k
+    _assert_same_emas(resumed, whole)
 
 
 def test_an_update_whose_save_fails_is_undone_and_a_retry_applies_it_once(tmp_path, monkeypatch) -> None:
@@ -366,16 +373,10 @@ def test_a_run_resumed_from_a_checkpoint_older_than_its_last_snapshot_continues_
     model, again = models.build("tiny_cnn"), models.build("tiny_cnn")
     whole = PostHocEMA(model, tmp_path / "whole", snapshot_every=3)
     first = PostHocEMA(again, tmp_path / "resumed", snapshot_every=3)
-    for step in range(1, 7):
-        for m, ema in ((model, whole), (again, first)):
-            _train_step(m, step)
-            ema.update(m)
-        if step == 5:
-            saved = {
-                "ema": first.state_dict(),
-                "model": {k: v.clone() for k, v in again.state_dict().items()},
-            }
-            torch.save(saved, tmp_path / "checkpoint.pt")
+    _run(((model, whole), (again, first)), range(1, 6))
+    saved = {"ema": first.state_dict(), "model": {k: v.clone() for k, v in again.state_dict().items()}}
+    torch.save(saved, tmp_path / "checkpoint.pt")
+    _run(((model, whole), (again, first)), range(6, 7))
     del first  # the run stops after its save of update 6
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     again = models.build("tiny_cnn")
@@ -392,10 +393,7 @@ def test_a_run_resumed_from_a_checkpoint_older_than_its_last_snapshot_continues_
             whole.update(model)
         resumed.update(again)
     assert resumed.updates == whole.updates == 9
-    for mine, other in zip(resumed.emas, whole.emas):
-        want = other.state_dict()
-        for k, v in mine.state_dict().items():
-            assert torch.equal(v, want[k]), k
+    _assert_same_emas(resumed, whole)
     pairs = list(zip(list_snapshots(tmp_path / "whole"), list_snapshots(tmp_path / "resumed"), strict=True))
     for a, b in pairs:
         assert (a.step, a.gamma) == (b.step, b.gamma)

@@ -12,6 +12,8 @@ from torch.nn.utils import prune
 
 from ema_lab import ModelEMA, PostHocEMA, ShardedModelEMA
 
+from ..helpers import reference_step
+
 STRATEGIES = ("auto", "flat", "gated", "foreach", "loop")
 LAZY = r"^the model's '1.weight' is an uninitialized lazy parameter: run one forward pass with a batch"
 
@@ -82,14 +84,18 @@ def _assert_follows(
 ) -> None:
     """``updates`` more updates, each checked against a plain reference: ``e = d * e + (1 - d) * m`` per float
     entry (in float64), the counters copied."""
-    ref = {k: v.double() if v.is_floating_point() else v for k, v in _state(ema).items()}
+    ref = _state(ema)
+    keys = [k for k, v in ref.items() if v.is_floating_point()]
+    floats = [ref[k].double() for k in keys]
     for _ in range(updates):
         _train(model)
         d = ema.decay(ema.updates + 1)
         with context():
             ema.update(model)
-        for k, m in model.state_dict().items():
-            ref[k] = d * ref[k] + (1 - d) * m.double() if m.is_floating_point() else m.clone()
+        entries = model.state_dict()
+        reference_step(floats, [entries[k] for k in keys], d)
+        ref.update(zip(keys, floats))
+        ref.update({k: v.clone() for k, v in entries.items() if not v.is_floating_point()})  # counters
         for k, v in ema.ema.state_dict().items():
             torch.testing.assert_close(v, ref[k].to(v.dtype))  # an integer counter: exactly
 
