@@ -1,10 +1,13 @@
-"""What every cached EMA step is (:class:`Step`), its options, and the parts every kind of step shares."""
+"""What every cached EMA step is (:class:`Step`), its options, and the parts every kind of step shares: the
+watch (the model's slots read per update, the EMA's own dicts and tensors telling it when they are moved,
+as torch has no hook for ``p.data = x`` or ``swap_tensors``), the lerp, the counters."""
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from operator import getitem
 from typing import ClassVar, Protocol
 
@@ -15,7 +18,7 @@ from .buffers import group, into_one_buffer, tiles_in_order, whole_storage
 from .pairs import Pairs, Slot
 from .ranks import local_tensor
 
-__all__ = ["Step", "StepOptions", "Watch", "install_hooks", "lerp_pairs", "Counters"]
+__all__ = ["Step", "StepOptions", "Watch", "install_hooks", "guard_dicts", "lerp_pairs", "Counters"]
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ def _count_registrations(table: str) -> Callable[[nn.Module, str, object], None]
         if same or (table == "_buffers" and name in module.__dict__.get("_non_persistent_buffers_set", ())):
             return
         for watch in watches:
-            watch.registered = True
+            watch.moved = True
 
     return hook
 
@@ -91,30 +94,129 @@ def install_hooks() -> None:
         _hooks.append(getattr(nn.modules.module, name)(_count_registrations(table)))
 
 
+class _Dict(dict):
+    """An EMA module's ``_parameters`` or ``_buffers``: setting, deleting or popping an entry moves its
+    watches. Copies and pickles of it are plain dicts."""
+
+    __slots__ = ("watches",)
+
+    def _moved(self) -> None:
+        for watch in self.watches:
+            watch.moved = True
+
+    def __reduce_ex__(self, protocol: object) -> tuple:
+        return dict, (dict(self),)
+
+
+def guard_dicts(ema: nn.Module) -> None:
+    """Make each ``ema`` module's parameter and buffer dicts tell the watches on that module of a change."""
+    for module in ema.modules():
+        if not type(module).__hash__:  # not a key of _listeners: its slots stay read per update
+            continue
+        for table in ("_parameters", "_buffers"):
+            if type(entries := module.__dict__[table]) is dict:
+                entries = module.__dict__[table] = _Dict(entries)
+            entries.watches = _listeners.setdefault(module, weakref.WeakSet())
+
+
+class _Parameter(nn.Parameter):
+    """An EMA's parameter: ``.data =``, a swap (it sets ``__class__``) and the methods that change its storage
+    move the watch of its step (each step's own subclass names it); deepcopy, pickle and repr see a
+    Parameter, so copies and files hold no ema_lab type."""
+
+    __slots__ = ()
+    watch: weakref.ref[Watch]
+
+    def _moved(self) -> None:
+        if (watch := type(self).watch()) is not None:
+            watch.moved = True
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in ("data", "__class__"):
+            self._moved()
+        super().__setattr__(name, value)
+
+    def _as_parameter(self, method: Callable, *args: object) -> object:
+        cls = type(self)
+        object.__setattr__(self, "__class__", nn.Parameter)  # not through __setattr__: nothing moved
+        try:
+            return method(self, *args)
+        finally:
+            object.__setattr__(self, "__class__", cls)
+
+    def __deepcopy__(self, memo: dict) -> nn.Parameter:
+        return self._as_parameter(nn.Parameter.__deepcopy__, memo)
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return self._as_parameter(nn.Parameter.__reduce_ex__, protocol)
+
+    def __repr__(self) -> str:
+        return self._as_parameter(nn.Parameter.__repr__)
+
+
+def _moving(method: Callable) -> Callable:
+    """``method``, after it tells the watches (``self._moved()``)."""
+
+    def moving(self: _Dict | _Parameter, *args: object, **kwargs: object) -> object:
+        self._moved()
+        return method(self, *args, **kwargs)
+
+    return moving
+
+
+for _name in ("__setitem__", "__delitem__", "__ior__", "pop", "popitem", "clear", "update", "setdefault"):
+    setattr(_Dict, _name, _moving(getattr(dict, _name)))
+for _name in ("set_", "resize_", "resize_as_", "as_strided_", "share_memory_"):
+    setattr(_Parameter, _name, _moving(getattr(nn.Parameter, _name)))
+
+
 class Watch:
-    """Whether ``model`` is the one a step was built for, nothing was registered on ``modules`` since, and
-    each slot holds its memory (``data_ptr()``: torch has no hook for ``p.data = x`` or ``swap_tensors``)."""
+    """Whether ``model`` is the one a step was built for, nothing was registered on ``modules`` or moved in
+    the EMA's ``guarded`` slots since, and each tensor read per update holds its memory (``data_ptr()``)."""
 
     def __init__(
-        self, model: nn.Module, slots: list[Slot], modules: Iterable[nn.Module] = (), sharded: bool = False
+        self,
+        model: nn.Module,
+        slots: list[Slot],
+        modules: Iterable[nn.Module] = (),
+        sharded: bool = False,
+        guarded: Iterable[Slot] = (),
     ) -> None:
         install_hooks()  # an EMA unpickled in a new process builds its watch before any constructor ran
         self.model_ref = weakref.ref(model)
-        self.registered = False  # set by the hooks on a registration on one of ``modules``
+        self.moved = False  # set by the hooks, the EMA's dicts and its parameters
         for module in modules:
             _listeners.setdefault(module, weakref.WeakSet()).add(self)
+        self.held: list[Tensor] = []  # tensors of a _Dict: read without the dict, which tells of a change
+        slots = [*slots, *self.guard(guarded)]
         self.dicts, self.keys = (tuple(x) for x in zip(*slots)) if slots else ((), ())
         self.sharded = sharded  # ShardedModelEMA: watch each DTensor's local shard
         self.ptrs = self.data_ptrs()
 
+    def guard(self, slots: Iterable[Slot]) -> list[Slot]:
+        """Give each EMA parameter of a ``_Dict`` a type that moves this watch, hold its other tensors; return
+        the slots of the other dicts. A buffer keeps its type: the first call of a ``torch.compile``d module
+        refuses a tensor subclass other than a Parameter's (torch 2.13's custom-op aliasing check)."""
+        guarded = type("Parameter", (_Parameter,), {"watch": weakref.ref(self), "__slots__": ()})
+        left = []
+        for entries, key in slots:
+            t = entries[key]
+            if type(entries) is not _Dict:
+                left.append((entries, key))
+            elif type(t) is nn.Parameter or isinstance(t, _Parameter):  # a user's subclass keeps its type
+                object.__setattr__(t, "__class__", guarded)  # not through __setattr__: nothing moved
+            else:
+                self.held.append(t)
+        return left
+
     def data_ptrs(self) -> list[int]:
         """``data_ptr()`` of the tensor each slot holds now; map() keeps the loop in C."""
-        tensors = map(getitem, self.dicts, self.keys)
+        tensors = chain(self.held, map(getitem, self.dicts, self.keys))
         return list(map(Tensor.data_ptr, map(local_tensor, tensors) if self.sharded else tensors))
 
     def current(self, model: nn.Module) -> bool:
-        """True while nothing was registered on a watched module and every slot holds its memory."""
-        if self.registered or self.model_ref() is not model:
+        """True while nothing moved and every slot read per update holds its memory."""
+        if self.moved or self.model_ref() is not model:
             return False
         try:
             return self.data_ptrs() == self.ptrs

@@ -108,7 +108,8 @@ class ListStep:
             for k in range(pairs.count)
         ]
         self.counters = Counters(pairs)
-        self.watch = Watch(model, pairs.slots(), pairs.modules, sharded=pairs.sharded)
+        model_slots = [e.model_slot for e in (*pairs.floats, *pairs.counters)]
+        self.watch = Watch(model, model_slots, pairs.modules, pairs.sharded, guarded=pairs.ema_slots())
 
     def ready(self, model: nn.Module) -> bool:
         """True while every slot holds the memory this step was built over."""

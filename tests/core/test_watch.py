@@ -69,6 +69,30 @@ def _reload(assign: bool) -> Callable[[nn.Module], None]:
     return move
 
 
+def _under(flag: str, move: Callable[[nn.Module], object]) -> Callable[[nn.Module], None]:
+    """``move`` with one of torch's ``torch.__future__`` conversion flags on (swap or replace parameters)."""
+
+    def flagged(module: nn.Module) -> None:
+        getattr(torch.__future__, f"set_{flag}")(True)
+        try:
+            move(module)
+        finally:
+            getattr(torch.__future__, f"set_{flag}")(False)
+
+    return flagged
+
+
+def _set(module: nn.Module) -> None:
+    with torch.no_grad():
+        _last_param(module).set_(_last_param(module).detach().clone())
+
+
+def _to_vector_and_back(module: nn.Module) -> None:
+    """torch's own ``vector_to_parameters``: ``p.data = ...`` on every parameter."""
+    vector = nn.utils.parameters_to_vector(module.parameters()).clone()
+    nn.utils.vector_to_parameters(vector, module.parameters())
+
+
 def _new_conv(module: nn.Module) -> None:
     conv = module[0].conv
     module[0].conv = nn.Conv2d(3, 8, 3, 2, 1, bias=False).to(conv.weight.dtype)
@@ -96,11 +120,18 @@ MOVES: dict[str, Callable[[nn.Module], object]] = {
     "new parameter": lambda m: setattr(m[-1], "bias", nn.Parameter(m[-1].bias.detach().clone())),
     "module swap": _new_conv,
     "kept state_dict, module swap": _kept_then(_new_conv),
+    "p.set_ (last)": _set,
+    "vector_to_parameters": _to_vector_and_back,
+    "share_memory()": lambda m: m.share_memory(),
+    ".double(), parameters replaced": _under("overwrite_module_params_on_conversion", lambda m: m.double()),
+    ".double(), parameters swapped": _under("swap_module_params_on_conversion", lambda m: m.double()),
+    "load_state_dict, tensors swapped": _under("swap_module_params_on_conversion", _reload(assign=False)),
+    "buffer popped, then set": lambda m: m[1].bn._buffers.update(running_var=m[1].bn._buffers.pop("running_var") * 1),
 }
 #: The moves as test parameters: swap_tensors exists from torch 2.3 (the floor is 2.1).
 MOVE_PARAMS = [
     pytest.param(name, marks=pytest.mark.requires_torch("2.3", "torch.utils.swap_tensors"))
-    if "swap_tensors" in name
+    if "swap" in name
     else name
     for name in MOVES
 ]
