@@ -95,8 +95,7 @@ def install_hooks() -> None:
 
 
 class _Dict(dict):
-    """An EMA module's ``_parameters`` or ``_buffers``: setting, deleting or popping an entry moves its
-    watches. Copies and pickles of it are plain dicts."""
+    """An EMA module's ``_parameters`` or ``_buffers``: a change of an entry moves the module's watches."""
 
     __slots__ = ("watches",)
 
@@ -105,14 +104,12 @@ class _Dict(dict):
             watch.moved = True
 
     def __reduce_ex__(self, protocol: object) -> tuple:
-        return dict, (dict(self),)
+        return dict, (dict(self),)  # copies and pickles hold a plain dict
 
 
 def guard_dicts(ema: nn.Module) -> None:
-    """Make each ``ema`` module's parameter and buffer dicts tell the watches on that module of a change."""
-    for module in ema.modules():
-        if not type(module).__hash__:  # not a key of _listeners: its slots stay read per update
-            continue
+    """Make each ``ema`` module's parameter and buffer dicts a ``_Dict`` (not an unhashable module's)."""
+    for module in (m for m in ema.modules() if type(m).__hash__):
         for table in ("_parameters", "_buffers"):
             if type(entries := module.__dict__[table]) is dict:
                 entries = module.__dict__[table] = _Dict(entries)
@@ -121,8 +118,7 @@ def guard_dicts(ema: nn.Module) -> None:
 
 class _Parameter(nn.Parameter):
     """An EMA's parameter: ``.data =``, a swap (it sets ``__class__``) and the methods that change its storage
-    move the watch of its step (each step's own subclass names it); deepcopy, pickle and repr see a
-    Parameter, so copies and files hold no ema_lab type."""
+    move the watch that its step's own subclass names; deepcopy, pickle and repr see a plain Parameter."""
 
     __slots__ = ()
     watch: weakref.ref[Watch]
@@ -136,27 +132,8 @@ class _Parameter(nn.Parameter):
             self._moved()
         super().__setattr__(name, value)
 
-    def _as_parameter(self, method: Callable, *args: object) -> object:
-        cls = type(self)
-        object.__setattr__(self, "__class__", nn.Parameter)  # not through __setattr__: nothing moved
-        try:
-            return method(self, *args)
-        finally:
-            object.__setattr__(self, "__class__", cls)
-
-    def __deepcopy__(self, memo: dict) -> nn.Parameter:
-        return self._as_parameter(nn.Parameter.__deepcopy__, memo)
-
-    def __reduce_ex__(self, protocol: int) -> tuple:
-        return self._as_parameter(nn.Parameter.__reduce_ex__, protocol)
-
-    def __repr__(self) -> str:
-        return self._as_parameter(nn.Parameter.__repr__)
-
 
 def _moving(method: Callable) -> Callable:
-    """``method``, after it tells the watches (``self._moved()``)."""
-
     def moving(self: _Dict | _Parameter, *args: object, **kwargs: object) -> object:
         self._moved()
         return method(self, *args, **kwargs)
@@ -164,10 +141,24 @@ def _moving(method: Callable) -> Callable:
     return moving
 
 
+def _as_parameter(method: Callable) -> Callable:
+    def plain(self: _Parameter, *args: object) -> object:
+        cls = type(self)
+        object.__setattr__(self, "__class__", nn.Parameter)  # not through __setattr__: nothing moved
+        try:
+            return method(self, *args)
+        finally:
+            object.__setattr__(self, "__class__", cls)
+
+    return plain
+
+
 for _name in ("__setitem__", "__delitem__", "__ior__", "pop", "popitem", "clear", "update", "setdefault"):
     setattr(_Dict, _name, _moving(getattr(dict, _name)))
 for _name in ("set_", "resize_", "resize_as_", "as_strided_", "share_memory_"):
     setattr(_Parameter, _name, _moving(getattr(nn.Parameter, _name)))
+for _name in ("__deepcopy__", "__reduce_ex__", "__repr__"):
+    setattr(_Parameter, _name, _as_parameter(getattr(nn.Parameter, _name)))
 
 
 class Watch:
@@ -194,9 +185,9 @@ class Watch:
         self.ptrs = self.data_ptrs()
 
     def guard(self, slots: Iterable[Slot]) -> list[Slot]:
-        """Give each EMA parameter of a ``_Dict`` a type that moves this watch, hold its other tensors; return
-        the slots of the other dicts. A buffer keeps its type: the first call of a ``torch.compile``d module
-        refuses a tensor subclass other than a Parameter's (torch 2.13's custom-op aliasing check)."""
+        """Give each EMA parameter in a ``_Dict`` a type that moves this watch, hold the other tensors there
+        (a buffer keeps its type: torch.compile breaks its graph at a tensor subclass but a Parameter's);
+        return the slots of other dicts."""
         guarded = type("Parameter", (_Parameter,), {"watch": weakref.ref(self), "__slots__": ()})
         left = []
         for entries, key in slots:

@@ -153,3 +153,13 @@ def test_an_ema_module_outlives_its_ema() -> None:
     kept.half().float()  # its parameters' step is gone: nothing to tell
     model.load_state_dict(kept.state_dict())
     assert all(torch.equal(v, float_entries(kept)[k]) for k, v in float_entries(model).items())
+
+
+def test_the_ema_compiles_to_one_graph_as_the_model_does() -> None:
+    """A tensor subclass but a Parameter's would break the graph: the EMA's buffers keep their type."""
+    model = build("tiny_cnn").eval()
+    ema = _updated(model)
+    x = torch.randn(2, 3, 16, 16)
+    for module in (model, ema.ema):
+        explained = torch._dynamo.explain(module)(x)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0)
