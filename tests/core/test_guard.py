@@ -163,3 +163,12 @@ def test_the_ema_compiles_to_one_graph_as_the_model_does() -> None:
     for module in (model, ema.ema):
         explained = torch._dynamo.explain(module)(x)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+
+
+def test_a_copy_of_the_ema_traces_with_make_fx() -> None:
+    """make_fx takes no Parameter subclass (docs/api.md says to trace a copy): a copy's are plain."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    ema = _updated(build("tiny_cnn").eval())
+    x = torch.randn(2, 3, 16, 16)
+    assert torch.allclose(make_fx(copy.deepcopy(ema.ema))(x)(x), ema.ema(x))
