@@ -19,7 +19,7 @@ from ..helpers import float_entries
 
 
 class Projected(nn.Module):
-    """A persistent buffer that feeds a matmul: a tensor subclass there fails a compiled module's first call."""
+    """A persistent buffer feeding a matmul: a tensor subclass there fails a compiled module's first run."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,7 +44,8 @@ def _plain(module: nn.Module) -> bool:
     """Every tensor and module dict of ``module`` is torch's own type."""
     tensors = module.state_dict(keep_vars=True).values()
     dicts = [d for m in module.modules() for d in (m._parameters, m._buffers)]
-    return all(type(t) in (nn.Parameter, torch.Tensor) for t in tensors) and all(type(d) is dict for d in dicts)
+    plain_tensors = all(type(t) in (nn.Parameter, torch.Tensor) for t in tensors)
+    return plain_tensors and all(type(d) is dict for d in dicts)
 
 
 def test_the_model_keeps_its_types() -> None:

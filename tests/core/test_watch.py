@@ -126,7 +126,9 @@ MOVES: dict[str, Callable[[nn.Module], object]] = {
     ".double(), parameters replaced": _under("overwrite_module_params_on_conversion", lambda m: m.double()),
     ".double(), parameters swapped": _under("swap_module_params_on_conversion", lambda m: m.double()),
     "load_state_dict, tensors swapped": _under("swap_module_params_on_conversion", _reload(assign=False)),
-    "buffer popped, then set": lambda m: m[1].bn._buffers.update(running_var=m[1].bn._buffers.pop("running_var") * 1),
+    "buffer popped, then set": lambda m: m[1].bn._buffers.update(
+        running_var=m[1].bn._buffers.pop("running_var") + 0
+    ),
 }
 #: The moves as test parameters: swap_tensors exists from torch 2.3 (the floor is 2.1).
 MOVE_PARAMS = [
