@@ -21,9 +21,7 @@ def group(items: Iterable[int], key: Callable[[int], object]) -> list[list[int]]
     return list(out.values())
 
 
-#: The transparent huge page of x86-64 (and arm64 with 4 KiB pages): buffers from this size up get a mapping
-#: of their own, so one TLB entry covers 2 MiB of the stream an update reads (benchmarks/cat_runs.py). torch's
-#: own switch (THP_MEM_ALLOC_ENABLE=1) is process-wide: a library cannot set it for its buffers alone.
+#: A transparent huge page: one TLB entry per 2 MiB (benchmarks/cat_runs.py); torch's switch is process-wide.
 _HUGE_PAGE = 2 << 20
 
 
@@ -62,10 +60,9 @@ def into_one_buffer(tensors: Sequence[Tensor], like: Sequence[Tensor] | None = N
     like = tensors if like is None else like
     buf = empty_flat(sum(t.numel() for t in tensors), like[0].dtype, like[0].device)
     storage, size, off = buf.untyped_storage(), buf.element_size(), buf.storage_offset()
+    # A storage per part: accelerate and safetensors see one storage's tensors as tied; torch.save saves all.
     with torch.no_grad():
         for t, layout in zip(tensors, like):
-            # Its own storage: accelerate and safetensors take tensors of one storage for tied weights (they
-            # keep one, or refuse one that does not cover it), torch.save writes a storage whole.
             part = torch.empty(0, dtype=buf.dtype, device=buf.device)
             part.set_(storage[off * size : (off + t.numel()) * size], 0, (t.numel(),), (1,))
             view = view_like(part, layout)

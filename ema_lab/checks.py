@@ -45,8 +45,7 @@ def one_of(a: str, a_value: object, b: str, b_value: object) -> None:
 
 
 def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tensor:
-    """The one decay rule: a finite real number in [0, 1] (returned as a float) or, where ``tensor_ok``,
-    a 0-dim floating tensor (returned as is: checking its value would sync the host with its device)."""
+    """The one decay rule: a number in [0, 1] (as a float) or, where ``tensor_ok``, a 0-dim float tensor."""
     if isinstance(decay, Tensor):
         if not tensor_ok:
             why = "only update(model, decay=...) of an EMA whose step is 'flat' takes a 0-dim tensor"
@@ -54,7 +53,7 @@ def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tenso
         if decay.dim() != 0 or not decay.is_floating_point():
             got = f"{decay.shape} {decay.dtype}"
             raise ValueError(f"a tensor decay must be a 0-dim floating tensor, got {got}")
-        return decay
+        return decay  # its value unchecked: reading it would sync the host with its device
     # Inline, not is_real/require: every update runs it (tests/core/test_call_depth.py).
     if not (isinstance(decay, Real) and not isinstance(decay, bool) and 0.0 <= decay <= 1.0):
         raise ValueError(f"decay must be a finite number in [0, 1], got {decay!r}")
@@ -62,8 +61,7 @@ def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tenso
 
 
 def weight_of(decay: float | Tensor) -> float | Tensor:
-    """``1 - decay`` of a checked decay: a float, or a 0-dim tensor clamped to [0, 1] on its device, NaN as 0
-    (refusing a bad one would need its value on the host: a sync per update)."""
+    """``1 - decay`` of a checked decay (a tensor's clamped to [0, 1], NaN as 0, on its device: no sync)."""
     if isinstance(decay, Tensor):
         return (1.0 - decay).nan_to_num_(0.0).clamp_(0.0, 1.0)
     return 1.0 - decay

@@ -14,8 +14,7 @@ from .pairs import unique
 
 __all__ = ["flatten_model", "unflatten_model", "flatten_tensors"]
 
-#: A private binding of torch (from 2.1; absent from CPU-only builds before mid-2025): how many tensors hold a
-#: storage. Without it flatten_model cannot see memory held outside the model, and does not check it.
+#: torch's private count of a storage's holders (2.1 on; not in CPU builds till mid-2025): None skips a check.
 USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
@@ -85,9 +84,8 @@ def _check_held_outside(named: Sequence[tuple[str, Tensor]], on_storage: dict[in
 
 
 def _copies_of_views(owner: int, module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
-    """``state_dict`` hook of a flattened module (``owner``: its ``id``, so a deep or pickled copy's is
-    inert): its own entries that view part of a larger storage replaced by copies."""
-    if id(module) != owner:
+    """``state_dict`` hook of a flattened module: entries viewing part of a larger storage saved as copies."""
+    if id(module) != owner:  # a deep or pickled copy's hook: inert
         return
     for name, t in (*module._parameters.items(), *module._buffers.items()):
         saved = state.get(prefix + name)  # None: a non-persistent buffer
@@ -118,21 +116,17 @@ def _assign(moves: Sequence[tuple[Tensor, Tensor]]) -> None:
 def _flatten(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
     """Check every tensor, then move each (device, dtype) group into one new buffer: all or nothing."""
     for name, t in named:
-        why = _refusal(t)
-        if why is not None:
+        if (why := _refusal(t)) is not None:
             raise ValueError(f"cannot flatten {name!r}: {why} (nothing moved)")
     on_storage = _by_storage(named)
     by_kind = group(range(len(named)), lambda i: (named[i][1].device, named[i][1].dtype))
     groups = [[named[i] for i in idx] for idx in by_kind]
     # A group that tiles one storage (disjoint: checked above) is flat already: a second call moves nothing.
-    flat_already = [
-        tiles_in_order(sorted((t for _, t in g), key=Tensor.storage_offset), is_dense) for g in groups
-    ]
-    _check_held_outside([item for g, done in zip(groups, flat_already) if not done for item in g], on_storage)
+    flat = [tiles_in_order(sorted((t for _, t in g), key=Tensor.storage_offset), is_dense) for g in groups]
+    _check_held_outside([item for g, done in zip(groups, flat) if not done for item in g], on_storage)
     buffers, moves = [], []
-    # Normal tensors even under torch.inference_mode() (a model of inference tensors cannot be trained).
-    with torch.inference_mode(False), torch.no_grad():
-        for g, done in zip(groups, flat_already):
+    with torch.inference_mode(False), torch.no_grad():  # normal tensors: inference ones cannot be trained
+        for g, done in zip(groups, flat):
             tensors = [t for _, t in g]
             if done:
                 buffers.append(whole_storage(tensors[0]))
@@ -143,10 +137,8 @@ def _flatten(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
             else:
                 buf = empty_flat(numel, dtype, device)
             at = buf.storage_offset()
-            for t in tensors:
-                view = buf.as_strided(t.shape, t.stride(), at)  # dense strides (checked): channels_last kept
-                view.copy_(t)
-                moves.append((t, view))
+            for t in tensors:  # dense strides (checked): channels_last kept
+                moves.append((t, buf.as_strided(t.shape, t.stride(), at).copy_(t)))
                 at += t.numel()
             buffers.append(buf)
         _assign(moves)  # only once every copy is made: out of memory above leaves the model as it was
@@ -163,14 +155,9 @@ def flatten_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
 
 
 def flatten_model(model: nn.Module) -> list[Tensor]:
-    """Move the model's parameters and buffers into one buffer per (device, dtype); return the buffers.
-
-    Flatten before building the optimizer and the EMA; what it refuses and costs:
-    docs/beyond_foreach_details.md."""
+    """Move the model's tensors into one buffer per (device, dtype), returned; then build optimizer, EMA."""
     buffers = _flatten(_model_tensors(model))
-    # Each module's state_dict() gives copies (at save time only), for accelerate's save_model/save_state keep
-    # one entry per storage and safetensors refuses one that does not cover its storage.
-    for m in model.modules():
+    for m in model.modules():  # state_dict copies: accelerate and safetensors want whole storages
         if not any(m._state_dict_hooks[k].args == (id(m),) for k in _hooks(m)):
             m._register_state_dict_hook(partial(_copies_of_views, id(m)))  # torch 2.1 has no public name
     return buffers
@@ -178,7 +165,6 @@ def flatten_model(model: nn.Module) -> list[Tensor]:
 
 def unflatten_model(model: nn.Module) -> None:
     """Give every parameter and buffer that shares a buffer its own memory again (undoes flatten_model)."""
-    # Each tensor that shares its storage, or fills part of it; the others have their own memory.
     movable = [(name, t) for name, t in _model_tensors(model) if _refusal(t) is None]
     on_storage = _by_storage(movable)
     moves = []
@@ -187,13 +173,11 @@ def unflatten_model(model: nn.Module) -> None:
             shared = len(on_storage[_storage_key(t)]) > 1
             part = t.untyped_storage().nbytes() != t.numel() * t.element_size()
             # Not resizable: a slice of another storage (an EMA's); a torch without resizable(): left as is.
-            slice_of = not getattr(t.untyped_storage(), "resizable", lambda: True)()
-            if shared or part or slice_of:
+            if shared or part or not getattr(t.untyped_storage(), "resizable", lambda: True)():
                 new = torch.empty_strided(  # dense (checked): its strides (channels_last) and pinning kept
                     t.shape, t.stride(), dtype=t.dtype, device=t.device, pin_memory=t.is_pinned()
                 )
-                new.copy_(t)
-                moves.append((t, new))
+                moves.append((t, new.copy_(t)))
         _assign(moves)
     for m in model.modules():
         for key in _hooks(m):

@@ -19,12 +19,10 @@ __all__ = ["GraphStep"]
 
 def _record(body: Callable[[], None], device: torch.device) -> Callable[[], None]:
     """Record ``body``'s kernels in a CUDA graph (nothing runs); return the graph's ``replay``."""
-    # capture_begin on a side stream, not torch.cuda.graph(): that one synchronizes the device and
-    # empties the caching allocator, which the training loop would pay for at its next allocations.
+    # Not torch.cuda.graph(): it syncs the device and empties the caching allocator the training loop reuses.
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(torch.cuda.Stream(device)):
-        # "thread_local": a DataLoader's pin-memory thread may allocate while this records.
-        graph.capture_begin(capture_error_mode="thread_local")
+        graph.capture_begin(capture_error_mode="thread_local")  # a pin-memory thread may allocate meanwhile
         try:
             body()
         except BaseException:
@@ -56,20 +54,17 @@ class GraphStep(FlatStep):
         super().__init__(pairs, model, replace(options, cat_max_numel=0))
         self.weights = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(pairs.count)]
         self.replay: Callable[[], None] | None = None  # set when the graph is recorded
-        self.warm = False  # the first update runs eagerly
+        self.warm = False  # True once an update ran eagerly: the next one records
 
     def apply(self, decays: Sequence[float | Tensor], weights: Sequence[float | Tensor]) -> None:
-        """Write each weight where the graph reads it, then replay the graph (recording it on first use)."""
+        """Write each weight where the graph reads it, then replay it (recorded at the second update)."""
         self.check_weights(weights)
         if self.replay is None and self.warm:
             self.replay = _record(self._update, self.weights[0].device)
         for into, w in zip(self.weights, weights):
             into.fill_(w)  # a 0-dim tensor on this device (checked) is copied: no host sync
-        if self.replay is None:
-            self._update()
-            self.warm = True
-        else:
-            self.replay()
+        (self.replay or self._update)()  # eagerly until recorded
+        self.warm = True
 
     def _update(self) -> None:
         for g in self.groups:  # with no gathers, every read is a copy between fixed tensors

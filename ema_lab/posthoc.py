@@ -21,8 +21,7 @@ __all__ = ["PostHocEMA", "power_inner_products", "solve_weights", "synthesize"]
 
 
 def power_inner_products(t_a: Tensor, gamma_a: Tensor, t_b: Tensor, gamma_b: Tensor) -> Tensor:
-    """Inner products of the normalized power profiles ``(g + 1) / t * (x / t) ** g`` on ``[0, t]``
-    (broadcasting; EDM2's ``power_function_correlation``: the integral ends with the shorter profile)."""
+    """Inner products of power profiles ``(g + 1) / t * (x / t) ** g`` (EDM2's power_function_correlation)."""
     t_short, t_long = torch.minimum(t_a, t_b), torch.maximum(t_a, t_b)
     g_long = torch.where(t_a > t_b, gamma_a, gamma_b)
     return (gamma_a + 1) * (gamma_b + 1) / (gamma_a + gamma_b + 1) * (t_short / t_long) ** g_long / t_long
@@ -36,8 +35,7 @@ def solve_weights(
     target_gamma: float | None = None,
     target_sigma_rel: float | None = None,
 ) -> Tensor:
-    """The float64 weights of the snapshots whose sum best fits the target profile: Algorithm 3 by ``lstsq``
-    (a singular Gram matrix too), scaled to sum 1 as EDM2 does (weights that never move come out exact)."""
+    """The float64 weights, summing to 1, of the snapshots whose sum best fits the target (Algorithm 3)."""
     one_of("target_gamma", target_gamma, "target_sigma_rel", target_sigma_rel)
     sizes = (len(snapshot_gammas), len(snapshot_steps))
     require(sizes[0] == sizes[1] > 0, "the snapshot gammas and steps", sizes, "as many, at least one")
@@ -50,8 +48,9 @@ def solve_weights(
     g, t = (torch.tensor(x, dtype=torch.float64)[:, None] for x in (snapshot_gammas, snapshot_steps))
     gram = power_inner_products(t, g, t.T, g.T)
     target = [torch.tensor(float(x), dtype=torch.float64) for x in (target_step, target_gamma)]
+    # lstsq: the Gram matrix may be singular.
     weights = torch.linalg.lstsq(gram, power_inner_products(t, g, *target), driver="gelsd").solution[:, 0]
-    return weights / weights.sum()
+    return weights / weights.sum()  # as EDM2: weights that never move come out exact
 
 
 def synthesize(
@@ -62,8 +61,7 @@ def synthesize(
     gamma: float | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, Tensor]:
-    """The EMA of length ``sigma_rel`` (or ``gamma``) at ``step`` (default: the last), from one run's
-    snapshots read one at a time: floats summed in ``dtype``, other entries the last snapshot's."""
+    """The EMA of length ``sigma_rel`` (or ``gamma``) at ``step`` (default: the last), from the snapshots."""
     one_of("sigma_rel", sigma_rel, "gamma", gamma)
     require(dtype in (torch.float32, torch.float64), "dtype", dtype, "torch.float32 or torch.float64")
     if not (snapshots := list_snapshots(folder)):
@@ -101,8 +99,7 @@ def synthesize(
 
 
 class PostHocEMA(ModelEMA):
-    """Power-function EMAs (Karras et al. 2024), one per length in ``sigma_rels``, moved by one step and saved
-    in ``folder`` every ``snapshot_every`` updates; ``updates=N`` resumes (docs/api.md)."""
+    """Power-function EMAs, one per length in ``sigma_rels``, saved every ``snapshot_every`` updates."""
 
     def __init__(
         self,
@@ -140,8 +137,7 @@ class PostHocEMA(ModelEMA):
                 self.run = data["run"]
 
     def update(self, model: nn.Module) -> None:
-        """Move every EMA one step towards ``model``; every ``snapshot_every`` updates, save them all. If the
-        save raises, the update is undone (the EMAs and ``updates`` as before it) and the error propagates."""
+        """:meth:`ModelEMA.update`, saving every ``snapshot_every`` updates (a failed save undoes it)."""
         if not self.enabled or (self.updates + 1) % self.snapshot_every:
             super().update(model)
             return
@@ -150,10 +146,9 @@ class PostHocEMA(ModelEMA):
         try:
             self.save()
         except BaseException:
-            with torch.no_grad():  # in place: the step's buffers stay the EMAs' memory
-                for ema, copy in zip(self.emas, copies):
-                    for k, v in ema.state_dict().items():
-                        v.copy_(copy[k])
+            for ema, copy in zip(self.emas, copies):  # in place: the step's buffers stay the EMAs' memory
+                for k, v in ema.state_dict().items():  # detached: no autograd
+                    v.copy_(copy[k])
             self.updates -= 1  # as before it
             raise
 
@@ -174,8 +169,7 @@ class PostHocEMA(ModelEMA):
         return {**super().state_dict(), "run": self.run, "saved": self.saved}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state`` and its run, whose steps after ``state``'s last save are replaced as it
-        saves."""
+        """Continue from ``state``'s run; its steps after ``state``'s last save are replaced as it saves."""
         if isinstance(state, dict) and "saved" not in state:  # a state saved before it held "saved": as then
             state = {**state, "saved": self.saved}
         super().load_state_dict(state)

@@ -13,13 +13,11 @@ __all__ = ["RankDuties", "local_tensor", "world_size", "is_fully_sharded"]
 
 def local_tensor(t: Tensor) -> Tensor:
     """This rank's part of ``t``: the local shard of a DTensor (no copy), else ``t`` itself."""
-    # What to_local() returns without grad, minus a dispatched view: the per-step check reads it too.
-    return getattr(t, "_local_tensor", t)
+    return getattr(t, "_local_tensor", t)  # to_local() without grad or a dispatched view (read per step)
 
 
 def is_fully_sharded(model: nn.Module) -> bool:
-    # FSDP2's fully_shard makes each sharded module a subclass of FSDPModule, which torch 2.4 and 2.5 keep in
-    # torch.distributed._composable.fsdp, 2.6 on in torch.distributed.fsdp: found by name, with no import.
+    """True when FSDP2's ``fully_shard`` sharded a module of ``model`` (by name: FSDPModule moved in 2.6)."""
     return any(c.__name__ == "FSDPModule" for m in model.modules() for c in type(m).__mro__)
 
 
@@ -42,30 +40,27 @@ class RankDuties:
         return [t for t in found if t.is_floating_point() and not hasattr(t, "placements")]
 
     def sync_buffers(self, src: int = 0, group: object = None) -> None:
-        """Overwrite every rank's EMA float buffers with rank ``src``'s (of ``group``): a collective, on every
-        rank before evaluating or saving; not in ``update()``, where it would hang an EMA kept on one rank."""
+        """Copy rank ``src``'s EMA float buffers to every rank (a collective), before evaluating or saving."""
         if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
             got = type(group).__name__
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {got}")
         world = world_size(group)
         if not (isinstance(src, int) and not isinstance(src, bool) and 0 <= src < world):
             raise ValueError(f"src must be a rank of the group, 0 to {world - 1}, got {src!r}")
-        self.ranks_checked = True  # its user syncs: no warning
+        self.ranks_checked = True  # synced by hand, not in update(): there an EMA kept on one rank would hang
         if world == 1:
             return
         buffers = self.rank_local_tensors()
-        # DDP's coalesced broadcast copies in place (the step keeps its tensors) through flat tensors made in
-        # C++: one made in Python aborted the process at exit (gloo's worker freed it without the GIL).
+        # In place (the step keeps its tensors); C++ flat tensors: Python-made ones crashed gloo at exit.
         with torch.no_grad():
             size = sum(b.numel() * b.element_size() for b in buffers)  # one bucket per (dtype, device)
             dist._broadcast_coalesced(dist.group.WORLD if group is None else group, buffers, size, src)
 
     def _warn_unsynced(self, model: nn.Module) -> None:
-        """Warn, once, when a rank-local float buffer (not SyncBatchNorm's) differs from the model's."""
+        """Warn once when a rank-local float buffer differs from the model's (SyncBatchNorm's are synced)."""
         self.ranks_checked = True
         if world_size() == 1:
             return
-        # SyncBatchNorm reduces its batch statistics over the ranks: its buffers are equal on every rank.
         synced = {id(t) for m in self.ema.modules() if isinstance(m, nn.SyncBatchNorm) for t in m.buffers()}
         local = {id(t) for t in self.rank_local_tensors()} - synced
         now = model.state_dict(keep_vars=True)

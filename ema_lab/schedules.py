@@ -16,8 +16,7 @@ __all__ += ["decay_over", "Ramp", "Warmup", "Constant", "Harmonic", "Power", "Sc
 
 Schedule = Callable[[int], float]
 
-# Karras et al.'s length of the power profile at gamma = 0 (the running mean): the longest it can be.
-MAX_SIGMA_REL = 1 / math.sqrt(12)
+MAX_SIGMA_REL = 1 / math.sqrt(12)  # the power profile's length at gamma = 0 (the running mean): the longest
 
 _LARGEST_N = int(sys.float_info.max)
 
@@ -37,9 +36,7 @@ class _Schedule:
         # Inline, not check_int: an update reaches torch in three frames (tests/core/test_call_depth.py).
         if isinstance(n, bool) or not isinstance(n, Integral) or n < self.first_n:
             raise ValueError(f"n must be an int >= {self.first_n}, got {n!r}")
-        # An int has no bound but float arithmetic overflows past the largest double: every schedule has
-        # reached its limit long before, so n is capped there (one comparison, no frame).
-        return self.at(min(n, _LARGEST_N))
+        return self.at(min(n, _LARGEST_N))  # no float overflow: every schedule is at its limit long before
 
     def at(self, n: int) -> float:
         """The decay of update ``n``, unchecked."""
@@ -87,8 +84,7 @@ class Warmup(_Schedule):
         if s <= 0:
             return 0.0
         # The peers' own expression and order of operations: the same float, bit for bit.
-        d = 1 - (1 + s / self.gamma) ** -self.power
-        return max(min(d, self.decay), self.min_decay)
+        return max(min(1 - (1 + s / self.gamma) ** -self.power, self.decay), self.min_decay)
 
 
 @dataclass(frozen=True, repr=False)
@@ -118,9 +114,7 @@ class Harmonic(_Schedule):
 
     def at(self, n: int) -> float:
         s = n - self.after - 1
-        if s <= 0:
-            return 0.0
-        return max(min((1 + s) / (10 + s), self.decay), self.min_decay)
+        return 0.0 if s <= 0 else max(min((1 + s) / (10 + s), self.decay), self.min_decay)
 
 
 @dataclass(frozen=True, repr=False)
@@ -141,13 +135,11 @@ class Power(_Schedule):
         return (1 - 1 / n) ** (self.gamma + 1)
 
 
-# The schedules are their classes: the class's defaults are the function's (one place for each).
-ramp, warmup, constant, harmonic = Ramp, Warmup, Constant, Harmonic
+ramp, warmup, constant, harmonic = Ramp, Warmup, Constant, Harmonic  # the classes: defaults in one place
 
 
 def power(gamma: float | None = None, *, sigma_rel: float | None = None) -> Power:
-    """Karras et al.'s power-function EMA ``(1 - 1 / n) ** (gamma + 1)`` by gamma or sigma_rel (EDM2's
-    ``power_function_beta``); updated every k steps, :func:`decay_over` keeps the profile."""
+    """The :class:`Power` schedule by ``gamma`` or ``sigma_rel`` (EDM2's ``power_function_beta``)."""
     one_of("gamma", gamma, "sigma_rel", sigma_rel)
     return Power(sigma_rel_to_gamma(sigma_rel) if gamma is None else gamma)
 
@@ -159,14 +151,11 @@ def gamma_to_sigma_rel(gamma: float) -> float:
     return math.sqrt((gamma + 1) / (gamma + 3)) / (gamma + 2)
 
 
-#: Below this, ``sigma_rel ** -2`` overflows a double; there gamma + 3 = 1 / sigma_rel to double precision.
-_TINY_SIGMA_REL = 1e-150
+_TINY_SIGMA_REL = 1e-150  #: below it, sigma_rel ** -2 overflows; gamma + 3 = 1 / sigma_rel to a double there
 
 
 def sigma_rel_to_gamma(sigma_rel: float) -> float:
-    """The gamma whose profile has relative length ``sigma_rel`` (EDM2's std_to_exp, Algorithm 2): the largest
-    real root of ``g**3 + 7 g**2 + (16 - t) g + 12 - t``, ``t = sigma_rel ** -2``, by Newton's method from
-    ``sqrt(t)`` (the cubic is convex and positive there: the iterates fall to the root)."""
+    """The gamma whose profile has relative length ``sigma_rel`` (EDM2's std_to_exp, Algorithm 2)."""
     ok = is_real(sigma_rel) and 0 < sigma_rel <= MAX_SIGMA_REL
     require(ok, "sigma_rel", sigma_rel, f"in (0, {MAX_SIGMA_REL!r}] (gamma >= 0)")
     sigma_rel = float(sigma_rel)  # a numpy float32 would run Newton's method (and give gamma) in float32
@@ -175,7 +164,7 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
         require(math.isfinite(gamma), "sigma_rel", sigma_rel, "at least 1/1.8e308 (gamma is a finite float)")
         return gamma
     t = sigma_rel**-2
-    g = math.sqrt(t)
+    g = math.sqrt(t)  # Newton's method from here, where the cubic is convex and positive: g falls to its root
     while True:
         f = ((g + 7) * g + 16 - t) * g + 12 - t
         nxt = g - f / ((3 * g + 14) * g + 16 - t)

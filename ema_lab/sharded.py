@@ -1,6 +1,5 @@
-"""``ShardedModelEMA``: the EMA of an FSDP2 (``fully_shard``) model as this rank's shards. A sharded module
-refuses a deep copy, and a full copy per rank would cost the memory FSDP saves; the EMA is elementwise, so
-each rank averages its own shard, as DTensors that torch's state-dict tools treat like the model's."""
+"""``ShardedModelEMA``: an FSDP2 model's EMA as this rank's shards (DTensors, like the model's): a sharded
+module refuses a deep copy, a full copy per rank would cost what FSDP saves, and the EMA is elementwise."""
 
 from __future__ import annotations
 
@@ -28,10 +27,9 @@ class ShardedModelEMA(BaseEMA):
             raise RuntimeError("ShardedModelEMA needs DTensor, and this torch build has no torch.distributed")
         entries = {key: getitem(*slot) for key, slot in module_entries(model)}
         root, made = nn.Module(), {}
-        with torch.no_grad():
-            for t in unique(entries.values()):
-                copy = t.detach().clone()  # a DTensor clones only its local shard
-                made[id(t)] = nn.Parameter(copy, requires_grad=False) if copy.is_floating_point() else copy
+        for t in unique(entries.values()):
+            copy = t.detach().clone()  # a DTensor clones only its local shard
+            made[id(t)] = nn.Parameter(copy, requires_grad=False) if copy.is_floating_point() else copy
         for key, t in entries.items():
             *path, name = key.split(".")
             mod = root
@@ -65,8 +63,7 @@ class ShardedModelEMA(BaseEMA):
                 raise ValueError(f"entry {entry.key!r}: model {theirs} does not match EMA {mine}")
 
         def local(entry: Entry) -> Entry:
-            emas = tuple(map(local_tensor, entry.emas))
-            return replace(entry, emas=emas, model=local_tensor(entry.model))
+            return replace(entry, emas=tuple(map(local_tensor, entry.emas)), model=local_tensor(entry.model))
 
         floats, counters = [*map(local, pairs.floats)], [*map(local, pairs.counters)]
         return replace(pairs, floats=floats, counters=counters, sharded=True)

@@ -23,13 +23,10 @@ from .checks import check_gamma, is_int, require
 __all__ = ["Snapshot", "check_folder", "save_step", "remove_step", "list_snapshots", "load_snapshot"]
 __all__ += ["read_snapshot"]
 
-#: What a snapshot file says it is (its ``"format"`` entry).
-FORMAT = "ema_lab snapshot 3"
-#: A snapshot file's fields and the type of each: a new field is one more entry here and in save_step (and
-#: a new FORMAT, if older files lack it).
+FORMAT = "ema_lab snapshot 3"  #: what a snapshot file says it is (its "format" entry)
+#: A snapshot file's fields and their types (a new field: here and in save_step, and a new FORMAT).
 FIELDS = {"format": str, "step": int, "gamma": float, "run": (str, type(None)), "tensors": dict}
-#: The largest step a snapshot may have: the synthesis computes with steps as float64, exact up to 2**53.
-MAX_STEP = 2**53
+MAX_STEP = 2**53  #: the largest step: the synthesis computes steps as float64, exact up to 2**53
 
 _STEP = re.compile(r"step-(\d+)")
 _FILE = re.compile(r"g(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\.pt")
@@ -53,14 +50,12 @@ class Snapshot:
 
 
 def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
 def check_folder(folder: str | os.PathLike) -> Path:
-    """``folder`` as an absolute Path (a later chdir does not move it), made if missing, checked writable, and
-    rid of the temporary folders of dead writers on this host (saves killed midway), never a live one's."""
-    path = Path(folder).absolute()
+    """``folder`` as an absolute Path, made if missing, checked writable, rid of dead writers' temporaries."""
+    path = Path(folder).absolute()  # a later chdir does not move it
     try:
         path.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=path).close()
@@ -95,8 +90,7 @@ def _hidden(folder: Path, step: int) -> Path:
 def save_step(
     folder: str | os.PathLike, step: int, states: Mapping[float, Mapping[str, Tensor]], run: str | None = None
 ) -> Path:
-    """Save every profile of update ``step`` (gamma -> the EMA's tensors) as ``folder/step-<step>/``, complete
-    or not at all, never replacing a saved step; returns that path (clone views of one storage first)."""
+    """Save update ``step``'s profiles (gamma -> tensors) as ``folder/step-<step>/``, all or not at all."""
     check_step("step", step)
     if not (isinstance(states, Mapping) and states):
         raise ValueError(f"states must be a non-empty dict of gamma -> tensors, got {type(states).__name__}")
@@ -127,14 +121,12 @@ def save_step(
         _fsync(tmp)
         os.rename(tmp, final)  # fails where final has files or is no folder: a saved step is never replaced
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR) and os.path.lexists(final):
             raise taken from None
         message = f"step {step} not saved to {final}: {e.strerror or _first_line(e)}"
         raise (OSError(e.errno, message) if e.errno else OSError(message)) from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing there once renamed
     try:
         _fsync(folder)
     except OSError as e:  # the step is saved and visible; whether it would outlive a power cut is not known
@@ -188,8 +180,7 @@ def read_snapshot(snapshot: Snapshot) -> dict:
         data = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # any file torch cannot read: truncated, empty, foreign, gone
         raise ValueError(f"{path} is not a readable snapshot ({_first_line(e)})") from None
-    # The format first: a file of another format may hold other fields.
-    written = data.get("format") if isinstance(data, dict) else None
+    written = data.get("format") if isinstance(data, dict) else None  # first: other formats, other fields
     if not (isinstance(written, str) and written.startswith("ema_lab snapshot")):
         raise ValueError(f"{path} is not an ema_lab snapshot file (no {FORMAT!r} payload)")
     if written != FORMAT:
