@@ -164,8 +164,7 @@ class BaseEMA(RankDuties):
         return [] if self._step is None else self._step.modes
 
     def _collect(self, model: nn.Module) -> Pairs:
-        for ema in self.emas:
-            guard_dicts(ema)  # before the slots are collected: they name these dicts
+        guard_dicts(self.emas)  # before the slots are collected: they name these dicts
         return collect_pairs(self.emas, model)
 
     def _rebuild(self, model: nn.Module) -> Step:

@@ -1,6 +1,5 @@
-"""What every cached EMA step is (:class:`Step`), its options, and the parts every kind of step shares: the
-watch (the model's slots read per update, the EMA's own dicts and tensors telling it when they are moved,
-as torch has no hook for ``p.data = x`` or ``swap_tensors``), the lerp, the counters."""
+"""What every cached EMA step is (:class:`Step`), its options, and what every kind of step shares: the watch
+(which the EMA's own parameters and module dicts tell of a move), the lerp, the counters."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ class StepOptions:
 
 
 class Step(Protocol):
-    """A cached update of one model's EMAs: ``ready(model)`` (False: rebuild it), then ``apply(decays,
-    weights)``."""
+    """A cached update of one model's EMAs: ``ready(model)`` (False: rebuild it), then ``apply``."""
 
     tensor_decay: ClassVar[bool]  # apply() takes 0-dim tensor decays (no host sync)
     in_place: ClassVar[bool]  # the EMAs' tensors keep their storage (ShardedModelEMA needs it)
@@ -50,8 +48,7 @@ class Step(Protocol):
 def lerp_pairs(
     ema: list[Tensor], model: list[Tensor], weight: float | Tensor | list[Tensor], foreach: bool = True
 ) -> None:
-    """``e += weight * (m - e)`` per pair: one ``_foreach_lerp_`` (``weight`` may be a list), or a ``lerp_``
-    each."""
+    """``e += weight * (m - e)`` per pair: one ``_foreach_lerp_`` (``weight``: may be a list) or lerps."""
     if not foreach:
         for e, m in zip(ema, model):
             e.lerp_(m, weight)
@@ -107,9 +104,9 @@ class _Dict(dict):
         return dict, (dict(self),)  # copies and pickles hold a plain dict
 
 
-def guard_dicts(ema: nn.Module) -> None:
-    """Make each ``ema`` module's parameter and buffer dicts a ``_Dict`` (not an unhashable module's)."""
-    for module in (m for m in ema.modules() if type(m).__hash__):
+def guard_dicts(emas: Iterable[nn.Module]) -> None:
+    """Make the parameter and buffer dicts of the ``emas``' modules ``_Dict``s (but an unhashable one's)."""
+    for module in (m for ema in emas for m in ema.modules() if type(m).__hash__):
         for table in ("_parameters", "_buffers"):
             if type(entries := module.__dict__[table]) is dict:
                 entries = module.__dict__[table] = _Dict(entries)
@@ -121,10 +118,9 @@ class _Parameter(nn.Parameter):
     move the watch that its step's own subclass names; deepcopy, pickle and repr see a plain Parameter."""
 
     __slots__ = ()
-    watch: weakref.ref[Watch]
 
     def _moved(self) -> None:
-        if (watch := type(self).watch()) is not None:
+        if (watch := type(self).watch()) is not None:  # a weakref.ref[Watch]
             watch.moved = True
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -185,9 +181,8 @@ class Watch:
         self.ptrs = self.data_ptrs()
 
     def guard(self, slots: Iterable[Slot]) -> list[Slot]:
-        """Give each EMA parameter in a ``_Dict`` a type that moves this watch, hold the other tensors there
-        (a buffer keeps its type: torch.compile breaks its graph at a tensor subclass but a Parameter's);
-        return the slots of other dicts."""
+        """Give each EMA parameter in a ``_Dict`` a type that moves this watch, hold its buffers (compiling
+        takes no other subclass as a plain tensor); return the slots of other dicts."""
         guarded = type("Parameter", (_Parameter,), {"watch": weakref.ref(self), "__slots__": ()})
         left = []
         for entries, key in slots:
