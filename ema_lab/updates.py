@@ -112,7 +112,7 @@ class ListStep:
         self.watch = Watch(model, model_slots, pairs.modules, pairs.sharded, guarded=pairs.ema_slots())
 
     def ready(self, model: nn.Module) -> bool:
-        """True while every slot holds the memory this step was built over."""
+        """True while the watch saw no move and every tensor it reads holds the memory it had."""
         return self.watch.current(model)
 
     def apply(self, decays: Sequence[float], weights: Sequence[float]) -> None:
