@@ -196,7 +196,7 @@ class Watch:
         return left
 
     def data_ptrs(self) -> list[int]:
-        """``data_ptr()`` of each held tensor and of the one each slot holds now; map() keeps the loop in C."""
+        """``data_ptr()`` of each held tensor and of the one in each slot now; map() keeps the loop in C."""
         tensors = chain(self.held, map(getitem, self.dicts, self.keys))
         return list(map(Tensor.data_ptr, map(local_tensor, tensors) if self.sharded else tensors))
 
