@@ -270,7 +270,7 @@ print(f"small float tensors (under 2,048 elements): {len(small)} of {len(float_t
 # by the `cat`s: they cannot go stale. The EMA copy's parameters tell the update themselves when a
 # conversion, `p.data = x` or a swap moves them, so none is read. Every other tensor's address is checked:
 # the EMA's buffers (BatchNorm's statistics and counters), the model's large tensors and counters; of a
-# flattened model, every tensor (CHECKED_FLAT against CHECKED). `cat.out` and `copy_` copy BatchNorm's
+# flattened model, every tensor (1,050 against 580). `cat.out` and `copy_` copy BatchNorm's
 # integer counters. Time all six ways:
 
 # %% tags=["nbval-ignore-output"]
@@ -303,13 +303,13 @@ plt.show()
 print(f"ModelEMA default / bare foreach of section 1: {times['ModelEMA'] / times['foreach']:.2f}")
 
 # %% [markdown]
-# The flattened model's `ModelEMA` adds the counters' `copy_` and the check of CHECKED_FLAT tensors to
+# The flattened model's `ModelEMA` adds the counters' `copy_` and the check of 1,050 tensors to
 # the floor's `lerp_`, so its bar is longer than the floor's.
 #
 # The ratio: the default over section 1's bare `_foreach_lerp_` (under 1: faster).
-# The default lerps fewer, larger pieces, but pays for its `cat`s and for checking the CHECKED tensors it
+# The default lerps fewer, larger pieces, but pays for its `cat`s and for checking the 580 tensors it
 # neither reads live nor hears from, each cold after a training step
-# ([measured](../docs/results/WATCHFILE)); the bare lists check nothing. The check is the cost of being
+# ([measured](../docs/results/watch-costs-2026-12-07-guard.md)); the bare lists check nothing. The check is the cost of being
 # safe.
 #
 # The check, packaged: make the flattened model fp16, update once with decay 0; the EMA must equal it:
