@@ -244,7 +244,7 @@ print(
 )
 
 # %% [markdown]
-# Your machine's counterpart of the PR's 2.2x (Apple M-series); the range shows how far one round
+# Your machine's counterpart of the PR's speed-up (notebook 01 quotes it); the range shows how far one round
 # could mislead. `ema_lab.bench.timing.time_candidates` is this loop, packaged: a warm-up, measurements
 # of about 20 ms, the order shuffled every round. Add `ModelEMA(model, strategy="foreach")`, one
 # `_foreach_lerp_` over lists it keeps:

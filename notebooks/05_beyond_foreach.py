@@ -17,8 +17,7 @@
 #
 # - Put the EMA and the model each in one contiguous buffer, and the whole update is one `lerp_`.
 # - Views go stale when the model moves, so check them; keep the EMA in fp32.
-# - A safe update checks every tensor it neither reads live nor hears from; bare foreach trusts the model
-#   never to change.
+# - A safe update checks what it neither reads live nor hears from; bare foreach trusts the model.
 
 # %% [markdown]
 # ![Course map](figures/course_map_05.svg)
@@ -267,11 +266,10 @@ print(f"small float tensors (under 2,048 elements): {len(small)} of {len(float_t
 # | `cast` | another dtype | one `_foreach_copy_` into fp32, one `lerp_` |
 #
 # *Small*: under 2,048 elements, read live from their *slots* (a module's entries, such as `conv.weight`)
-# by the `cat`s: they cannot go stale. The EMA copy's parameters tell the update themselves when a
-# conversion, `p.data = x` or a swap moves them, so none is read. Every other tensor's address is checked:
-# the EMA's buffers (BatchNorm's statistics and counters), the model's large tensors and counters; of a
-# flattened model, every tensor (1,050 against 580). `cat.out` and `copy_` copy BatchNorm's
-# integer counters. Time all six ways:
+# by the `cat`s: they cannot go stale. The EMA copy's parameters tell the update when a conversion,
+# `p.data = x` or a swap moves them. Every other tensor's address is checked: the EMA's buffers, the
+# model's large tensors and counters; of a flattened model, every tensor (1,050 against 580). `cat.out`
+# and `copy_` copy BatchNorm's integer counters. Time all six ways:
 
 # %% tags=["nbval-ignore-output"]
 import matplotlib.pyplot as plt
@@ -303,14 +301,13 @@ plt.show()
 print(f"ModelEMA default / bare foreach of section 1: {times['ModelEMA'] / times['foreach']:.2f}")
 
 # %% [markdown]
-# The flattened model's `ModelEMA` adds the counters' `copy_` and the check of 1,050 tensors to
-# the floor's `lerp_`, so its bar is longer than the floor's.
+# The flattened model's `ModelEMA` adds the counters' `copy_` and the check of 1,050 tensors to the
+# floor's `lerp_`.
 #
-# The ratio: the default over section 1's bare `_foreach_lerp_` (under 1: faster).
-# The default lerps fewer, larger pieces, but pays for its `cat`s and for checking the 580 tensors it
-# neither reads live nor hears from, each cold after a training step
-# ([measured](../docs/results/watch-costs-2026-12-07-guard.md)); the bare lists check nothing. The check is the cost of being
-# safe.
+# The ratio: the default over section 1's bare `_foreach_lerp_` (under 1: faster). The default lerps
+# fewer, larger pieces, but pays for its `cat`s and for checking 580 tensors, each cold after a training
+# step ([measured](../docs/results/watch-costs-2026-12-07-guard.md)); the bare lists check nothing. The
+# check is the cost of being safe.
 #
 # The check, packaged: make the flattened model fp16, update once with decay 0; the EMA must equal it:
 
