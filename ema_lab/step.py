@@ -108,9 +108,9 @@ def guard_dicts(emas: Iterable[nn.Module]) -> None:
     """Make the parameter and buffer dicts of the ``emas``' modules ``_Dict``s (but an unhashable one's)."""
     for module in (m for ema in emas for m in ema.modules() if type(m).__hash__):
         for table in ("_parameters", "_buffers"):
-            if type(entries := module.__dict__[table]) is dict:
-                entries = module.__dict__[table] = _Dict(entries)
-            entries.watches = _listeners.setdefault(module, weakref.WeakSet())
+            if type(entries := module.__dict__[table]) in (dict, _Dict):  # not torch 2.1's OrderedDicts
+                entries = module.__dict__[table] = _Dict(entries) if type(entries) is dict else entries
+                entries.watches = _listeners.setdefault(module, weakref.WeakSet())
 
 
 class _Parameter(nn.Parameter):

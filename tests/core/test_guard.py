@@ -15,7 +15,7 @@ from torch import nn
 from ema_lab import ModelEMA, PostHocEMA
 from ema_lab.bench.models import build
 
-from ..helpers import float_entries
+from ..helpers import GUARDED, float_entries
 
 
 class Projected(nn.Module):
@@ -44,8 +44,7 @@ def _plain(module: nn.Module) -> bool:
     """Every tensor and module dict of ``module`` is torch's own type."""
     tensors = module.state_dict(keep_vars=True).values()
     dicts = [d for m in module.modules() for d in (m._parameters, m._buffers)]
-    plain_tensors = all(type(t) in (nn.Parameter, torch.Tensor) for t in tensors)
-    return plain_tensors and all(type(d) is dict for d in dicts)
+    return not any(type(x).__module__.startswith("ema_lab") for x in (*tensors, *dicts))
 
 
 def test_the_model_keeps_its_types() -> None:
@@ -53,7 +52,13 @@ def test_the_model_keeps_its_types() -> None:
     ema = _updated(model)
     ema.update(model)
     assert _plain(model)
+
+
+@GUARDED
+def test_the_emas_parameters_and_dicts_are_guarded() -> None:
+    ema = _updated(build("tiny_cnn"))
     assert not _plain(ema.ema)
+    assert all(type(p).__module__ == "ema_lab.step" for p in ema.ema.parameters())
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from ema_lab.flat_step import CAT_MAX_NUMEL
 from ema_lab.pairs import collect_pairs
 from ema_lab.step import Watch
 
-from ..helpers import CONVERSIONS, CachedListEMA, float_entries, follows_after
+from ..helpers import CONVERSIONS, GUARDED, CachedListEMA, float_entries, follows_after
 
 
 def _watch(ema: nn.Module, model: nn.Module) -> Watch:
@@ -241,6 +241,7 @@ def test_direct_slot_assignment_is_followed(strategy: str, entry: str) -> None:
 # (these tests are about the flat step's private layout: they read ema._step)
 
 
+@GUARDED
 def test_the_default_reads_every_small_tensor_live_and_checks_the_rest() -> None:
     model = models.build("tiny_cnn")
     ema = ModelEMA(model)
