@@ -334,7 +334,7 @@ for op, (stmt, g) in stmts.items():  # each op alone: the large one would evict 
 
 # %% [markdown]
 # A gain counts when it is much further from 1x than 1 thread against itself. Tiny tensors have nothing
-# to split (1.02x printed); the large `lerp_` gained 1.55x. A busy second core turns that gain into a
+# to split (0.97x printed); the large `lerp_` gained 1.50x. A busy second core turns that gain into a
 # loss: rerun the cell.
 
 # %% [markdown]
