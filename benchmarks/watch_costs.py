@@ -6,18 +6,17 @@
 For each model, at 1 thread:
 
 - interleaved (:func:`ema_lab.bench.timing.time_candidates`): the default ``ModelEMA`` update; the same update
-  with the EMA's own tensors left unchecked (an instrument, not a mode: its watch reads only the model's),
-  so their difference is what checking the EMA's tensors costs inside an update (its parameters tell the
-  step when they move and are never read; its buffers are); the watch alone (``step.watch.current(model)``:
-  one ``data_ptr()`` per checked tensor); and the budget unit, one plain pointer read per float tensor of
-  the model, ``list(map(Tensor.data_ptr, tensors)) == saved``;
+  with the EMA's own slots left unchecked (an instrument, not a mode: its watch lists only the model's slots),
+  so their difference is what checking the EMA's slots costs inside an update; the watch alone
+  (``step.watch.current(model)``: one ``data_ptr()`` per watched slot); and the budget unit, one plain
+  pointer read per float tensor of the model, ``list(map(Tensor.data_ptr, tensors)) == saved``;
 - with ``--baseline FOLDER`` (another version's core package, as ``benchmarks/peers.py`` takes it), that
   version's default update too, in the same rounds;
 - cold: the watch and the budget unit each timed right after a pass over 32 MiB of other memory, as they run
   in training, where the forward and backward passes have left nothing of the EMA in the caches.
 
-It prints the checked tensors (the EMA's, the model's), the times, and the cost per checked tensor warm and
-cold, and per checked EMA tensor inside the update.
+It prints the watched slots (the EMA's, the model's), the times, and the cost per EMA slot warm, cold and
+inside the update.
 """
 
 from __future__ import annotations
@@ -53,14 +52,13 @@ def cold_seconds(fn: Callable[[], object], repeats: int = 101) -> float:
 
 
 def with_ema_unchecked(model: torch.nn.Module) -> ModelEMA:
-    """A default ``ModelEMA`` whose watch checks only the model's tensors (for measuring, never for use)."""
+    """A default ``ModelEMA`` whose watch checks only the model's slots (for measuring, never for use)."""
     ema = ModelEMA(model)
     ema.update(model)
     watch = ema._step.watch
     own = {id(t) for e in ema.emas for m in e.modules() for t in (m._parameters, m._buffers)}
     kept = [(d, k) for d, k in zip(watch.dicts, watch.keys) if id(d) not in own]
     watch.dicts, watch.keys = (tuple(x) for x in zip(*kept)) if kept else ((), ())
-    watch.held = []  # the EMA's buffers
     watch.ptrs = watch.data_ptrs()
     return ema
 
@@ -87,12 +85,12 @@ def costs(name: str, rounds: int, baseline: ModuleType | None = None) -> str:
         fns["baseline"] = lambda: old.update(model)
     ms = {k: r.median_s * 1e3 for k, r in time_candidates(fns, rounds=rounds).items()}
     cold = {k: cold_seconds(fns[k]) * 1e3 for k in ("watch", "budget")}
-    slots = len(step.watch.keys) + len(step.watch.held)
-    own = slots - len(unchecked._step.watch.keys)  # the EMA's checked tensors: its buffers
-    ns = {  # per checked tensor, or per float tensor for the budget
-        "warm": ms["watch"] / slots * 1e6 if slots else float("nan"),  # tiny_tensors: none checked
-        "cold": cold["watch"] / slots * 1e6 if slots else float("nan"),
-        "in update": (ms["update"] - ms["unchecked"]) / own * 1e6 if own else float("nan"),
+    slots = len(step.watch.keys)
+    own = sum(len(e.state_dict()) for e in ema.emas)
+    ns = {  # per EMA slot, or per float tensor for the budget
+        "warm": ms["watch"] / slots * 1e6,
+        "cold": cold["watch"] / slots * 1e6,
+        "in update": (ms["update"] - ms["unchecked"]) / own * 1e6,
         "budget": ms["budget"] / len(floats) * 1e6,
         "budget cold": cold["budget"] / len(floats) * 1e6,
     }
@@ -106,14 +104,14 @@ def costs(name: str, rounds: int, baseline: ModuleType | None = None) -> str:
 HEAD = [
     "model",
     "float tensors",
-    "checked tensors (EMA + model)",
+    "watched slots (EMA + model)",
     "update ms",
-    "update, EMA unchecked ms",
+    "update, EMA slots unchecked ms",
     "watch ms (warm)",
     "watch ms (cold)",
-    "ns per checked tensor, warm",
+    "ns per slot, warm",
     "cold",
-    "ns per EMA tensor inside the update",
+    "ns per EMA slot inside the update",
     "budget ns per tensor, warm",
     "cold",
     "EMA check / update",

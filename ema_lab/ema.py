@@ -18,7 +18,7 @@ from .graph_step import GraphStep
 from .pairs import Pairs, check_materialized, collect_pairs, module_entries
 from .ranks import RankDuties, is_fully_sharded
 from .schedules import Schedule, decay_over, ramp
-from .step import Step, StepOptions, guard_dicts
+from .step import Step, StepOptions
 from .updates import LIST_STRATEGIES, ListStep
 
 __all__ = ["ModelEMA", "BaseEMA", "STRATEGIES", "unwrap_model"]
@@ -164,7 +164,6 @@ class BaseEMA(RankDuties):
         return [] if self._step is None else self._step.modes
 
     def _collect(self, model: nn.Module) -> Pairs:
-        guard_dicts(self.emas)  # before the slots are collected: they name these dicts
         return collect_pairs(self.emas, model)
 
     def _rebuild(self, model: nn.Module) -> Step:

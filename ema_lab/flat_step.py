@@ -187,10 +187,11 @@ class FlatStep:
                 self.groups.append(_SameDtypeGroup(es, ms, slots, options.cat_max_numel))
         self.counters = Counters(pairs)
         self.modes = [g.mode for g in self.groups]
-        # The model's slots but its live ones (read per update by the gather); the EMA's guarded.
-        checked = [slot for g in self.groups for slot in g.checked_slots]
+        # Every slot but the model's live ones (read per update by the gather).
+        checked = [s for e in (*floats, *pairs.counters) for s in e.ema_slots]
+        checked += [slot for g in self.groups for slot in g.checked_slots]
         checked += [e.model_slot for e in pairs.counters]
-        self.watch = Watch(model, checked, pairs.modules, guarded=pairs.ema_slots())
+        self.watch = Watch(model, checked, pairs.modules)
 
     def ready(self, model: nn.Module) -> bool:
         """True while every watched slot holds its memory and every group gathered its live ones."""

@@ -47,9 +47,9 @@ class Pairs:
         """The model's float tensors, in entry order."""
         return [e.model for e in self.floats]
 
-    def ema_slots(self) -> list[Slot]:
-        """Every EMA's slot of every entry."""
-        return [s for e in (*self.floats, *self.counters) for s in e.ema_slots]
+    def slots(self) -> list[Slot]:
+        """Every slot of every entry, the EMAs' and the model's."""
+        return [s for e in (*self.floats, *self.counters) for s in (*e.ema_slots, e.model_slot)]
 
 
 def unique(items: Iterable[_T], tensor: Callable[[_T], Tensor] = lambda t: t) -> list[_T]:

@@ -108,11 +108,10 @@ class ListStep:
             for k in range(pairs.count)
         ]
         self.counters = Counters(pairs)
-        model_slots = [e.model_slot for e in (*pairs.floats, *pairs.counters)]
-        self.watch = Watch(model, model_slots, pairs.modules, pairs.sharded, guarded=pairs.ema_slots())
+        self.watch = Watch(model, pairs.slots(), pairs.modules, sharded=pairs.sharded)
 
     def ready(self, model: nn.Module) -> bool:
-        """True while the watch saw no move and every tensor it reads holds the memory it had."""
+        """True while every slot holds the memory this step was built over."""
         return self.watch.current(model)
 
     def apply(self, decays: Sequence[float], weights: Sequence[float]) -> None:

@@ -9,20 +9,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-import pytest
 import torch
 from torch import Tensor, nn
 
 from ema_lab import ModelEMA
 from ema_lab.bench.models import build
 from ema_lab.bench.seed import lerp_float_entries
-
-#: Where the EMA's parameters tell its step of a move: torch 2.1 keeps a module's entries in an OrderedDict,
-#: which ema_lab leaves as it is and reads per update.
-GUARDED = pytest.mark.skipif(
-    type(nn.Module()._parameters) is not dict,
-    reason=f"torch {torch.__version__} keeps module entries in an OrderedDict: the EMA's are read per update",
-)
 
 
 def float_entries(module: torch.nn.Module) -> dict[str, Tensor]:

@@ -129,6 +129,8 @@ MOVES: dict[str, Callable[[nn.Module], object]] = {
     "buffer popped, then set": lambda m: m[1].bn._buffers.update(
         running_var=m[1].bn._buffers.pop("running_var") + 0
     ),
+    # What sending a state_dict to another process does (torch.multiprocessing): no Python hook runs.
+    "storage moved to shared memory (last)": lambda m: _last_param(m).untyped_storage().share_memory_(),
 }
 #: The moves as test parameters: swap_tensors exists from torch 2.3 (the floor is 2.1).
 MOVE_PARAMS = [
