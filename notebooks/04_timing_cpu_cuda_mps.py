@@ -334,8 +334,8 @@ for op, (stmt, g) in stmts.items():  # each op alone: the large one would evict 
 
 # %% [markdown]
 # A gain counts when it is much further from 1x than 1 thread against itself. Tiny tensors have nothing
-# to split (0.97x printed); the large `lerp_` gained 1.50x. A busy second core turns that gain into a
-# loss: rerun the cell.
+# to split (1.18x printed, 1.11x for 1 thread against itself); the large `lerp_` gained 1.45x. A busy
+# second core turns that gain into a loss: rerun the cell.
 
 # %% [markdown]
 # ## 4. How do two machines compare? By their speed-ups
