@@ -91,9 +91,14 @@ def install_hooks() -> None:
         _hooks.append(getattr(nn.modules.module, name)(_count_registrations(table)))
 
 
+#: Containers whose own methods (``insert``, ``pop``, ``del``) edit ``_modules`` with no registration hook.
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
 class Watch:
-    """Whether ``model`` is the one a step was built for, nothing was registered on ``modules`` since, and
-    each slot holds its memory (``data_ptr()``: torch has no hook for ``p.data = x`` or ``swap_tensors``)."""
+    """Whether ``model`` is the one a step was built for, nothing was registered on ``modules`` since, no
+    submodule was inserted or deleted, and each slot holds its memory (``data_ptr()``: torch has no hook for
+    ``p.data = x`` or ``swap_tensors``)."""
 
     def __init__(
         self, model: nn.Module, slots: list[Slot], modules: Iterable[nn.Module] = (), sharded: bool = False
@@ -101,8 +106,12 @@ class Watch:
         install_hooks()  # an EMA unpickled in a new process builds its watch before any constructor ran
         self.model_ref = weakref.ref(model)
         self.registered = False  # set by the hooks on a registration on one of ``modules``
+        modules = list(modules)
         for module in modules:
             _listeners.setdefault(module, weakref.WeakSet()).add(self)
+        # Their children tables: ``del parent.child`` and the containers' edits change only a table's size.
+        self.tables = [m._modules for m in modules if m._modules or isinstance(m, _CONTAINERS)]
+        self.sizes = list(map(len, self.tables))
         self.dicts, self.keys = (tuple(x) for x in zip(*slots)) if slots else ((), ())
         self.sharded = sharded  # ShardedModelEMA: watch each DTensor's local shard
         self.ptrs = self.data_ptrs()
@@ -113,8 +122,9 @@ class Watch:
         return list(map(Tensor.data_ptr, map(local_tensor, tensors) if self.sharded else tensors))
 
     def current(self, model: nn.Module) -> bool:
-        """True while nothing was registered on a watched module and every slot holds its memory."""
-        if self.registered or self.model_ref() is not model:
+        """True while nothing was registered on or deleted from a watched module and every slot holds its
+        memory."""
+        if self.registered or self.model_ref() is not model or list(map(len, self.tables)) != self.sizes:
             return False
         try:
             return self.data_ptrs() == self.ptrs

@@ -214,6 +214,40 @@ def test_a_model_parametrized_alone_is_refused_by_name(strategy: str) -> None:
         ema.update(model)
 
 
+#: Edits of a module's children that no registration hook sees: the containers' own methods, ``del``.
+EDITS: dict[str, Callable[[nn.Sequential], object]] = {
+    "Sequential.insert": lambda m: m.insert(1, nn.Conv2d(8, 8, 1)),
+    "del seq[-1]": lambda m: m.__delitem__(-1),
+    "Sequential.pop(0)": lambda m: m.pop(0),
+    "del block.bn": lambda m: delattr(m[1], "bn"),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_next_update_follows_an_edit_of_both(strategy: str, edit: str) -> None:
+    model, ema = _build(strategy)
+    for module in (model, ema.ema):
+        EDITS[edit](module)
+    ema.update(model, decay=0.0)
+    want = float_entries(model)
+    assert float_entries(ema.ema).keys() == want.keys()
+    for k, v in float_entries(ema.ema).items():
+        assert torch.equal(v, want[k]), k
+
+
+@pytest.mark.parametrize("side", ["model", "EMA"])
+@pytest.mark.parametrize("edit", EDITS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_edit_of_one_side_is_refused_by_name(strategy: str, edit: str, side: str) -> None:
+    model, ema = _build(strategy)
+    EDITS[edit](model if side == "model" else ema.ema)
+    before = {k: v.clone() for k, v in float_entries(ema.ema).items()}
+    with pytest.raises(ValueError, match=r"^EMA and model do not hold the same entries: missing"):
+        ema.update(model)
+    assert all(torch.equal(v, before[k]) for k, v in float_entries(ema.ema).items())
+
+
 @pytest.mark.parametrize("strategy", ["auto", "flat", "flattened"])
 def test_a_kept_reference_costs_no_rebuild(strategy: str) -> None:
     model, ema = _build(strategy)
