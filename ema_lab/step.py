@@ -5,7 +5,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from operator import getitem
+from itertools import repeat
+from operator import getitem, is_
 from typing import ClassVar, Protocol
 
 import torch
@@ -109,9 +110,13 @@ class Watch:
         modules = list(modules)
         for module in modules:
             _listeners.setdefault(module, weakref.WeakSet()).add(self)
-        # Their children tables: ``del parent.child`` and the containers' edits change only a table's size.
-        self.tables = [m._modules for m in modules if m._modules or isinstance(m, _CONTAINERS)]
+        # Their children tables: ``del parent.child`` and the containers' edits change only a table's size,
+        # but a container's ``pop`` or ``del`` then gives it a new table (an insert and a pop: the same size).
+        parents = [m for m in modules if m._modules or isinstance(m, _CONTAINERS)]
+        self.tables = [m._modules for m in parents]
         self.sizes = list(map(len, self.tables))
+        self.containers = [vars(m) for m in parents if isinstance(m, _CONTAINERS)]
+        self.container_tables = [c["_modules"] for c in self.containers]
         self.dicts, self.keys = (tuple(x) for x in zip(*slots)) if slots else ((), ())
         self.sharded = sharded  # ShardedModelEMA: watch each DTensor's local shard
         self.ptrs = self.data_ptrs()
@@ -125,6 +130,8 @@ class Watch:
         """True while nothing was registered on or deleted from a watched module and every slot holds its
         memory."""
         if self.registered or self.model_ref() is not model or list(map(len, self.tables)) != self.sizes:
+            return False
+        if not all(map(is_, map(getitem, self.containers, repeat("_modules")), self.container_tables)):
             return False
         try:
             return self.data_ptrs() == self.ptrs

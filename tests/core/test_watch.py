@@ -219,6 +219,7 @@ EDITS: dict[str, Callable[[nn.Sequential], object]] = {
     "Sequential.insert": lambda m: m.insert(1, nn.Conv2d(8, 8, 1)),
     "del seq[-1]": lambda m: m.__delitem__(-1),
     "Sequential.pop(0)": lambda m: m.pop(0),
+    "Sequential.insert, then pop": lambda m: (m.insert(0, nn.Conv2d(3, 3, 1)), m.pop(-1)),
     "del block.bn": lambda m: delattr(m[1], "bn"),
 }
 
