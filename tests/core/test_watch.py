@@ -256,3 +256,42 @@ def test_a_kept_reference_costs_no_rebuild(strategy: str) -> None:
     for _ in range(3):
         ema.update(model)
     assert ema.rebuilds == 1 and kept
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_weight_norm_on_both_is_followed(strategy: str) -> None:
+    """torch's weight_norm makes new Parameters from the EMA's own tensors (``nn.Parameter(weight)``)."""
+    model, ema = _build(strategy)
+    for module in (model, ema.ema):
+        nn.utils.parametrizations.weight_norm(module[0].conv)
+    _follows(model, ema)
+    assert "0.conv.parametrizations.weight.original0" in float_entries(ema.ema)
+
+
+class _Cached(nn.Module):
+    """A layer whose forward reassigns a non-persistent buffer (a rotary or mask cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(4), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache = x.detach().mean(0)
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES[:-1])
+def test_what_a_mean_teacher_does_costs_no_rebuild(strategy: str) -> None:
+    """The EMA runs forward every step (its cache reassigned) and is moved to where it already is."""
+    model = nn.Sequential(_Cached(), nn.BatchNorm1d(4))
+    ema = ModelEMA(model, strategy=strategy)
+    for _ in range(5):
+        x = torch.randn(8, 4)
+        model(x)
+        ema.ema(x)
+        ema.ema.to("cpu").float()
+        ema.update(model, decay=0.0)
+    assert ema.rebuilds == 1
+    want = float_entries(model)
+    assert all(torch.equal(v, want[k]) for k, v in float_entries(ema.ema).items())
