@@ -13,6 +13,7 @@ from torch.nn.utils import parametrize
 
 from ema_lab import ModelEMA, flatten_model
 from ema_lab.bench.models import build
+from ema_lab.schedules import ramp
 
 from ..helpers import float_entries
 
@@ -195,6 +196,27 @@ def test_the_next_update_follows_a_move_of_the_model(strategy: str, move: str) -
         _follows(model, ema)
     finally:
         KEPT.clear()
+
+
+@pytest.mark.parametrize("move", MOVE_PARAMS)
+@pytest.mark.parametrize("strategy", ["auto", "gated"])
+def test_the_next_update_follows_a_move_of_a_second_ema(strategy: str, move: str) -> None:
+    """Two EMAs on one step (as PostHocEMA's profiles): a move of the second is followed by both."""
+    torch.manual_seed(0)
+    model = build("tiny_cnn")
+    ema = ModelEMA(model, decay=[ramp(0.9, 10), ramp(0.99, 10)], strategy=strategy)
+    ema.update(model)
+    MOVES[move](ema.emas[1])
+    try:
+        with torch.no_grad():
+            for v in float_entries(model).values():
+                v.add_(1.0)
+        ema.update(model, decay=0.0)
+    finally:
+        KEPT.clear()
+    want = float_entries(model)
+    for e in ema.emas:
+        assert all(torch.equal(v, want[k].to(v.dtype)) for k, v in float_entries(e).items())
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
