@@ -16,11 +16,22 @@ from .gates import foreach_lerp_supported
 from .pairs import Pairs, Slot
 from .step import Counters, StepOptions, Watch, lerp_pairs
 
-__all__ = ["FlatStep", "CAT_MAX_NUMEL", "CAT_RUN_NUMEL", "DENSE_WEIGHT_NUMEL", "fused_foreach_devices"]
+__all__ = [
+    "FlatStep",
+    "CAT_MAX_NUMEL",
+    "MIN_LIVE_RUN",
+    "CAT_RUN_NUMEL",
+    "DENSE_WEIGHT_NUMEL",
+    "fused_foreach_devices",
+]
 
 #: Below this many elements a model tensor is gathered by one ``torch.cat`` (about a third of the
 #: per-tensor cost of a foreach, plus one more pass over its elements); benchmarks/update_costs.py sweeps it.
 CAT_MAX_NUMEL = 2048
+
+#: A trailing shape shared by fewer small model tensors is gathered through 1-D aliases, their slots watched:
+#: a ``torch.cat`` of its own (and one more foreach target) costs more than checking that many slots.
+MIN_LIVE_RUN = 16
 
 #: ATen's ``GRAIN_SIZE``: a CPU ``torch.cat`` with a bigger result at 2+ threads copies input by input, so
 #: a step built at 2+ threads gathers in runs under it (benchmarks/cat_runs.py).
@@ -82,22 +93,35 @@ class _SameDtypeGroup:
         # The large tensors that take a dense weight (see lerp) first: one slice of the lists holds them.
         large = sorted(set(range(len(model))) - set(small))
         large.sort(key=lambda i: model[i].numel() > DENSE_WEIGHT_NUMEL)
-        self.checked_slots = [slots[i] for i in large]
+        # One cat per trailing shape reads live; a shape too rare for a cat of its own joins the 1-D one
+        # as flat aliases, their slots watched.
+        shapes = group(small, lambda i: model[i].shape[1:] if model[i].dim() else None)
+        shared = [same for same in shapes if model[same[0]].dim() != 1 and len(same) >= MIN_LIVE_RUN]
+        rare = {i for same in shapes if model[same[0]].dim() != 1 and len(same) < MIN_LIVE_RUN for i in same}
+        self.checked_slots = [slots[i] for i in (*large, *sorted(rare))]
         self.mode = "cat+foreach" if small and large else "cat" if small else "foreach"
         device = model[0].device
         threaded = device.type == "cpu" and torch.get_num_threads() > 1
+        vectors = [i for i in small if model[i].dim() == 1] + sorted(rare)  # read live, then the aliases
         runs = []
-        for same in group(small, lambda i: model[i].shape[1:] if model[i].dim() else None):
+        for same in [vectors, *shared] if vectors else shared:
             cuts = _runs([model[i].numel() for i in same], CAT_RUN_NUMEL) if threaded else [range(len(same))]
             runs += [[same[k] for k in r] for r in cuts]
         self.emas = _buffers(emas, [i for run in runs for i in run] + large)
         ends = [0, *accumulate(sum(model[i].numel() for i in run) for run in runs)]
-        self.runs = []  # (its slots' dicts, keys, the gather (cat or stack), the shape it gathers to)
+        self.runs = []  # (its live slots' dicts, keys, its aliases, the gather (cat or stack), its shape)
         for run in runs:
-            dicts, keys = (tuple(x) for x in zip(*(slots[i] for i in run)))
+            live = [slots[i] for i in run if i not in rare]
+            dicts, keys = (tuple(x) for x in zip(*live)) if live else ((), ())
+            aliases = tuple(model[i].view(-1) for i in run if i in rare)
             first = model[run[0]]
-            shape = (sum(model[i].shape[0] for i in run), *first.shape[1:]) if first.dim() else (len(run),)
-            self.runs.append((dicts, keys, torch.cat if first.dim() else torch.stack, torch.Size(shape)))
+            if first.dim() == 1 or run[0] in rare:  # the 1-D run, its aliases last
+                gather, shape = torch.cat, (sum(model[i].numel() for i in run),)
+            elif first.dim():
+                gather, shape = torch.cat, (sum(model[i].shape[0] for i in run), *first.shape[1:])
+            else:
+                gather, shape = torch.stack, (len(run),)
+            self.runs.append((dicts, keys, aliases, gather, torch.Size(shape)))
         self.targets = [
             [buffer[a:b] for a, b in zip(ends, ends[1:])] + [e[i].detach() for i in large]
             for buffer, e in zip(self.emas, emas)
@@ -113,8 +137,8 @@ class _SameDtypeGroup:
     def read(self) -> None:
         gathered = []
         ema = self.emas[0]
-        for dicts, keys, gather, shape in self.runs:
-            src = gather(list(map(getitem, dicts, keys)))
+        for dicts, keys, aliases, gather, shape in self.runs:
+            src = gather([*map(getitem, dicts, keys), *aliases])
             if src.shape != shape or src.dtype != ema.dtype or src.device != ema.device:
                 why = f"{tuple(src.shape)} {src.dtype} on {src.device}, not {tuple(shape)} {ema.dtype}"
                 raise ValueError(f"the model's tensors gather to {why}")

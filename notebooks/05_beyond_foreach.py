@@ -260,15 +260,15 @@ print(f"small float tensors (under 2,048 elements): {len(small)} of {len(float_t
 #
 # | mode | the model's tensors | one update |
 # |---|---|---|
-# | `cat+foreach` | scattered, small and large | one `cat` per group of small tensors that share every dimension but the first, one `_foreach_lerp_` |
+# | `cat+foreach` | scattered, small and large | one `cat` of the small tensors (one more per trailing shape that 16 or more share), one `_foreach_lerp_` |
 # | `fused` | flattened | one `lerp_` |
 # | `cast` | another dtype | one `_foreach_copy_` into fp32, one `lerp_` |
 #
-# *Small*: under 2,048 elements, read live from their *slots* (a module's entries, such as `conv.weight`)
-# by the `cat`s: they cannot go stale. Every other slot's address is checked: all the EMA's, the model's
-# large ones and counters; of a flattened model, every slot (1,416 against 946). `cat.out` and `copy_`
-# copy BatchNorm's integer counters. Time all six
-# ways:
+# *Small*: under 2,048 elements, gathered by the `cat`s. The 1-D ones, and those of a trailing shape that
+# 16 or more share, are read live from their *slots* (a module's entries, such as `bn.weight`): they
+# cannot go stale. Every other slot's address is checked: all the EMA's, the model's large ones, its few
+# small ones of rarer shapes and its counters; of a flattened model, every slot (1,416 against 948).
+# `cat.out` and `copy_` copy BatchNorm's integer counters. Time all six ways:
 
 # %% tags=["nbval-ignore-output"]
 import matplotlib.pyplot as plt
@@ -305,7 +305,7 @@ print(f"ModelEMA default / bare foreach of section 1: {times['ModelEMA'] / times
 #
 # The ratio: the default over section 1's bare `_foreach_lerp_` (under 1: faster).
 # The default lerps fewer, larger pieces, but pays for its `cat`s and for checking every slot it does not
-# read live (946 here, each cold after a training step: [measured](../docs/results/watch-costs-2026-12-07-cold.md));
+# read live (948 here, each cold after a training step: [measured](../docs/results/watch-costs-2026-12-07-cold.md));
 # the bare lists check nothing. The check is the cost of being safe.
 #
 # The check, packaged: make the flattened model fp16, update once with decay 0; the EMA must equal it:

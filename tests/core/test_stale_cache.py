@@ -8,7 +8,7 @@ from torch import nn
 
 from ema_lab import ModelEMA, PostHocEMA, flatten_model
 from ema_lab.bench import models
-from ema_lab.flat_step import CAT_MAX_NUMEL
+from ema_lab.flat_step import CAT_MAX_NUMEL, MIN_LIVE_RUN
 from ema_lab.pairs import collect_pairs
 from ema_lab.step import Watch
 
@@ -176,16 +176,18 @@ def swap_on_conversion():
 
 
 @pytest.mark.requires_torch("2.3", "torch.utils.swap_tensors")
+@pytest.mark.parametrize("entry", ["0.bn.weight", "0.conv.weight"])
 @pytest.mark.parametrize("strategy", [*EAGER, GRAPHS[0]])
-def test_swap_tensors_on_a_model_parameter_works_and_is_followed(strategy: str) -> None:
+def test_swap_tensors_on_a_model_parameter_works_and_is_followed(strategy: str, entry: str) -> None:
     model = models.build("tiny_cnn")
     ema = _ema(model, strategy)
     ema.update(model)
-    new = nn.Parameter(torch.randn_like(model[0].conv.weight))
-    torch.utils.swap_tensors(model[0].conv.weight, new)  # raised "Expected use_count ... got 3" before
+    p = model.get_parameter(entry)
+    torch.utils.swap_tensors(p, nn.Parameter(torch.randn_like(p)))  # raised "Expected use_count" before
     _follows(ema, model)
-    # The flat step reads this small tensor live from its slot (no rebuild); the others rebuild once.
-    rebuilds = 1 if strategy in ("auto", "flat") else 2
+    # The flat step reads a small 1-D tensor live from its slot (no rebuild); it watches the conv weight (a
+    # trailing shape too rare for a cat of its own), as the other strategies watch every slot: one rebuild.
+    rebuilds = 1 if strategy in ("auto", "flat") and entry == "0.bn.weight" else 2
     assert ema.rebuilds == rebuilds
     _follows(ema, model)
     assert ema.rebuilds == rebuilds  # the step is cached and live
@@ -240,17 +242,22 @@ def test_direct_slot_assignment_is_followed(strategy: str, entry: str) -> None:
 # (these tests are about the flat step's private layout: they read ema._step)
 
 
-def test_the_default_reads_every_small_tensor_live_and_checks_the_rest() -> None:
+def test_the_default_reads_small_tensors_live_and_checks_the_rest() -> None:
     model = models.build("tiny_cnn")
     ema = ModelEMA(model)
     ema.update(model)
-    small = {k for k, v in float_entries(model).items() if v.numel() < CAT_MAX_NUMEL}
+    entries = float_entries(model)
+    vectors = {k for k, v in entries.items() if v.numel() < CAT_MAX_NUMEL and v.dim() == 1}
+    rare = {k for k, v in entries.items() if v.numel() < CAT_MAX_NUMEL and v.dim() != 1}
+    assert len(rare) == 3 < MIN_LIVE_RUN  # 2 convs' weights, the Linear's: each of a trailing shape its own
     (group,) = ema._step.groups
-    assert sum(len(keys) for _, keys, _, _ in group.runs) == len(small)  # BatchNorm's, 2 convs', Linear's
-    # data_ptr() checked: every EMA entry, and of the model's the 3 conv weights of 2304 elements or more
-    # (foreach) and the 5 counters
-    assert len(ema._step.watch.keys) - len(ema.ema.state_dict()) == len(float_entries(model)) - len(small) + 5
-    assert len(float_entries(model)) - len(small) == 3
+    (run,) = group.runs  # one cat: BatchNorm's vectors and the Linear's bias live, then the 3 as 1-D aliases
+    assert (len(run[1]), len(run[2])) == (len(vectors), len(rare))
+    # data_ptr() checked: every EMA entry, and of the model's the 3 rare ones, the 3 conv weights of 2304
+    # elements or more (foreach) and the 5 counters
+    large = len(entries) - len(vectors) - len(rare)
+    assert large == 3
+    assert len(ema._step.watch.keys) - len(ema.ema.state_dict()) == len(rare) + large + 5
 
 
 @pytest.mark.parametrize(
