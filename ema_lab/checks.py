@@ -46,6 +46,8 @@ def one_of(a: str, a_value: object, b: str, b_value: object) -> None:
 
 def check_decay(decay: float | Tensor, tensor_ok: bool = False) -> float | Tensor:
     """The one decay rule: a number in [0, 1] (as a float) or, where ``tensor_ok``, a 0-dim float tensor."""
+    if type(decay) is float and 0.0 <= decay <= 1.0:  # what every schedule gives, without the ABC check
+        return decay
     if isinstance(decay, Tensor):
         if not tensor_ok:
             why = "only update(model, decay=...) of an EMA whose step is 'flat' takes a 0-dim tensor"
