@@ -21,7 +21,8 @@ Never install these into the project's venv: ultralytics brings ultralytics-thop
 the pinned thop. Models: ``yolo26n`` (ultralytics' ``DetectionModel("yolo26n.yaml")``, no download;
 skipped where ultralytics is not installed), ``yolo_like`` (99 Conv+BN+SiLU blocks of 32 channels,
 alternating 3x3 and 1x1: 495 float tensors, 0.52M elements) and the zoo's ``yolo``, ``resnet50``,
-``gpt2``, ``tiny_tensors``. Candidates: the floor (one ``lerp_`` over two flat buffers, as
+``gpt2``, ``tiny_tensors``, ``tiny_cnn``, ``tiny_transformer``. Candidates: the floor (one ``lerp_`` over
+two flat buffers, as
 torch allocates them, and on CPU again as ``ema_lab.flatten_tensors`` allocates ema_lab's own, 2 MiB
 pages), ``ModelEMA(model)`` (the default), ``flat_model`` (the default after ``ema_lab.flatten_model``),
 on CUDA both again with ``cuda_graph=True``, ultralytics' live ``ModelEMA``, timm's ModelEmaV3, torch's
@@ -77,7 +78,7 @@ from ema_lab.bench.environment import environment
 from ema_lab.bench.timing import quantiles, time_candidates
 
 DECAY = 0.9999
-MODELS = ("yolo26n", "yolo_like", "yolo", "resnet50", "gpt2", "tiny_tensors")
+MODELS = ("yolo26n", "yolo_like", "yolo", "resnet50", "gpt2", "tiny_tensors", "tiny_cnn", "tiny_transformer")
 DEVICES = ("cpu", "cuda")
 LAUNCH_BOUND = ("yolo26n", "yolo_like", "tiny_tensors")
 BANDWIDTH_BOUND = ("resnet50", "gpt2")  # issue 29: on CUDA no slower than ultralytics (NO_SLOWER)
