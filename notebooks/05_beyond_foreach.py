@@ -260,15 +260,14 @@ print(f"small float tensors (under 2,048 elements): {len(small)} of {len(float_t
 #
 # | mode | the model's tensors | one update |
 # |---|---|---|
-# | `cat+foreach` | scattered, small and large | one `cat` of the small tensors (one more per trailing shape that 16 or more share), one `_foreach_lerp_` |
+# | `cat+foreach` | scattered, small and large | one `cat` of the small tensors, one `_foreach_lerp_` |
 # | `fused` | flattened | one `lerp_` |
 # | `cast` | another dtype | one `_foreach_copy_` into fp32, one `lerp_` |
 #
-# *Small*: under 2,048 elements, gathered by the `cat`s. The 1-D ones, and those of a trailing shape that
-# 16 or more share, are read live from their *slots* (a module's entries, such as `bn.weight`): they
-# cannot go stale. Every other slot's address is checked: all the EMA's, the model's large ones, its few
-# small ones of rarer shapes and its counters; of a flattened model, every slot (1,416 against 948).
-# `cat.out` and `copy_` copy BatchNorm's integer counters. Time all six ways:
+# *Small*: under 2,048 elements, gathered by the `cat`; most are read live from their *slots* (a module's
+# entries, such as `bn.weight`), so they cannot go stale. Every other slot's address is checked: the EMA's
+# and the model's rest; of a flattened model, every slot (1,416 against 948). `cat.out` and `copy_` copy
+# BatchNorm's integer counters. Time all six ways:
 
 # %% tags=["nbval-ignore-output"]
 import matplotlib.pyplot as plt
