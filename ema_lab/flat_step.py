@@ -16,14 +16,8 @@ from .gates import foreach_lerp_supported
 from .pairs import Pairs, Slot
 from .step import Counters, StepOptions, Watch, lerp_pairs
 
-__all__ = [
-    "FlatStep",
-    "CAT_MAX_NUMEL",
-    "MIN_LIVE_RUN",
-    "CAT_RUN_NUMEL",
-    "DENSE_WEIGHT_NUMEL",
-    "fused_foreach_devices",
-]
+__all__ = ["FlatStep", "CAT_MAX_NUMEL", "MIN_LIVE_RUN", "CAT_RUN_NUMEL", "DENSE_WEIGHT_NUMEL"]
+__all__ += ["fused_foreach_devices"]
 
 #: Below this many elements a model tensor is gathered by one ``torch.cat`` (about a third of the
 #: per-tensor cost of a foreach, plus one more pass over its elements); benchmarks/update_costs.py sweeps it.
