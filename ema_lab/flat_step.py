@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate
+from itertools import accumulate, repeat
 from operator import getitem
 
 import torch
@@ -23,8 +23,8 @@ __all__ += ["fused_foreach_devices"]
 #: per-tensor cost of a foreach, plus one more pass over its elements); benchmarks/update_costs.py sweeps it.
 CAT_MAX_NUMEL = 2048
 
-#: A trailing shape shared by fewer small model tensors is gathered through 1-D aliases, their slots watched:
-#: a ``torch.cat`` of its own (and one more foreach target) costs more than checking that many slots.
+#: A trailing shape shared by fewer small model tensors joins the 1-D cat, each read as a ``view(-1)``: a
+#: ``torch.cat`` of its own (and one more foreach target) costs more than that many views.
 MIN_LIVE_RUN = 16
 
 #: ATen's ``GRAIN_SIZE``: a CPU ``torch.cat`` with a bigger result at 2+ threads copies input by input, so
@@ -87,35 +87,33 @@ class _SameDtypeGroup:
         # The large tensors that take a dense weight (see lerp) first: one slice of the lists holds them.
         large = sorted(set(range(len(model))) - set(small))
         large.sort(key=lambda i: model[i].numel() > DENSE_WEIGHT_NUMEL)
-        # One cat per trailing shape reads live; a shape too rare for a cat of its own joins the 1-D one
-        # as flat aliases, their slots watched.
+        self.checked_slots = [slots[i] for i in large]
+        # One cat per trailing shape; a shape too rare for a cat of its own joins the 1-D one, each of its
+        # tensors read as a live ``view(-1)`` (a cat call costs as much as several views).
         shapes = group(small, lambda i: model[i].shape[1:] if model[i].dim() else None)
         shared = [same for same in shapes if model[same[0]].dim() != 1 and len(same) >= MIN_LIVE_RUN]
         rare = {i for same in shapes if model[same[0]].dim() != 1 and len(same) < MIN_LIVE_RUN for i in same}
-        self.checked_slots = [slots[i] for i in (*large, *sorted(rare))]
         self.mode = "cat+foreach" if small and large else "cat" if small else "foreach"
         device = model[0].device
         threaded = device.type == "cpu" and torch.get_num_threads() > 1
-        vectors = [i for i in small if model[i].dim() == 1] + sorted(rare)  # read live, then the aliases
+        vectors = [i for i in small if model[i].dim() == 1] + sorted(rare)  # the 1-D ones, then the rare
         runs = []
         for same in [vectors, *shared] if vectors else shared:
             cuts = _runs([model[i].numel() for i in same], CAT_RUN_NUMEL) if threaded else [range(len(same))]
             runs += [[same[k] for k in r] for r in cuts]
         self.emas = _buffers(emas, [i for run in runs for i in run] + large)
         ends = [0, *accumulate(sum(model[i].numel() for i in run) for run in runs)]
-        self.runs = []  # (its live slots' dicts, keys, its aliases, the gather (cat or stack), its shape)
+        self.runs = []  # (its slots' dicts and keys, its rare ones', the gather (cat or stack), its shape)
         for run in runs:
-            live = [slots[i] for i in run if i not in rare]
-            dicts, keys = (tuple(x) for x in zip(*live)) if live else ((), ())
-            aliases = tuple(model[i].view(-1) for i in run if i in rare)
+            as_is, flat = ([slots[i] for i in run if (i in rare) == r] for r in (False, True))
             first = model[run[0]]
-            if first.dim() == 1 or run[0] in rare:  # the 1-D run, its aliases last
+            if first.dim() == 1 or run[0] in rare:  # the 1-D run, its rare tensors last
                 gather, shape = torch.cat, (sum(model[i].numel() for i in run),)
             elif first.dim():
                 gather, shape = torch.cat, (sum(model[i].shape[0] for i in run), *first.shape[1:])
             else:
                 gather, shape = torch.stack, (len(run),)
-            self.runs.append((dicts, keys, aliases, gather, torch.Size(shape)))
+            self.runs.append((*_unzip(as_is), *_unzip(flat), gather, torch.Size(shape)))
         self.targets = [
             [buffer[a:b] for a, b in zip(ends, ends[1:])] + [e[i].detach() for i in large]
             for buffer, e in zip(self.emas, emas)
@@ -131,8 +129,9 @@ class _SameDtypeGroup:
     def read(self) -> None:
         gathered = []
         ema = self.emas[0]
-        for dicts, keys, aliases, gather, shape in self.runs:
-            src = gather([*map(getitem, dicts, keys), *aliases])
+        for dicts, keys, rare_dicts, rare_keys, gather, shape in self.runs:
+            rare = map(Tensor.view, map(getitem, rare_dicts, rare_keys), repeat(-1))  # non-contiguous: raises
+            src = gather([*map(getitem, dicts, keys), *rare])
             if src.shape != shape or src.dtype != ema.dtype or src.device != ema.device:
                 why = f"{tuple(src.shape)} {src.dtype} on {src.device}, not {tuple(shape)} {ema.dtype}"
                 raise ValueError(f"the model's tensors gather to {why}")
@@ -159,6 +158,11 @@ def _buffers(emas: list[list[Tensor]], order: Sequence[int]) -> list[Tensor]:
     """Each EMA's tensors moved, in ``order``, into a new buffer laid out like the first EMA's."""
     first = [emas[0][i] for i in order]
     return [into_one_buffer(first), *(into_one_buffer([e[i] for i in order], like=first) for e in emas[1:])]
+
+
+def _unzip(slots: list[Slot]) -> tuple[tuple, tuple]:
+    """The slots' dicts and keys, as two tuples (for ``map(getitem, ...)``)."""
+    return (tuple(d for d, _ in slots), tuple(k for _, k in slots))
 
 
 def _runs(numels: list[int], limit: int) -> list[range]:

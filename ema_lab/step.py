@@ -58,6 +58,8 @@ def lerp_pairs(
         torch._foreach_lerp_(ema, model, weight if isinstance(weight, (float, list)) else [weight] * len(ema))
 
 
+_ABSENT = object()  # a name a module's table does not hold (registering None under it is a change)
+
 # Each watched module -> the watches that listen to it; weak both ways: a watch lives as long as its step.
 _listeners: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Watch]] = weakref.WeakKeyDictionary()
 _hooks: list = []
@@ -71,7 +73,7 @@ def _count_registrations(table: str) -> Callable[[nn.Module, str, object], None]
             return
         # No replacement: the same object re-registered (``self.step += 1`` on a buffer, as AveragedModel and
         # ema-pytorch do), or a non-persistent buffer a forward reassigns (a rotary or mask cache, unread).
-        same = module.__dict__.get(table, {}).get(name) is value
+        same = module.__dict__.get(table, {}).get(name, _ABSENT) is value
         if same or (table == "_buffers" and name in module.__dict__.get("_non_persistent_buffers_set", ())):
             return
         for watch in watches:
@@ -105,7 +107,7 @@ class Watch:
         self, model: nn.Module, slots: list[Slot], modules: Iterable[nn.Module] = (), sharded: bool = False
     ) -> None:
         install_hooks()  # an EMA unpickled in a new process builds its watch before any constructor ran
-        self.model_ref = weakref.ref(model)
+        self.model_ref = weakref.ref(model, self.release)
         self.registered = False  # set by the hooks on a registration on one of ``modules``
         modules = list(modules)
         for module in modules:
@@ -120,6 +122,10 @@ class Watch:
         self.dicts, self.keys = (tuple(x) for x in zip(*slots)) if slots else ((), ())
         self.sharded = sharded  # ShardedModelEMA: watch each DTensor's local shard
         self.ptrs = self.data_ptrs()
+
+    def release(self, _: object = None) -> None:
+        """Drop what the watch holds of the modules (the model died: it can never be current again)."""
+        self.tables, self.containers, self.container_tables, self.dicts, self.keys = [], [], [], (), ()
 
     def data_ptrs(self) -> list[int]:
         """``data_ptr()`` of the tensor each slot holds now; map() keeps the loop in C."""

@@ -22,6 +22,7 @@ from ema_lab.bench.counting import (
 )
 from ema_lab.bench.seed import seed_after, seed_before
 from ema_lab.ema import STRATEGIES
+from ema_lab.flat_step import MIN_LIVE_RUN
 
 D = 0.9999
 
@@ -74,19 +75,27 @@ def _expected(name: str, stats: models.ModelStats, distinct: int, other: int, fl
         return Counter({"aten._foreach_lerp_.Scalar": 1}) + copy_other
     if name == "flat_model":  # the model flattened too (its counters included): one lerp_, one copy_
         return Counter({"aten.lerp_.Scalar": 1}) + Counter({"aten.copy_.default": 1} if other else {})
-    if name == "flat":  # small tensors: read live from their slots, one cat per trailing shape (at 2+ threads
-        # in runs), each viewed flat; then one _foreach_lerp_ over the runs' and the large tensors' views (one
-        # lerp_ if that is one view)
+    if name == "flat":  # small tensors: read live from their slots, one cat per trailing shape that at least
+        # MIN_LIVE_RUN share, one for the 1-D ones and the rarer shapes' (each viewed flat), at 2+ threads in
+        # runs, each run viewed flat; then one _foreach_lerp_ over the runs and the large tensors (one lerp_
+        # if that is one target)
         limit = inspect.signature(ModelEMA).parameters["cat_max_numel"].default
         small = [t for t in floats if t.numel() < limit]
-        shapes: dict[tuple, list[int]] = {}
+        shapes: dict[object, list[torch.Tensor]] = {}
         for t in small:
-            shapes.setdefault(tuple(t.shape[1:]), []).append(t.numel())
-        runs = sum(_cat_runs(n) if torch.get_num_threads() > 1 else 1 for n in shapes.values())
-        views = runs + len(floats) - len(small)
-        lerp = "aten._foreach_lerp_.Scalar" if views > 1 else "aten.lerp_.Scalar"
-        gathers = Counter({"aten.cat.default": runs, "aten.view.default": runs} if runs else {})
-        return gathers + Counter({lerp: 1}) + copy_other
+            shapes.setdefault(tuple(t.shape[1:]) if t.dim() else None, []).append(t)
+        rare = [t for ts in shapes.values() if ts[0].dim() != 1 and len(ts) < MIN_LIVE_RUN for t in ts]
+        rare.sort(key=lambda t: next(i for i, f in enumerate(floats) if f is t))
+        vectors = [t.numel() for t in small if t.dim() == 1] + [t.numel() for t in rare]
+        gathers = [
+            [t.numel() for t in ts] for ts in shapes.values() if ts[0].dim() != 1 and len(ts) >= MIN_LIVE_RUN
+        ]
+        gathers += [vectors] if vectors else []
+        runs = sum(_cat_runs(n) if torch.get_num_threads() > 1 else 1 for n in gathers)
+        targets = runs + len(floats) - len(small)
+        lerp = "aten._foreach_lerp_.Scalar" if targets > 1 else "aten.lerp_.Scalar"
+        reads = Counter({"aten.cat.default": runs, "aten.view.default": runs + len(rare)} if runs else {})
+        return reads + Counter({lerp: 1}) + copy_other
     raise AssertionError(f"no expected op count for strategy {name!r}: add it to _expected")
 
 

@@ -4,6 +4,8 @@ kept to the old tensors, the next update reads what the model holds now and writ
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -243,6 +245,7 @@ EDITS: dict[str, Callable[[nn.Sequential], object]] = {
     "Sequential.pop(0)": lambda m: m.pop(0),
     "Sequential.insert, then pop": lambda m: (m.insert(0, nn.Conv2d(3, 3, 1)), m.pop(-1)),
     "del block.bn": lambda m: delattr(m[1], "bn"),
+    "del block.bn, then None in its place": lambda m: (delattr(m[1], "bn"), m[1].register_module("bn", None)),
 }
 
 
@@ -317,3 +320,11 @@ def test_what_a_mean_teacher_does_costs_no_rebuild(strategy: str) -> None:
     assert ema.rebuilds == 1
     want = float_entries(model)
     assert all(torch.equal(v, want[k]) for k, v in float_entries(ema.ema).items())
+
+
+def test_a_deleted_models_modules_are_not_kept_alive_by_the_watch() -> None:
+    model, ema = _build("auto")
+    child = weakref.ref(model[1])
+    del model
+    gc.collect()
+    assert child() is None
