@@ -266,7 +266,7 @@ print(f"small float tensors (under 2,048 elements): {len(small)} of {len(float_t
 #
 # *Small*: under 2,048 elements, gathered by the `cat`; most are read live from their *slots* (a module's
 # entries, such as `bn.weight`), so they cannot go stale. Every other slot's address is checked: the EMA's
-# and the model's rest; of a flattened model, every slot (1,416 against 948). `cat.out` and `copy_` copy
+# and the model's rest; of a flattened model, every slot (1,416 against 946). `cat.out` and `copy_` copy
 # BatchNorm's integer counters. Time all six ways:
 
 # %% tags=["nbval-ignore-output"]
@@ -304,7 +304,7 @@ print(f"ModelEMA default / bare foreach of section 1: {times['ModelEMA'] / times
 #
 # The ratio: the default over section 1's bare `_foreach_lerp_` (under 1: faster).
 # The default lerps fewer, larger pieces, but pays for its `cat`s and for checking every slot it does not
-# read live (948 here, each cold after a training step: [measured](../docs/results/watch-costs-2026-12-07-cold.md));
+# read live (946 here, each cold after a training step: [measured](../docs/results/watch-costs-2026-12-07-cold.md));
 # the bare lists check nothing. The check is the cost of being safe.
 #
 # The check, packaged: make the flattened model fp16, update once with decay 0; the EMA must equal it:
