@@ -5,6 +5,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import repeat
 from operator import getitem, is_
 from typing import ClassVar, Protocol
@@ -107,7 +108,7 @@ class Watch:
         self, model: nn.Module, slots: list[Slot], modules: Iterable[nn.Module] = (), sharded: bool = False
     ) -> None:
         install_hooks()  # an EMA unpickled in a new process builds its watch before any constructor ran
-        self.model_ref = weakref.ref(model, self.release)
+        self.model_ref = weakref.ref(model, partial(_release, weakref.ref(self)))  # no cycle: freed at once
         self.registered = False  # set by the hooks on a registration on one of ``modules``
         modules = list(modules)
         for module in modules:
@@ -143,6 +144,11 @@ class Watch:
             return self.data_ptrs() == self.ptrs
         except (KeyError, AttributeError, TypeError):  # an entry was deleted or set to None
             return False
+
+
+def _release(watch_ref: weakref.ref, _: object) -> None:
+    if (watch := watch_ref()) is not None:
+        watch.release()
 
 
 class Counters:

@@ -328,3 +328,12 @@ def test_a_deleted_models_modules_are_not_kept_alive_by_the_watch() -> None:
     del model
     gc.collect()
     assert child() is None
+
+
+def test_a_replaced_step_is_freed_at_once() -> None:
+    """Without waiting for the garbage collector: an old step holds the tensors the model had."""
+    model, ema = _build("auto")
+    old = weakref.ref(ema._step.watch)
+    model.half()
+    ema.update(model)
+    assert ema.rebuilds == 2 and old() is None
