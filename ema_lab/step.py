@@ -124,7 +124,7 @@ class Watch:
         self.sharded = sharded  # ShardedModelEMA: watch each DTensor's local shard
         self.ptrs = self.data_ptrs()
 
-    def release(self, _: object = None) -> None:
+    def release(self) -> None:
         """Drop what the watch holds of the modules (the model died: it can never be current again)."""
         self.tables, self.containers, self.container_tables, self.dicts, self.keys = [], [], [], (), ()
 
