@@ -334,7 +334,7 @@ for op, (stmt, g) in stmts.items():  # each op alone: the large one would evict 
 
 # %% [markdown]
 # A gain counts when it is much further from 1x than 1 thread against itself. Tiny tensors have nothing
-# to split (1.01x printed, 1.00x for 1 thread against itself); the large `lerp_` gained 1.33x. A busy
+# to split (1.01x printed, 1.01x for 1 thread against itself); the large `lerp_` gained 1.39x. A busy
 # second core turns that gain into a loss: rerun the cell.
 
 # %% [markdown]
