@@ -16,18 +16,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
+import timeit
 from collections.abc import Callable
 from operator import getitem
 
 import torch
 from torch import Tensor, nn
+from watch_costs import cold_seconds
 
 from ema_lab import ModelEMA
 from ema_lab.bench import models
 from ema_lab.pairs import module_entries
 
-FLUSH_BYTES = 32 << 20  # beyond the last-level cache of the CPUs these runs use (8-32 MiB)
 KEPT: list[object] = []  # what a move keeps alive (a user's "best checkpoint" dict, an old .data)
 
 
@@ -98,15 +98,11 @@ def misses(name: str) -> list[str]:
 
 
 def ns_per_entry(fn: Callable[[], object], entries: int, repeats: int, cold: bool) -> float:
-    other = torch.zeros(FLUSH_BYTES // 4)
-    times = []
-    for _ in range(repeats):
-        if cold:
-            other.add_(1)
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / entries * 1e9
+    """Median ns per entry of ``fn()``: back to back, or cold (``watch_costs.cold_seconds``)."""
+    seconds = (
+        cold_seconds(fn, repeats) if cold else statistics.median(timeit.repeat(fn, number=1, repeat=repeats))
+    )
+    return seconds / entries * 1e9
 
 
 def main() -> None:
